@@ -1,0 +1,73 @@
+"""Client channels to peer services: tracing interceptor, retries on UNAVAILABLE for
+idempotent methods (with a retry budget), and deadlines derived from the caller's."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import grpc
+from opentelemetry.instrumentation.grpc import aio_client_interceptors
+
+# Methods safe to retry: they change nothing, or setting the same value twice is harmless.
+IDEMPOTENT_METHODS: dict[str, tuple[str, ...]] = {
+    "llmesh.v1.Tokenizer": ("Encode", "Decode", "Count", "ApplyChatTemplate", "Chunk"),
+    "llmesh.v1.Cache": ("Lookup", "Stats", "Invalidate"),
+    "llmesh.v1.Retrieval": ("Search", "GetCollectionInfo", "Delete"),
+    "llmesh.v1.Inference": ("GetModelInfo",),
+}
+
+# A deadline above this is "no deadline": grpc.aio reports a huge time_remaining() then.
+NO_DEADLINE_THRESHOLD_S = 1e6
+
+
+def service_config() -> str:
+    names = [{"service": svc, "method": m} for svc, methods in IDEMPOTENT_METHODS.items() for m in methods]
+    return json.dumps(
+        {
+            "methodConfig": [
+                {
+                    "name": names,
+                    "retryPolicy": {
+                        "maxAttempts": 3,
+                        "initialBackoff": "0.05s",
+                        "maxBackoff": "0.5s",
+                        "backoffMultiplier": 2,
+                        "retryableStatusCodes": ["UNAVAILABLE"],
+                    },
+                }
+            ],
+            # Retry budget: retries stop when more than half the recent calls failed, so
+            # retries cannot multiply load during an outage.
+            "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1},
+        }
+    )
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.service_config", service_config()),
+        ("grpc.enable_retries", 1),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.lb_policy_name", "round_robin"),
+    ]
+
+
+def peer_channel(target: str, max_message_bytes: int = 8 * 1024 * 1024) -> grpc.aio.Channel:
+    """A traced channel to a peer; round-robin over every address the target resolves to."""
+    return grpc.aio.insecure_channel(
+        target, options=channel_options(max_message_bytes), interceptors=aio_client_interceptors()
+    )
+
+
+def remaining_seconds(context: grpc.aio.ServicerContext | None, default: float) -> float:
+    """Time left for downstream calls: the caller's remaining deadline, or `default` when it set none."""
+    if context is None:
+        return default
+    remaining = context.time_remaining()
+    if remaining is None or remaining > NO_DEADLINE_THRESHOLD_S:
+        return default
+    return max(0.0, remaining)

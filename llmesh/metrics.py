@@ -1,0 +1,46 @@
+"""Prometheus metrics: the per-service HTTP endpoint and the gRPC server metrics every service
+exports (names after go-grpc-prometheus so existing dashboards work)."""
+
+from __future__ import annotations
+
+
+from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
+
+from llmesh.telemetry import current_trace_id
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+GRPC_STARTED = Counter(
+    "grpc_server_started", "RPCs started on the server.", ["grpc_type", "grpc_service", "grpc_method"]
+)
+GRPC_HANDLED = Counter(
+    "grpc_server_handled",
+    "RPCs completed on the server, regardless of success or failure.",
+    ["grpc_type", "grpc_service", "grpc_method", "grpc_code"],
+)
+GRPC_HANDLING = Histogram(
+    "grpc_server_handling_seconds",
+    "Response latency of RPCs handled by the server.",
+    ["grpc_type", "grpc_service", "grpc_method"],
+    buckets=LATENCY_BUCKETS,
+)
+
+
+def trace_exemplar() -> dict[str, str] | None:
+    """Exemplar labels linking a histogram sample to its trace (shown on OpenMetrics scrapes)."""
+    trace_id = current_trace_id()
+    return {"trace_id": trace_id} if trace_id else None
+
+
+class MetricsEndpoint:
+    """The /metrics HTTP server of one process."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._server, self._thread = start_http_server(port, addr=host, registry=REGISTRY)
+        self.port: int = self._server.server_port
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+

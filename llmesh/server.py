@@ -1,0 +1,264 @@
+"""Server bootstrap shared by every service.
+
+A service supplies a `ServiceApp`: its servicers, the names it serves, a warm-up and a
+cleanup. `ServiceHost` wraps it in a grpc.aio server with health (NOT_SERVING until the
+warm-up is done), reflection, explicit message limits and keepalive, the error mapping
+and metrics interceptor, and OpenTelemetry. `run_service` adds the process side: settings,
+logging, the metrics endpoint and a graceful SIGTERM drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from opentelemetry.instrumentation.grpc import aio_server_interceptor
+
+from llmesh import errors, telemetry
+from llmesh.metrics import GRPC_HANDLED, GRPC_HANDLING, GRPC_STARTED, MetricsEndpoint
+from llmesh.settings import Settings, load_or_exit
+
+log = logging.getLogger("llmesh.server")
+T = TypeVar("T")
+
+
+class ServiceApp(Protocol):
+    """What a service gives the host."""
+
+    #: Full gRPC service names, e.g. "llmesh.v1.Tokenizer".
+    service_names: Sequence[str]
+
+    def register(self, server: grpc.aio.Server) -> None: ...
+
+    async def start(self) -> None:
+        """Load and warm up; the service reports SERVING once this returns."""
+
+    async def stop(self) -> None:
+        """Release resources after in-flight calls have drained."""
+
+
+def server_options(settings: Settings) -> list[tuple[str, Any]]:
+    size = settings.max_message_bytes
+    return [
+        ("grpc.max_receive_message_length", size),
+        ("grpc.max_send_message_length", size),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Clients reconnect periodically, so new replicas behind a DNS name get traffic.
+        ("grpc.max_connection_age_ms", 300_000),
+        ("grpc.max_connection_age_grace_ms", 60_000),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def _split_method(full: str) -> tuple[str, str]:
+    _, service, method = full.split("/", 2) if full.count("/") >= 2 else ("", "", full)
+    return service, method
+
+
+async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
+    if isinstance(exc, errors.LlmeshError):
+        if exc.code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+            log.error("%s failed: %s", method, exc.message)
+        await context.abort(exc.code, exc.message, trailing_metadata=tuple(exc.trailing_metadata()))
+    log.exception("unhandled error in %s", method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+
+
+class RuntimeInterceptor(grpc.aio.ServerInterceptor):
+    """Maps domain errors to statuses (one place) and records the gRPC server metrics."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        full = handler_call_details.method
+        service, method = _split_method(full)
+
+        def finish(kind: str, started: float, context: grpc.aio.ServicerContext, code: grpc.StatusCode) -> None:
+            GRPC_HANDLED.labels(kind, service, method, code.name).inc()
+            GRPC_HANDLING.labels(kind, service, method).observe(time.perf_counter() - started)
+
+        def code_of(context: grpc.aio.ServicerContext, exc: BaseException | None) -> grpc.StatusCode:
+            if isinstance(exc, asyncio.CancelledError):
+                return grpc.StatusCode.CANCELLED
+            code = context.code()
+            if isinstance(code, grpc.StatusCode):
+                return code
+            if isinstance(exc, errors.LlmeshError):
+                return exc.code
+            return grpc.StatusCode.INTERNAL if exc is not None else grpc.StatusCode.OK
+
+        if handler.unary_unary:
+            inner_uu = handler.unary_unary
+            kind = "unary"
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                GRPC_STARTED.labels(kind, service, method).inc()
+                started = time.perf_counter()
+                exc: BaseException | None = None
+                try:
+                    return await inner_uu(request, context)
+                except BaseException as caught:
+                    exc = caught
+                    if isinstance(caught, Exception) and not _is_abort(caught):
+                        await _abort_for(caught, context, full)
+                    raise
+                finally:
+                    finish(kind, started, context, code_of(context, exc))
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream:
+            inner_us = handler.unary_stream
+            kind = "server_stream"
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                GRPC_STARTED.labels(kind, service, method).inc()
+                started = time.perf_counter()
+                exc: BaseException | None = None
+                try:
+                    async for item in inner_us(request, context):
+                        yield item
+                except BaseException as caught:
+                    exc = caught
+                    if isinstance(caught, Exception) and not _is_abort(caught):
+                        await _abort_for(caught, context, full)
+                    raise
+                finally:
+                    finish(kind, started, context, code_of(context, exc))
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+
+def _is_abort(exc: BaseException) -> bool:
+    # grpc.aio signals context.abort() with this internal exception type.
+    return type(exc).__name__ == "AbortError"
+
+
+class ServiceHost:
+    """One gRPC server hosting one ServiceApp, with health and reflection."""
+
+    def __init__(self, app: ServiceApp, settings: Settings) -> None:
+        self.app = app
+        self.settings = settings
+        self.health = health_aio.HealthServicer()
+        self.server = grpc.aio.server(
+            interceptors=[aio_server_interceptor(), RuntimeInterceptor()],
+            options=server_options(settings),
+            maximum_concurrent_rpcs=None,
+        )
+        self.port = 0
+
+    async def start(self, on_listening: Callable[[int], None] | None = None) -> int:
+        self.app.register(self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [*self.app.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+        reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], self.server)
+        for name in ("", *self.app.service_names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = self.server.add_insecure_port(self.settings.listen)
+        if self.port == 0:
+            raise RuntimeError(f"could not bind {self.settings.listen}")
+        await self.server.start()
+        if on_listening is not None:
+            on_listening(self.port)
+        await self.app.start()
+        await self.set_serving(True)
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.app.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """NOT_SERVING first (load balancers stop sending), then drain in-flight calls."""
+        await self.set_serving(False)
+        await self.server.stop(self.settings.grace_seconds if grace is None else grace)
+        await self.app.stop()
+
+
+def run_service(service: str, factory: Callable[[Settings], ServiceApp]) -> None:
+    """Entry point of `python -m services.<name>`."""
+    settings = load_or_exit(service)
+    telemetry.setup_logging(service, settings.log_level)
+    telemetry.setup_tracing(service)
+    try:
+        asyncio.run(_serve(service, factory, settings))
+    finally:
+        telemetry.shutdown_tracing()
+
+
+async def _serve(service: str, factory: Callable[[Settings], ServiceApp], settings: Settings) -> None:
+    metrics = MetricsEndpoint(settings.metrics_host, settings.metrics_port)
+    host = ServiceHost(factory(settings), settings)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    started = time.perf_counter()
+    def listening(port: int) -> None:
+        log.info("listening", extra={"fields": {"event": "listening", "port": port, "metrics_port": metrics.port}})
+
+    startup = asyncio.create_task(host.start(listening))
+    waiter = asyncio.create_task(stopping.wait())
+    done, _ = await asyncio.wait({startup, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if startup in done:
+        startup.result()
+        # One machine-readable line: supervisors and tests read the bound ports from it.
+        log.info(
+            "serving",
+            extra={"fields": {"event": "serving", "port": host.port, "metrics_port": metrics.port,
+                              "startup_seconds": round(time.perf_counter() - started, 3)}},
+        )
+        await waiter
+    else:
+        startup.cancel()
+    log.info("draining", extra={"fields": {"event": "draining", "grace_seconds": settings.grace_seconds}})
+    await host.stop()
+    metrics.close()
+    log.info("stopped", extra={"fields": {"event": "stopped"}})
+
+
+class Readiness(Generic[T]):
+    """Holds what a servicer needs once warm-up is done. Servicers are registered before the
+    server starts (grpc.aio allows nothing else), so a call arriving during warm-up gets
+    UNAVAILABLE, which clients retry, instead of a crash."""
+
+    def __init__(self) -> None:
+        self._value: T | None = None
+
+    def set(self, value: T) -> None:
+        self._value = value
+
+    def clear(self) -> None:
+        self._value = None
+
+    @property
+    def ready(self) -> bool:
+        return self._value is not None
+
+    def get(self) -> T:
+        if self._value is None:
+            raise errors.Unavailable("service is warming up", reason="WARMING_UP", retry_after=1.0)
+        return self._value

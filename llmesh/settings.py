@@ -1,0 +1,261 @@
+"""Settings from environment variables, validated once at start.
+
+Every setting the mesh reads is declared here, once: its variable, default, meaning and the
+services that read it. The README table and the compose/Kubernetes consistency tests are
+derived from this declaration, so they cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+SERVICES = ("gateway", "tokenizer", "inference", "cache", "retrieval")
+DEFAULT_PORTS = {"gateway": 50051, "tokenizer": 50052, "inference": 50053, "cache": 50054, "retrieval": 50055}
+DEFAULT_METRICS_PORTS = {"gateway": 9091, "tokenizer": 9092, "inference": 9093, "cache": 9094, "retrieval": 9095}
+ALL = SERVICES
+
+
+class SettingsError(ValueError):
+    """A setting has a value the service cannot run with."""
+
+
+def _bool(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected true/false")
+
+
+def _positive_int(raw: str) -> int:
+    value = int(raw)
+    if value <= 0:
+        raise ValueError("must be > 0")
+    return value
+
+
+def _non_negative_int(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+def _positive_float(raw: str) -> float:
+    value = float(raw)
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError("must be a finite number > 0")
+    return value
+
+
+def _unit_float(raw: str) -> float:
+    value = float(raw)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError("must be in [0, 1]")
+    return value
+
+
+def _address(raw: str) -> str:
+    host, sep, port = raw.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError("expected host:port")
+    return raw
+
+
+def _target(raw: str) -> str:
+    # Accepts host:port or a gRPC URI such as dns:///inference.llmesh.svc:50053.
+    if "://" in raw or raw.startswith(("dns:", "unix:", "ipv4:", "ipv6:")):
+        return raw
+    return _address(raw)
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if raw not in options:
+            raise ValueError(f"expected one of {', '.join(options)}")
+        return raw
+
+    return parse
+
+
+def _text(raw: str) -> str:
+    return raw
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    env: str
+    default: str
+    doc: str
+    services: tuple[str, ...]
+    parse: Callable[[str], Any] = _text
+    # Per-service default overriding `default` (listen addresses, metrics ports).
+    per_service_default: Mapping[str, str] | None = None
+
+    def default_for(self, service: str) -> str:
+        if self.per_service_default and service in self.per_service_default:
+            return self.per_service_default[service]
+        return self.default
+
+
+def _listen_defaults() -> dict[str, str]:
+    return {s: f"127.0.0.1:{p}" for s, p in DEFAULT_PORTS.items()}
+
+
+DECLARED: tuple[Setting, ...] = (
+    # Common to every service.
+    Setting("LLMESH_LISTEN", "", "Address this service binds (host:port; port 0 picks a free one).", ALL,
+            _address, _listen_defaults()),
+    Setting("LLMESH_METRICS_PORT", "", "Prometheus /metrics HTTP port (0 picks a free one).", ALL,
+            _non_negative_int, {s: str(p) for s, p in DEFAULT_METRICS_PORTS.items()}),
+    Setting("LLMESH_METRICS_HOST", "127.0.0.1", "Address the metrics endpoint binds.", ALL),
+    Setting("LLMESH_DATA_DIR", ".data", "Folder for prepared models and the embedded Qdrant stores.", ALL),
+    Setting("LLMESH_MODELS_DIR", "", "Prepared models folder (default: $LLMESH_DATA_DIR/models).", ALL),
+    Setting("LLMESH_GRACE_SECONDS", "10", "Drain time for in-flight calls on SIGTERM.", ALL, _positive_float),
+    Setting("LLMESH_LOG_LEVEL", "INFO", "Log level.", ALL, _choice("DEBUG", "INFO", "WARNING", "ERROR")),
+    Setting("LLMESH_LOG_PROMPTS", "false", "Put prompt and answer text in logs and spans (opt-in).", ALL, _bool),
+    Setting("LLMESH_MAX_MESSAGE_BYTES", str(8 * 1024 * 1024), "Max gRPC message size, both directions.", ALL,
+            _positive_int),
+    # Peers (who dials whom).
+    Setting("LLMESH_TOKENIZER_TARGET", "127.0.0.1:50052", "Tokenizer service address.",
+            ("gateway", "retrieval"), _target),
+    Setting("LLMESH_INFERENCE_TARGET", "127.0.0.1:50053", "Inference service address.", ("gateway",), _target),
+    Setting("LLMESH_CACHE_TARGET", "127.0.0.1:50054", "Cache service address.", ("gateway",), _target),
+    Setting("LLMESH_RETRIEVAL_TARGET", "127.0.0.1:50055", "Retrieval service address.", ("gateway",), _target),
+    # Gateway.
+    Setting("LLMESH_DEFAULT_DEADLINE_SECONDS", "120",
+            "Deadline given to a request whose caller set none.", ("gateway",), _positive_float),
+    Setting("LLMESH_DEFAULT_TOP_K", "4", "Context chunks retrieved per question.", ("gateway",), _positive_int),
+    Setting("LLMESH_MIN_CONTEXT_SCORE", "0.25", "Retrieved chunks scoring below this are not used as context.",
+            ("gateway",), _unit_float),
+    Setting("LLMESH_MAX_PROMPT_BYTES", "32768", "Largest accepted prompt in bytes.", ("gateway",), _positive_int),
+    # Tokenizer.
+    Setting("LLMESH_TOKENIZER_MODEL", "smollm2", "Model (folder under the models dir) whose tokenizer is served.",
+            ("tokenizer",)),
+    Setting("LLMESH_MAX_TEXT_BYTES", str(4 * 1024 * 1024), "Largest text the tokenizer accepts.",
+            ("tokenizer",), _positive_int),
+    # Inference.
+    Setting("LLMESH_INFERENCE_MODEL", "smollm2", "Model (folder under the models dir) to serve.", ("inference",)),
+    Setting("LLMESH_DEVICE", "auto", "auto, cpu or cuda.", ("inference",), _choice("auto", "cpu", "cuda")),
+    Setting("LLMESH_MAX_BATCH_SIZE", "32", "Most sequences decoded together.", ("inference",), _positive_int),
+    Setting("LLMESH_BATCH_WAIT_MS", "2", "How long the scheduler waits to gather new requests into a prefill.",
+            ("inference",), _non_negative_int),
+    Setting("LLMESH_MAX_QUEUE", "256", "Requests waiting for a batch slot before RESOURCE_EXHAUSTED.",
+            ("inference",), _positive_int),
+    Setting("LLMESH_QUEUE_TIMEOUT_SECONDS", "30", "Longest a request waits for a batch slot.",
+            ("inference",), _positive_float),
+    Setting("LLMESH_MAX_PROMPT_TOKENS", "1536", "Longest prompt in tokens.", ("inference", "gateway"),
+            _positive_int),
+    Setting("LLMESH_MAX_NEW_TOKENS", "512", "Upper bound on max_new_tokens.", ("inference", "gateway"),
+            _positive_int),
+    Setting("LLMESH_DEFAULT_MAX_NEW_TOKENS", "128", "max_new_tokens when a request leaves it 0.",
+            ("inference", "gateway"), _positive_int),
+    Setting("LLMESH_ADMIN_TOKEN", "", "Bearer token for the inference admin RPC (empty: admin disabled).",
+            ("inference",)),
+    # Cache.
+    Setting("LLMESH_REDIS_URL", "redis://127.0.0.1:6379/0",
+            "Redis for cached answers (redis:// or rediss:// for TLS; user:password@ for ACL).", ("cache",)),
+    Setting("LLMESH_REDIS_TIMEOUT_SECONDS", "0.25", "Redis socket timeout; past it the cache answers miss.",
+            ("cache",), _positive_float),
+    Setting("LLMESH_CACHE_TTL_SECONDS", "3600", "Lifetime of a cached answer (fixed, not sliding).",
+            ("cache",), _positive_int),
+    Setting("LLMESH_SEMANTIC_THRESHOLD", "0.9",
+            "Cosine similarity in [0, 1] a cached question needs for a semantic hit; higher is stricter.",
+            ("cache",), _unit_float),
+    Setting("LLMESH_EMBEDDING_MODEL", "minilm", "Embedding model (folder under the models dir).",
+            ("cache", "retrieval")),
+    # Retrieval.
+    Setting("QDRANT_URL", "", "Qdrant server URL; empty uses embedded Qdrant under the data dir.",
+            ("cache", "retrieval")),
+    Setting("QDRANT_API_KEY", "", "API key for the Qdrant server.", ("cache", "retrieval")),
+    Setting("LLMESH_CHUNK_TOKENS", "200", "Chunk window in tokens for ingested documents.", ("retrieval",),
+            _positive_int),
+    Setting("LLMESH_CHUNK_OVERLAP", "32", "Tokens shared by consecutive chunks.", ("retrieval",),
+            _non_negative_int),
+    Setting("LLMESH_DEFAULT_COLLECTION", "docs", "Collection used when a request names none.",
+            ("retrieval", "gateway", "cache")),
+    Setting("LLMESH_MAX_DOCUMENT_BYTES", str(1024 * 1024), "Largest document accepted.", ("retrieval",),
+            _positive_int),
+)
+
+BY_ENV = {s.env: s for s in DECLARED}
+
+
+class Settings:
+    """Validated settings of one service; attribute names are the variable names lowercased
+    without the LLMESH_ prefix (QDRANT_URL -> qdrant_url)."""
+
+    def __init__(self, service: str, values: dict[str, Any]) -> None:
+        self.service = service
+        self._values = values
+        for env, value in values.items():
+            setattr(self, attr_name(env), value)
+
+    def __getattr__(self, name: str) -> Any:  # only reached for undeclared names
+        raise AttributeError(f"no setting {name!r} for service {self.service!r}")
+
+    @property
+    def data_path(self) -> Path:
+        return Path(self._values["LLMESH_DATA_DIR"]).resolve()
+
+    @property
+    def models_path(self) -> Path:
+        explicit = self._values.get("LLMESH_MODELS_DIR")
+        return Path(explicit).resolve() if explicit else self.data_path / "models"
+
+    def as_env(self) -> dict[str, str]:
+        return {k: str(v) for k, v in self._values.items()}
+
+
+def attr_name(env: str) -> str:
+    return env.removeprefix("LLMESH_").lower()
+
+
+def load(service: str, environ: Mapping[str, str] | None = None) -> Settings:
+    """Reads and validates every setting the service uses; raises SettingsError naming all bad ones."""
+    if service not in SERVICES and service != "cli":
+        raise SettingsError(f"unknown service {service!r}")
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    problems: list[str] = []
+    for setting in DECLARED:
+        if service != "cli" and service not in setting.services:
+            continue
+        raw = env.get(setting.env, setting.default_for(service))
+        try:
+            values[setting.env] = setting.parse(raw)
+        except ValueError as exc:
+            problems.append(f"{setting.env}={raw!r}: {exc}")
+    if problems:
+        raise SettingsError("invalid settings: " + "; ".join(problems))
+    return Settings(service, values)
+
+
+def load_or_exit(service: str) -> Settings:
+    try:
+        return load(service)
+    except SettingsError as exc:
+        print(f"llmesh {service}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+
+
+def markdown_table() -> str:
+    rows = ["| Variable | Default | Services | Meaning |", "| --- | --- | --- | --- |"]
+    for s in DECLARED:
+        if s.per_service_default:
+            default = ", ".join(f"{k}: `{v}`" for k, v in s.per_service_default.items())
+        else:
+            default = f"`{s.default}`" if s.default else "(empty)"
+        services = "all" if s.services == ALL else ", ".join(s.services)
+        rows.append(f"| `{s.env}` | {default} | {services} | {s.doc} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -1,0 +1,169 @@
+"""Starts the services as separate processes and stops them gracefully: used by `llmesh up`,
+the end-to-end tests and the benchmarks (one implementation for all three)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+# Start order: a service starts after the peers it dials.
+START_ORDER = ("tokenizer", "inference", "cache", "retrieval", "gateway")
+TARGET_ENV = {
+    "tokenizer": "LLMESH_TOKENIZER_TARGET",
+    "inference": "LLMESH_INFERENCE_TARGET",
+    "cache": "LLMESH_CACHE_TARGET",
+    "retrieval": "LLMESH_RETRIEVAL_TARGET",
+}
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    proc: subprocess.Popen[bytes]
+    port: int = 0
+    metrics_port: int = 0
+    log_lines: list[str] = field(default_factory=list)
+    _listening: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _pump(self, echo: bool) -> None:
+        assert self.proc.stderr is not None
+        for raw in self.proc.stderr:
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            self.log_lines.append(line)
+            if echo:
+                print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+            if not self._listening.is_set() and '"event": "listening"' in line:
+                try:
+                    entry = json.loads(line)
+                    self.port, self.metrics_port = int(entry["port"]), int(entry["metrics_port"])
+                    self._listening.set()
+                except (ValueError, KeyError):
+                    pass
+        self._listening.set()
+
+
+def wait_serving(target: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Polls the standard health service until SERVING."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{target}: process exited with {proc.returncode}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{target} not SERVING after {timeout:.0f}s")
+            time.sleep(0.1)
+
+
+class Mesh:
+    """The five services as child processes."""
+
+    def __init__(
+        self,
+        env: Mapping[str, str] | None = None,
+        ports: Mapping[str, int] | None = None,
+        services: tuple[str, ...] = START_ORDER,
+        echo_logs: bool = False,
+        cwd: Path | None = None,
+    ) -> None:
+        self.base_env = {**os.environ, **(env or {})}
+        self.ports = dict(ports or {})
+        self.services = services
+        self.echo_logs = echo_logs
+        self.cwd = cwd
+        self.procs: dict[str, ServiceProcess] = {}
+
+    def start_one(self, name: str, timeout: float = 180.0, extra_env: Mapping[str, str] | None = None) -> ServiceProcess:
+        env = dict(self.base_env)
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env["LLMESH_LISTEN"] = f"127.0.0.1:{self.ports.get(name, 0)}"
+        if name not in self.ports:
+            env["LLMESH_METRICS_PORT"] = "0"  # ephemeral ports: tests and benchmarks run side by side
+        for peer, var in TARGET_ENV.items():
+            if peer in self.procs:
+                env[var] = self.procs[peer].target
+        env["OTEL_SERVICE_NAME"] = f"llmesh-{name}"
+        env.update(extra_env or {})
+        proc = subprocess.Popen(
+            [sys.executable, "-m", f"services.{name}"],
+            env=env,
+            cwd=self.cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        sp = ServiceProcess(name, proc)
+        threading.Thread(target=sp._pump, args=(self.echo_logs,), daemon=True).start()
+        if not sp._listening.wait(timeout) or not sp.port:
+            self._kill(sp)
+            raise RuntimeError(f"{name} did not start:\n" + "\n".join(sp.log_lines[-30:]))
+        try:
+            wait_serving(sp.target, timeout, proc)
+        except (RuntimeError, TimeoutError) as exc:
+            self._kill(sp)
+            raise RuntimeError(f"{name}: {exc}\n" + "\n".join(sp.log_lines[-30:])) from exc
+        self.procs[name] = sp
+        return sp
+
+    def start(self, timeout: float = 180.0) -> Mesh:
+        try:
+            for name in START_ORDER:
+                if name in self.services:
+                    self.start_one(name, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def target(self, name: str) -> str:
+        return self.procs[name].target
+
+    def stop_one(self, name: str, timeout: float = 30.0, sig: int = signal.SIGTERM) -> int | None:
+        sp = self.procs.pop(name, None)
+        if sp is None:
+            return None
+        if sp.proc.poll() is None:
+            sp.proc.send_signal(sig)
+            try:
+                sp.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._kill(sp)
+        return sp.proc.returncode
+
+    def stop(self) -> None:
+        for name in reversed(START_ORDER):
+            self.stop_one(name)
+
+    @staticmethod
+    def _kill(sp: ServiceProcess) -> None:
+        if sp.proc.poll() is None:
+            sp.proc.kill()
+            sp.proc.wait(10)
+
+    def __enter__(self) -> Mesh:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,123 @@
+from llmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "system_prompt", "sampling", "use_cache", "use_retrieval", "top_k", "collection", "tenant")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    USE_CACHE_FIELD_NUMBER: _ClassVar[int]
+    USE_RETRIEVAL_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    COLLECTION_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    system_prompt: str
+    sampling: _common_pb2.SamplingParams
+    use_cache: bool
+    use_retrieval: bool
+    top_k: int
+    collection: str
+    tenant: str
+    def __init__(self, prompt: _Optional[str] = ..., system_prompt: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., use_cache: _Optional[bool] = ..., use_retrieval: _Optional[bool] = ..., top_k: _Optional[int] = ..., collection: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class CacheInfo(_message.Message):
+    __slots__ = ("hit", "tier", "similarity")
+    HIT_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SIMILARITY_FIELD_NUMBER: _ClassVar[int]
+    hit: bool
+    tier: _common_pb2.CacheTier
+    similarity: float
+    def __init__(self, hit: _Optional[bool] = ..., tier: _Optional[_Union[_common_pb2.CacheTier, str]] = ..., similarity: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("text", "finish_reason", "usage", "cache", "sources", "trace_id", "model", "degradations")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DEGRADATIONS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    finish_reason: _common_pb2.FinishReason
+    usage: _common_pb2.Usage
+    cache: CacheInfo
+    sources: _containers.RepeatedCompositeFieldContainer[_common_pb2.ScoredChunk]
+    trace_id: str
+    model: str
+    degradations: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., cache: _Optional[_Union[CacheInfo, _Mapping]] = ..., sources: _Optional[_Iterable[_Union[_common_pb2.ScoredChunk, _Mapping]]] = ..., trace_id: _Optional[str] = ..., model: _Optional[str] = ..., degradations: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GenerateStreamResponse(_message.Message):
+    __slots__ = ("delta", "final")
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    delta: str
+    final: GenerateResponse
+    def __init__(self, delta: _Optional[str] = ..., final: _Optional[_Union[GenerateResponse, _Mapping]] = ...) -> None: ...
+
+class IngestRequest(_message.Message):
+    __slots__ = ("collection", "tenant", "documents", "chunk_tokens", "overlap_tokens")
+    COLLECTION_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    collection: str
+    tenant: str
+    documents: _containers.RepeatedCompositeFieldContainer[_common_pb2.Document]
+    chunk_tokens: int
+    overlap_tokens: int
+    def __init__(self, collection: _Optional[str] = ..., tenant: _Optional[str] = ..., documents: _Optional[_Iterable[_Union[_common_pb2.Document, _Mapping]]] = ..., chunk_tokens: _Optional[int] = ..., overlap_tokens: _Optional[int] = ...) -> None: ...
+
+class IngestResponse(_message.Message):
+    __slots__ = ("documents", "chunks", "collection_version", "trace_id")
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTION_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    documents: int
+    chunks: int
+    collection_version: int
+    trace_id: str
+    def __init__(self, documents: _Optional[int] = ..., chunks: _Optional[int] = ..., collection_version: _Optional[int] = ..., trace_id: _Optional[str] = ...) -> None: ...
+
+class SearchRequest(_message.Message):
+    __slots__ = ("query", "collection", "tenant", "top_k", "score_threshold", "filter")
+    class FilterEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    COLLECTION_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SCORE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    FILTER_FIELD_NUMBER: _ClassVar[int]
+    query: str
+    collection: str
+    tenant: str
+    top_k: int
+    score_threshold: float
+    filter: _containers.ScalarMap[str, str]
+    def __init__(self, query: _Optional[str] = ..., collection: _Optional[str] = ..., tenant: _Optional[str] = ..., top_k: _Optional[int] = ..., score_threshold: _Optional[float] = ..., filter: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class SearchResponse(_message.Message):
+    __slots__ = ("results", "trace_id")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[_common_pb2.ScoredChunk]
+    trace_id: str
+    def __init__(self, results: _Optional[_Iterable[_Union[_common_pb2.ScoredChunk, _Mapping]]] = ..., trace_id: _Optional[str] = ...) -> None: ...

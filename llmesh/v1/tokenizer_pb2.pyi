@@ -1,0 +1,102 @@
+from llmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("text", "add_special_tokens")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    add_special_tokens: bool
+    def __init__(self, text: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("ids", "skip_special_tokens")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    skip_special_tokens: bool
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class CountRequest(_message.Message):
+    __slots__ = ("texts",)
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, texts: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CountResponse(_message.Message):
+    __slots__ = ("counts", "total")
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    total: int
+    def __init__(self, counts: _Optional[_Iterable[int]] = ..., total: _Optional[int] = ...) -> None: ...
+
+class ApplyChatTemplateRequest(_message.Message):
+    __slots__ = ("messages", "add_generation_prompt", "tokenize")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZE_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
+    add_generation_prompt: bool
+    tokenize: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., tokenize: _Optional[bool] = ...) -> None: ...
+
+class ApplyChatTemplateResponse(_message.Message):
+    __slots__ = ("text", "ids", "token_count")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    token_count: int
+    def __init__(self, text: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ..., token_count: _Optional[int] = ...) -> None: ...
+
+class ChunkRequest(_message.Message):
+    __slots__ = ("text", "chunk_tokens", "overlap_tokens")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    chunk_tokens: int
+    overlap_tokens: int
+    def __init__(self, text: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., overlap_tokens: _Optional[int] = ...) -> None: ...
+
+class TextChunk(_message.Message):
+    __slots__ = ("text", "token_start", "token_count", "char_start", "char_end")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CHAR_START_FIELD_NUMBER: _ClassVar[int]
+    CHAR_END_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_start: int
+    token_count: int
+    char_start: int
+    char_end: int
+    def __init__(self, text: _Optional[str] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ..., char_start: _Optional[int] = ..., char_end: _Optional[int] = ...) -> None: ...
+
+class ChunkResponse(_message.Message):
+    __slots__ = ("chunks", "total_tokens")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[TextChunk]
+    total_tokens: int
+    def __init__(self, chunks: _Optional[_Iterable[_Union[TextChunk, _Mapping]]] = ..., total_tokens: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""Tokenizer service: the model's Hugging Face tokenizer over gRPC."""

@@ -1,0 +1,84 @@
+"""gRPC side of the tokenizer service: messages in, domain calls, messages out."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from llmesh.models import resolve, verify
+from llmesh.server import Readiness
+from llmesh.settings import Settings
+from llmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.tokenizer.core import TokenizerCore
+
+# Texts above this size are tokenized on a worker thread so the event loop keeps serving.
+THREAD_THRESHOLD_BYTES = 16 * 1024
+
+
+async def _run(fn, *args, size: int = 0):  # type: ignore[no-untyped-def]
+    if size > THREAD_THRESHOLD_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
+    def __init__(self, core: Readiness[TokenizerCore]) -> None:
+        self._core = core
+
+    @property
+    def core(self) -> TokenizerCore:
+        return self._core.get()
+
+    async def Encode(self, request, context):  # type: ignore[no-untyped-def]
+        ids = await _run(self.core.encode, request.text, request.add_special_tokens, size=len(request.text))
+        return tokenizer_pb2.EncodeResponse(ids=ids)
+
+    async def Decode(self, request, context):  # type: ignore[no-untyped-def]
+        return tokenizer_pb2.DecodeResponse(text=self.core.decode(list(request.ids), request.skip_special_tokens))
+
+    async def Count(self, request, context):  # type: ignore[no-untyped-def]
+        texts = list(request.texts)
+        counts = await _run(self.core.count, texts, size=sum(len(t) for t in texts))
+        return tokenizer_pb2.CountResponse(counts=counts, total=sum(counts))
+
+    async def ApplyChatTemplate(self, request, context):  # type: ignore[no-untyped-def]
+        messages = [(m.role, m.content) for m in request.messages]
+        text = self.core.chat_template(messages, request.add_generation_prompt)
+        ids = await _run(self.core.encode, text, False, size=len(text))
+        return tokenizer_pb2.ApplyChatTemplateResponse(
+            text=text, ids=ids if request.tokenize else [], token_count=len(ids)
+        )
+
+    async def Chunk(self, request, context):  # type: ignore[no-untyped-def]
+        chunks, total = await _run(
+            self.core.chunk, request.text, request.chunk_tokens, request.overlap_tokens, size=len(request.text)
+        )
+        return tokenizer_pb2.ChunkResponse(
+            chunks=[
+                tokenizer_pb2.TextChunk(
+                    text=c.text, token_start=c.token_start, token_count=c.token_count,
+                    char_start=c.char_start, char_end=c.char_end,
+                )
+                for c in chunks
+            ],
+            total_tokens=total,
+        )
+
+
+class TokenizerApp:
+    service_names = (tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name,)
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.core: Readiness[TokenizerCore] = Readiness()
+
+    def register(self, server: grpc.aio.Server) -> None:
+        tokenizer_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(self.core), server)
+
+    async def start(self) -> None:
+        model = await asyncio.to_thread(verify, resolve(self.settings.models_path, self.settings.tokenizer_model))
+        self.core.set(await asyncio.to_thread(TokenizerCore, model.path, self.settings.max_text_bytes))
+
+    async def stop(self) -> None:
+        return None
