@@ -1,0 +1,74 @@
+"""Test fixtures shared by the suite and the benchmarks: prepared real models, a tiny
+random-weight model on the real tokenizer, and services hosted in-process on port 0."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+
+from llmesh import models
+from llmesh.server import ServiceApp, ServiceHost
+from llmesh.settings import Settings, load
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def real_models_dir() -> Path:
+    """The prepared real models (SmolLM2, MiniLM), prepared on first use."""
+    base = Path(os.environ.get("LLMESH_MODELS_DIR") or REPO_ROOT / ".data" / "models")
+    models.prepare_all(base)
+    return base
+
+
+def build_tiny_model(models_dir: Path, name: str = "tiny", version: str = "v1", seed: int = 0) -> Path:
+    """A 2-layer random-weight Llama on SmolLM2's real tokenizer, prepared like a real model
+    (safetensors + manifest), so the loading and serving paths are the real ones."""
+    root = models_dir / name
+    target = root / version
+    if (target / models.MANIFEST).is_file():
+        return target
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    source = real_models_dir() / models.SMOLLM2 / "current"
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    target.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(target)
+    for fname in TOKENIZER_FILES:
+        shutil.copy2(source / fname, target / fname)
+    models.write_manifest(target, f"tiny-random-llama-{seed}", {"generator": "llmesh.testing", "seed": seed})
+    if not (root / "current").exists():
+        models.point_current(root, version)
+    return target
+
+
+def service_settings(service: str, env: Mapping[str, str] | None = None) -> Settings:
+    """Settings for an in-process service on ephemeral ports."""
+    merged = {**os.environ, "LLMESH_LISTEN": "127.0.0.1:0", "LLMESH_METRICS_PORT": "0", **(env or {})}
+    return load(service, merged)
+
+
+@contextlib.asynccontextmanager
+async def hosted(
+    service: str, factory: Callable[[Settings], ServiceApp], env: Mapping[str, str] | None = None
+) -> AsyncIterator[ServiceHost]:
+    """Runs one service in this event loop on port 0; yields the host (host.port, host.app)."""
+    host = ServiceHost(factory(service_settings(service, env)), service_settings(service, env))
+    await host.start()
+    try:
+        yield host
+    finally:
+        await host.stop(grace=1.0)

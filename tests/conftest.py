@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from llmesh.testing import build_tiny_model, real_models_dir  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def models_dir() -> Path:
+    """Prepared real models (SmolLM2-135M-Instruct, all-MiniLM-L6-v2)."""
+    return real_models_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(models_dir: Path) -> Path:
+    """A tiny random-weight Llama on the real tokenizer, in the same models dir (name 'tiny')."""
+    return build_tiny_model(models_dir)
