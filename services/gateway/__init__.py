@@ -1,0 +1,1 @@
+"""Gateway service: the public entry of the mesh."""

@@ -1,0 +1,341 @@
+"""Circuit breaker per downstream with resilience4j semantics (gateway domain logic, no gRPC here).
+
+CLOSED
+    Every call is allowed; outcomes go into a count-based sliding window of the last
+    `window_size` calls. Once it holds at least `minimum_calls` (capped at `window_size`), the
+    breaker opens when the failure rate >= `failure_rate_threshold` or the slow-call rate >=
+    `slow_call_rate_threshold` (slow: duration >= `slow_call_duration`; a slow failure counts in
+    both rates).
+OPEN
+    Calls are rejected with BreakerOpen (UNAVAILABLE, reason CIRCUIT_OPEN, retry_after = time left)
+    for `wait_in_open` seconds, then the breaker turns HALF_OPEN on the next look at it.
+HALF_OPEN
+    `permitted_calls_in_half_open` trial calls are allowed, the rest rejected (retry_after =
+    `wait_in_open`). When all trials have reported, the breaker closes (fresh window) if their
+    failure and slow-call rates are below the thresholds, else opens again.
+
+Outcomes of calls admitted under an earlier state (a permit from before a transition) are ignored,
+so a slow call started while CLOSED cannot decide a HALF_OPEN trial. A permit released without an
+outcome (cancelled call) frees its trial slot.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+
+from llmesh.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+REASON_CIRCUIT_OPEN = "CIRCUIT_OPEN"
+
+
+class State(enum.StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+# Transition reasons (low cardinality: fit for metric labels).
+FAILURE_RATE = "failure_rate"
+SLOW_CALL_RATE = "slow_call_rate"
+WAIT_ELAPSED = "wait_elapsed"
+TRIALS_PASSED = "trials_passed"
+RESET = "reset"
+
+TransitionListener = Callable[[State, State, str], None]
+
+
+class BreakerOpen(Unavailable):
+    """The downstream's circuit is open (or its half-open trials are taken)."""
+
+    def __init__(self, name: str, state: State, retry_after: float) -> None:
+        retry_after = max(0.0, retry_after)
+        super().__init__(
+            f"{name}: circuit {state.value}, not calling it; retry in {retry_after:.2f}s",
+            reason=REASON_CIRCUIT_OPEN,
+            retry_after=retry_after,
+        )
+        self.name = name
+        self.state = state
+        self.metadata = {"downstream": name, "state": state.value}
+
+
+@dataclass(frozen=True)
+class BreakerConfig:
+    window_size: int = 20
+    minimum_calls: int = 10
+    failure_rate_threshold: float = 0.5  # fraction in (0, 1]
+    slow_call_rate_threshold: float = 0.8  # fraction in (0, 1]
+    slow_call_duration: float = 30.0  # seconds
+    wait_in_open: float = 5.0  # seconds
+    permitted_calls_in_half_open: int = 3
+
+    def __post_init__(self) -> None:
+        if self.window_size < 1:
+            raise ValueError("window_size must be >= 1")
+        if self.minimum_calls < 1:
+            raise ValueError("minimum_calls must be >= 1")
+        for name in ("failure_rate_threshold", "slow_call_rate_threshold"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1]")
+        if not self.slow_call_duration > 0:
+            raise ValueError("slow_call_duration must be > 0")
+        if not self.wait_in_open >= 0:
+            raise ValueError("wait_in_open must be >= 0")
+        if self.permitted_calls_in_half_open < 1:
+            raise ValueError("permitted_calls_in_half_open must be >= 1")
+
+
+@dataclass(frozen=True)
+class BreakerMetrics:
+    state: State
+    calls: int  # outcomes in the current window (trials when half-open)
+    failed: int
+    slow: int
+    failure_rate: float | None  # None until minimum_calls are buffered
+    slow_call_rate: float | None
+    not_permitted: int  # calls rejected since creation
+
+
+def _all_exceptions(exc: BaseException) -> bool:
+    return True
+
+
+class Permit:
+    """Permission for one call; report its outcome once (later reports are ignored)."""
+
+    __slots__ = ("_breaker", "_done", "_generation", "started")
+
+    def __init__(self, breaker: CircuitBreaker, generation: int) -> None:
+        self._breaker = breaker
+        self._generation = generation
+        self._done = False
+        self.started = breaker.clock()
+
+    def _elapsed(self, duration: float | None) -> float:
+        return self._breaker.clock() - self.started if duration is None else duration
+
+    def success(self, duration: float | None = None) -> None:
+        """The call succeeded; duration defaults to the time since the permit was granted."""
+        if not self._done:
+            self._done = True
+            self._breaker._record(False, self._elapsed(duration), self._generation)
+
+    def failure(self, duration: float | None = None) -> None:
+        if not self._done:
+            self._done = True
+            self._breaker._record(True, self._elapsed(duration), self._generation)
+
+    def release(self) -> None:
+        """No outcome (e.g. the call was cancelled): frees a half-open trial slot."""
+        if not self._done:
+            self._done = True
+            self._breaker._release(self._generation)
+
+
+class _Guard:
+    """`async with breaker.guard():` (or plain `with`): acquire, time and record the call."""
+
+    __slots__ = ("_breaker", "permit")
+
+    def __init__(self, breaker: CircuitBreaker) -> None:
+        self._breaker = breaker
+        self.permit: Permit | None = None
+
+    def __enter__(self) -> Permit:
+        self.permit = self._breaker.acquire()
+        return self.permit
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        permit = self.permit
+        assert permit is not None
+        if exc is None:
+            permit.success()
+        elif not isinstance(exc, Exception):  # CancelledError, KeyboardInterrupt: no verdict
+            permit.release()
+        elif self._breaker.is_failure(exc):
+            permit.failure()
+        else:  # e.g. INVALID_ARGUMENT: the downstream answered, so it is healthy
+            permit.success()
+
+    async def __aenter__(self) -> Permit:
+        return self.__enter__()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+
+class CircuitBreaker:
+    """One downstream's breaker. Used from one asyncio loop; no awaits inside."""
+
+    def __init__(
+        self,
+        name: str,
+        config: BreakerConfig | None = None,
+        *,
+        is_failure: Callable[[BaseException], bool] = _all_exceptions,
+        clock: Callable[[], float] = time.monotonic,
+        on_transition: list[TransitionListener] | None = None,
+    ) -> None:
+        self.name = name
+        self.config = config or BreakerConfig()
+        self.is_failure = is_failure
+        self.clock = clock
+        self.on_transition: list[TransitionListener] = list(on_transition or [])
+        self.transitions: Counter[tuple[State, State]] = Counter()
+        self.not_permitted = 0
+        self._state = State.CLOSED
+        self._generation = 0
+        self._opened_at = 0.0
+        self._window: deque[tuple[bool, bool]] = deque(maxlen=self.config.window_size)
+        self._trials_granted = 0
+
+    # --- state -----------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> State:
+        self._maybe_half_open()
+        return self._state
+
+    @property
+    def retry_after(self) -> float:
+        """Seconds until a call may be tried again (0 when one is allowed now)."""
+        state = self.state
+        if state is State.OPEN:
+            return max(0.0, self._opened_at + self.config.wait_in_open - self.clock())
+        if state is State.HALF_OPEN and self._trials_granted >= self.config.permitted_calls_in_half_open:
+            return self.config.wait_in_open
+        return 0.0
+
+    def metrics(self) -> BreakerMetrics:
+        state = self.state
+        calls = len(self._window)
+        failed = sum(1 for f, _ in self._window if f)
+        slow = sum(1 for _, s in self._window if s)
+        enough = calls >= self._needed()
+        return BreakerMetrics(
+            state=state,
+            calls=calls,
+            failed=failed,
+            slow=slow,
+            failure_rate=failed / calls if enough else None,
+            slow_call_rate=slow / calls if enough else None,
+            not_permitted=self.not_permitted,
+        )
+
+    def reset(self) -> None:
+        """Back to CLOSED with an empty window."""
+        self._transition(State.CLOSED, RESET)
+
+    # --- permission ------------------------------------------------------------------------------
+
+    def try_acquire(self) -> Permit | None:
+        state = self.state
+        if state is State.OPEN or (
+            state is State.HALF_OPEN and self._trials_granted >= self.config.permitted_calls_in_half_open
+        ):
+            self.not_permitted += 1
+            return None
+        if state is State.HALF_OPEN:
+            self._trials_granted += 1
+        return Permit(self, self._generation)
+
+    def acquire(self) -> Permit:
+        """A permit for one call, or BreakerOpen."""
+        permit = self.try_acquire()
+        if permit is None:
+            raise BreakerOpen(self.name, self._state, self.retry_after)
+        return permit
+
+    def allow(self) -> bool:
+        """Permission without a token; report with record_success/record_failure (HALF_OPEN: takes a
+        trial slot)."""
+        return self.try_acquire() is not None
+
+    def record_success(self, duration: float) -> None:
+        self._record(False, duration, self._generation)
+
+    def record_failure(self, duration: float) -> None:
+        self._record(True, duration, self._generation)
+
+    def guard(self) -> _Guard:
+        """``async with breaker.guard(): await call()`` - raises BreakerOpen when not allowed, records
+        success/failure (per is_failure) and duration; cancellation records nothing."""
+        return _Guard(self)
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _needed(self) -> int:
+        if self._state is State.HALF_OPEN:
+            return self.config.permitted_calls_in_half_open
+        return min(self.config.minimum_calls, self.config.window_size)
+
+    def _maybe_half_open(self) -> None:
+        if self._state is State.OPEN and self.clock() >= self._opened_at + self.config.wait_in_open:
+            self._transition(State.HALF_OPEN, WAIT_ELAPSED)
+
+    def _release(self, generation: int) -> None:
+        if generation == self._generation and self._state is State.HALF_OPEN and self._trials_granted > 0:
+            self._trials_granted -= 1
+
+    def _record(self, failed: bool, duration: float, generation: int) -> None:
+        self._maybe_half_open()
+        if generation != self._generation or self._state is State.OPEN:
+            return  # a call admitted under an earlier state, or one that slipped past OPEN
+        cfg = self.config
+        self._window.append((failed, duration >= cfg.slow_call_duration))
+        calls = len(self._window)
+        if calls < self._needed():
+            return
+        failure_rate = sum(1 for f, _ in self._window if f) / calls
+        slow_rate = sum(1 for _, s in self._window if s) / calls
+        if failure_rate >= cfg.failure_rate_threshold:
+            self._transition(State.OPEN, FAILURE_RATE)
+        elif slow_rate >= cfg.slow_call_rate_threshold:
+            self._transition(State.OPEN, SLOW_CALL_RATE)
+        elif self._state is State.HALF_OPEN:
+            self._transition(State.CLOSED, TRIALS_PASSED)
+
+    def _transition(self, new: State, reason: str) -> None:
+        old = self._state
+        self._state = new
+        self._generation += 1
+        self._window = deque(
+            maxlen=self.config.permitted_calls_in_half_open if new is State.HALF_OPEN else self.config.window_size
+        )
+        self._trials_granted = 0
+        if new is State.OPEN:
+            self._opened_at = self.clock()
+        self.transitions[(old, new)] += 1
+        for listener in list(self.on_transition):
+            try:
+                listener(old, new, reason)
+            except Exception:
+                log.exception("breaker %s: on_transition listener failed", self.name)
+
+
+__all__ = [
+    "FAILURE_RATE",
+    "REASON_CIRCUIT_OPEN",
+    "RESET",
+    "SLOW_CALL_RATE",
+    "TRIALS_PASSED",
+    "WAIT_ELAPSED",
+    "BreakerConfig",
+    "BreakerMetrics",
+    "BreakerOpen",
+    "CircuitBreaker",
+    "Permit",
+    "State",
+]

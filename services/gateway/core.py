@@ -1,0 +1,305 @@
+"""The gateway's request pipeline: cache -> retrieval -> prompt -> count -> inference -> cache.
+
+Works on protobuf messages as plain data and on `Peers` for the downstream calls; it knows
+nothing of the gateway's own gRPC server. Every optional hop degrades instead of failing:
+no cache when the cache is down, no context when retrieval is down, and the response lists
+what was left out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+
+from llmesh.errors import InvalidArgument, LlmeshError
+from llmesh.telemetry import current_trace_id
+from llmesh.v1 import cache_pb2, common_pb2, gateway_pb2, retrieval_pb2
+from services.gateway.peers import Deadline, PeerCallError, Peers
+
+log = logging.getLogger("llmesh.gateway")
+tracer = trace.get_tracer("llmesh.gateway")
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+MAX_TOP_K = 20
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_BYTES = 64
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and accurately."
+CONTEXT_INSTRUCTION = (
+    "Use the following context to answer the question. If the context does not contain the answer, "
+    "answer from general knowledge.\n\nContext:\n"
+)
+MODEL_INFO_TTL_S = 30.0
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    default_collection: str
+    default_top_k: int
+    min_context_score: float
+    max_prompt_bytes: int
+    max_prompt_tokens: int
+    max_new_tokens: int
+    default_max_new_tokens: int
+    log_prompts: bool = False
+
+
+@dataclass
+class Plan:
+    """What one request will do, after validation and defaults."""
+
+    prompt: str
+    system_prompt: str
+    sampling: common_pb2.SamplingParams
+    use_cache: bool
+    use_retrieval: bool
+    top_k: int
+    collection: str
+    tenant: str
+    degradations: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Delta:
+    text: str
+
+
+@dataclass
+class Final:
+    response: gateway_pb2.GenerateResponse
+
+
+def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Plan:
+    """Checks every field and fills defaults; all problems are reported at once."""
+    bad: list[tuple[str, str]] = []
+    prompt = request.prompt
+    if not prompt.strip():
+        bad.append(("prompt", "must not be empty"))
+    if len(prompt.encode("utf-8", "surrogatepass")) > config.max_prompt_bytes:
+        bad.append(("prompt", f"longer than {config.max_prompt_bytes} bytes"))
+    if len(request.system_prompt.encode("utf-8", "surrogatepass")) > config.max_prompt_bytes:
+        bad.append(("system_prompt", f"longer than {config.max_prompt_bytes} bytes"))
+    s = request.sampling
+    if s.max_new_tokens > config.max_new_tokens:
+        bad.append(("sampling.max_new_tokens", f"at most {config.max_new_tokens}"))
+    if not (0.0 <= s.temperature <= 2.0) or math.isnan(s.temperature):
+        bad.append(("sampling.temperature", "must be in [0, 2]"))
+    if not (0.0 <= s.top_p <= 1.0) or math.isnan(s.top_p):
+        bad.append(("sampling.top_p", "must be in [0, 1]"))
+    if len(s.stop) > MAX_STOP_SEQUENCES:
+        bad.append(("sampling.stop", f"at most {MAX_STOP_SEQUENCES} stop sequences"))
+    for i, stop in enumerate(s.stop):
+        if not stop or len(stop.encode()) > MAX_STOP_BYTES:
+            bad.append((f"sampling.stop[{i}]", f"must be 1..{MAX_STOP_BYTES} bytes"))
+    if request.top_k > MAX_TOP_K:
+        bad.append(("top_k", f"at most {MAX_TOP_K}"))
+    for name in ("collection", "tenant"):
+        value = getattr(request, name)
+        if value and not NAME_RE.match(value):
+            bad.append((name, "letters, digits, '_', '.', '-' only, at most 64 characters"))
+    if bad:
+        raise InvalidArgument(bad)
+    sampling = common_pb2.SamplingParams()
+    sampling.CopyFrom(s)
+    if not sampling.max_new_tokens:
+        sampling.max_new_tokens = config.default_max_new_tokens
+    if sampling.temperature == 0.0:
+        # Greedy: top_p and seed change nothing; clear them so equal requests share a cache entry.
+        sampling.top_p = 0.0
+        sampling.ClearField("seed")
+    return Plan(
+        prompt=prompt,
+        system_prompt=request.system_prompt,
+        sampling=sampling,
+        use_cache=request.use_cache if request.HasField("use_cache") else True,
+        use_retrieval=request.use_retrieval if request.HasField("use_retrieval") else True,
+        top_k=request.top_k or config.default_top_k,
+        collection=request.collection or config.default_collection,
+        tenant=request.tenant or "default",
+    )
+
+
+def build_messages(plan: Plan, sources: list[common_pb2.ScoredChunk]) -> list[common_pb2.ChatMessage]:
+    system = plan.system_prompt or DEFAULT_SYSTEM_PROMPT
+    if sources:
+        context = "\n\n".join(f"[{i + 1}] {chunk.text.strip()}" for i, chunk in enumerate(sources))
+        system = f"{system}\n\n{CONTEXT_INSTRUCTION}{context}"
+    return [
+        common_pb2.ChatMessage(role="system", content=system),
+        common_pb2.ChatMessage(role="user", content=plan.prompt),
+    ]
+
+
+class Gateway:
+    def __init__(self, peers: Peers, config: GatewayConfig) -> None:
+        self.peers = peers
+        self.config = config
+        self._model: tuple[float, str] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def model_key(self, deadline: Deadline) -> str:
+        """Model id + weights digest: new weights never serve answers cached from old ones."""
+        now = time.monotonic()
+        if self._model is None or now - self._model[0] > MODEL_INFO_TTL_S:
+            info = await self.peers.model_info(deadline)
+            self._model = (now, f"{info.model_id}@{info.sha256[:16]}")
+        return self._model[1]
+
+    async def _retrieval_scope(self, plan: Plan, deadline: Deadline) -> tuple[str, int]:
+        """(collection, version) the answer will be grounded in, or ("", 0) without retrieval."""
+        if not plan.use_retrieval:
+            return "", 0
+        try:
+            info = await self.peers.collection_info(plan.collection, plan.tenant, deadline)
+        except PeerCallError as exc:
+            log.warning("retrieval unavailable, answering without context: %s", exc.message)
+            plan.degradations.append("retrieval_unavailable")
+            plan.use_retrieval = False
+            return "", 0
+        if not info.exists or info.points == 0:
+            plan.use_retrieval = False
+            return "", 0
+        return plan.collection, info.version
+
+    def _scope(self, plan: Plan, model: str, collection: str, version: int) -> cache_pb2.CacheScope:
+        return cache_pb2.CacheScope(
+            model=model, tenant=plan.tenant, collection=collection, collection_version=version, sampling=plan.sampling
+        )
+
+    async def _lookup(self, plan: Plan, scope: cache_pb2.CacheScope, deadline: Deadline) -> cache_pb2.CacheLookupResponse | None:
+        with tracer.start_as_current_span("gateway.cache_lookup") as span:
+            try:
+                found = await self.peers.cache_lookup(
+                    cache_pb2.CacheLookupRequest(prompt=plan.prompt, scope=scope, allow_semantic=True), deadline
+                )
+            except PeerCallError as exc:
+                log.warning("cache unavailable: %s", exc.message)
+                plan.degradations.append("cache_unavailable")
+                return None
+            if found.degraded:
+                plan.degradations.append("cache_unavailable")
+            span.set_attribute("llmesh.cache.hit", found.hit)
+            if found.hit:
+                span.set_attribute("llmesh.cache.tier", cache_pb2.common__pb2.CacheTier.Name(found.tier))
+                span.set_attribute("llmesh.cache.similarity", found.similarity)
+            return found if found.hit else None
+
+    async def _retrieve(self, plan: Plan, collection: str, deadline: Deadline) -> list[common_pb2.ScoredChunk]:
+        if not collection:
+            return []
+        with tracer.start_as_current_span("gateway.retrieve") as span:
+            try:
+                found = await self.peers.search(
+                    retrieval_pb2.RetrievalSearchRequest(
+                        query=plan.prompt, collection=collection, tenant=plan.tenant, top_k=plan.top_k,
+                        score_threshold=self.config.min_context_score,
+                    ),
+                    deadline,
+                )
+            except PeerCallError as exc:
+                log.warning("retrieval search failed, answering without context: %s", exc.message)
+                plan.degradations.append("retrieval_unavailable")
+                return []
+            span.set_attribute("llmesh.retrieval.document_ids", [c.document_id for c in found.results])
+            span.set_attribute("llmesh.retrieval.scores", [round(c.score, 4) for c in found.results])
+            return list(found.results)
+
+    async def generate(self, request: gateway_pb2.GenerateRequest, deadline: Deadline) -> AsyncIterator[Delta | Final]:
+        """Streams text deltas, then one Final with the whole response."""
+        plan = validate(request, self.config)
+        span = trace.get_current_span()
+        span.set_attribute("llmesh.tenant", plan.tenant)
+        model = await self.model_key(deadline)
+        collection, version = await self._retrieval_scope(plan, deadline)
+        scope = self._scope(plan, model, collection, version)
+        if plan.use_cache:
+            hit = await self._lookup(plan, scope, deadline)
+            if hit is not None:
+                answer = hit.answer
+                yield Delta(answer.text)
+                yield Final(
+                    gateway_pb2.GenerateResponse(
+                        text=answer.text, finish_reason=answer.finish_reason, usage=answer.usage,
+                        cache=gateway_pb2.CacheInfo(hit=True, tier=hit.tier, similarity=hit.similarity),
+                        sources=answer.sources, trace_id=current_trace_id(), model=model,
+                        degradations=plan.degradations,
+                    )
+                )
+                return
+        sources = await self._retrieve(plan, collection, deadline)
+        rendered = await self.peers.chat_template(build_messages(plan, sources), deadline)
+        input_tokens = len(rendered.ids)
+        if input_tokens > self.config.max_prompt_tokens:
+            raise InvalidArgument(
+                [("prompt", f"{input_tokens} tokens with context; the limit is {self.config.max_prompt_tokens}")]
+            )
+        span.set_attribute("gen_ai.usage.input_tokens", input_tokens)
+        pieces: list[str] = []
+        finish = common_pb2.FINISH_REASON_UNSPECIFIED
+        usage = common_pb2.Usage(input_tokens=input_tokens)
+        request_id = uuid.uuid4().hex
+        with tracer.start_as_current_span("gateway.inference"):
+            async for message in self.peers.generate(list(rendered.ids), plan.sampling, request_id, deadline):
+                if message.text:
+                    pieces.append(message.text)
+                    yield Delta(message.text)
+                if message.finish_reason:
+                    finish = message.finish_reason
+                    usage = message.usage
+        text = "".join(pieces)
+        response = gateway_pb2.GenerateResponse(
+            text=text, finish_reason=finish, usage=usage, cache=gateway_pb2.CacheInfo(hit=False),
+            sources=sources, trace_id=current_trace_id(), model=model, degradations=plan.degradations,
+        )
+        if plan.use_cache and finish in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH,
+                                         common_pb2.FINISH_REASON_STOP_SEQUENCE):
+            await self._store(plan, scope, response, deadline)
+        yield Final(response)
+
+    async def _store(self, plan: Plan, scope: cache_pb2.CacheScope, response: gateway_pb2.GenerateResponse,
+                     deadline: Deadline) -> None:
+        with tracer.start_as_current_span("gateway.cache_store"):
+            answer = cache_pb2.CachedAnswer(
+                text=response.text, finish_reason=response.finish_reason, usage=response.usage,
+                sources=response.sources,
+            )
+            try:
+                await self.peers.cache_store(cache_pb2.CacheStoreRequest(prompt=plan.prompt, scope=scope, answer=answer),
+                                             deadline)
+            except PeerCallError as exc:
+                log.warning("cache store failed: %s", exc.message)
+
+    async def ingest(self, request: gateway_pb2.IngestRequest, deadline: Deadline) -> gateway_pb2.IngestResponse:
+        upsert = retrieval_pb2.UpsertRequest(
+            collection=request.collection or self.config.default_collection, tenant=request.tenant or "default",
+            documents=request.documents, chunk_tokens=request.chunk_tokens, overlap_tokens=request.overlap_tokens,
+        )
+        last = retrieval_pb2.UpsertProgress()
+        async for progress in self.peers.upsert(upsert, deadline):
+            last = progress
+        if not last.done:
+            raise LlmeshError("ingest ended before it was done")
+        return gateway_pb2.IngestResponse(
+            documents=last.documents_done, chunks=last.chunks_done, collection_version=last.collection_version,
+            trace_id=current_trace_id(),
+        )
+
+    async def search(self, request: gateway_pb2.SearchRequest, deadline: Deadline) -> gateway_pb2.SearchResponse:
+        if not request.query.strip():
+            raise InvalidArgument([("query", "must not be empty")])
+        found = await self.peers.search(
+            retrieval_pb2.RetrievalSearchRequest(
+                query=request.query, collection=request.collection or self.config.default_collection,
+                tenant=request.tenant or "default", top_k=request.top_k, score_threshold=request.score_threshold,
+                filter=request.filter,
+            ),
+            deadline,
+        )
+        return gateway_pb2.SearchResponse(results=found.results, trace_id=current_trace_id())

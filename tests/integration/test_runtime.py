@@ -1,0 +1,154 @@
+"""The shared server runtime on real servers: health, reflection, error mapping, metrics, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from llmesh.errors import status_details, unpack_details
+from llmesh.metrics import MetricsEndpoint
+from llmesh.testing import hosted
+from llmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.tokenizer.servicer import TokenizerApp
+
+
+class ProbeApp:
+    """A tokenizer-shaped service whose methods misbehave on purpose, to test the runtime."""
+
+    service_names = ("llmesh.v1.Tokenizer",)
+
+    def __init__(self, settings) -> None:  # type: ignore[no-untyped-def]
+        self.warm = asyncio.Event()
+        self.release = asyncio.Event()
+
+    def register(self, server: grpc.aio.Server) -> None:
+        app = self
+
+        class Servicer(tokenizer_pb2_grpc.TokenizerServicer):
+            async def Encode(self, request, context):  # type: ignore[no-untyped-def]
+                await app.release.wait()  # an in-flight call for the drain test
+                return tokenizer_pb2.EncodeResponse(ids=[1, 2, 3])
+
+            async def Decode(self, request, context):  # type: ignore[no-untyped-def]
+                raise RuntimeError("secret internal detail")
+
+        tokenizer_pb2_grpc.add_TokenizerServicer_to_server(Servicer(), server)
+
+    async def start(self) -> None:
+        await self.warm.wait()
+
+    async def stop(self) -> None:
+        return None
+
+
+class WarmProbeApp(ProbeApp):
+    async def start(self) -> None:
+        return None
+
+
+def _reflected_services(port: int) -> set[str]:
+    # The reflection client is blocking: run it off the loop that hosts the server.
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return set(ProtoReflectionDescriptorDatabase(channel).get_services())
+
+
+async def _health(port: int, service: str = "") -> int:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+        return reply.status
+
+
+async def test_tokenizer_service_serves_health_reflection_and_typed_errors(models_dir: Path) -> None:
+    async with hosted("tokenizer", TokenizerApp, {"LLMESH_MODELS_DIR": str(models_dir)}) as host:
+        assert await _health(host.port) == health_pb2.HealthCheckResponse.SERVING
+        assert await _health(host.port, "llmesh.v1.Tokenizer") == health_pb2.HealthCheckResponse.SERVING
+        services = await asyncio.to_thread(_reflected_services, host.port)
+        assert {"llmesh.v1.Tokenizer", "grpc.health.v1.Health"} <= services
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{host.port}") as channel:
+            stub = tokenizer_pb2_grpc.TokenizerStub(channel)
+            ids = (await stub.Encode(tokenizer_pb2.EncodeRequest(text="The capital of France"))).ids
+            assert len(ids) == 4
+            text = (await stub.Decode(tokenizer_pb2.DecodeRequest(ids=ids))).text
+            assert text == "The capital of France"
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Decode(tokenizer_pb2.DecodeRequest(ids=[10**6]))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            bad = unpack_details(status_details(info.value.trailing_metadata()))["bad_request"]
+            assert bad.field_violations[0].field == "ids"  # type: ignore[attr-defined]
+
+
+async def test_not_serving_until_warm_then_unknown_errors_are_generic_internal() -> None:
+    async with hosted("tokenizer", WarmProbeApp) as host:
+        assert await _health(host.port) == health_pb2.HealthCheckResponse.SERVING
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{host.port}") as channel:
+            stub = tokenizer_pb2_grpc.TokenizerStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Decode(tokenizer_pb2.DecodeRequest(ids=[1]))
+            assert info.value.code() == grpc.StatusCode.INTERNAL
+            assert info.value.details() == "internal error"
+            assert "secret" not in str(info.value.debug_error_string())
+
+
+async def test_health_reports_not_serving_during_warm_up() -> None:
+    from llmesh.server import ServiceHost
+    from llmesh.testing import service_settings
+
+    settings = service_settings("tokenizer")
+    app = ProbeApp(settings)
+    host = ServiceHost(app, settings)
+    starting = asyncio.create_task(host.start())
+    for _ in range(100):
+        if host.port:
+            break
+        await asyncio.sleep(0.02)
+    assert await _health(host.port) == health_pb2.HealthCheckResponse.NOT_SERVING
+    app.warm.set()
+    await starting
+    assert await _health(host.port) == health_pb2.HealthCheckResponse.SERVING
+    await host.stop(grace=1)
+
+
+async def test_stop_drains_in_flight_calls_and_refuses_new_ones() -> None:
+    from llmesh.server import ServiceHost
+    from llmesh.testing import service_settings
+
+    settings = service_settings("tokenizer")
+    app = ProbeApp(settings)
+    app.warm.set()
+    host = ServiceHost(app, settings)
+    await host.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{host.port}")
+    stub = tokenizer_pb2_grpc.TokenizerStub(channel)
+    in_flight = asyncio.ensure_future(stub.Encode(tokenizer_pb2.EncodeRequest(text="x"), timeout=10))
+    await asyncio.sleep(0.2)
+    stopping = asyncio.create_task(host.stop(grace=5))
+    await asyncio.sleep(0.2)
+    # The server refuses new RPCs while draining, so read the health state from the servicer itself.
+    status = await host.health.Check(health_pb2.HealthCheckRequest(service=""), None)
+    assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Encode(tokenizer_pb2.EncodeRequest(text="late"), timeout=2)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    app.release.set()
+    assert list((await in_flight).ids) == [1, 2, 3]
+    await stopping
+    await channel.close()
+
+
+async def test_metrics_endpoint_exports_grpc_server_metrics(models_dir: Path) -> None:
+    metrics = MetricsEndpoint("127.0.0.1", 0)
+    try:
+        async with hosted("tokenizer", TokenizerApp, {"LLMESH_MODELS_DIR": str(models_dir)}) as host:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{host.port}") as channel:
+                await tokenizer_pb2_grpc.TokenizerStub(channel).Count(tokenizer_pb2.CountRequest(texts=["a b"]))
+        body = urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics", timeout=5).read().decode()
+    finally:
+        metrics.close()
+    assert 'grpc_server_handled_total{grpc_code="OK",grpc_method="Count",grpc_service="llmesh.v1.Tokenizer"' in body
+    assert "grpc_server_handling_seconds_bucket" in body
