@@ -1,0 +1,231 @@
+"""docker-compose.yml (and the GPU override) against the code: `docker-compose config` accepts
+them, and every llmesh service runs its own module on the ports, settings and health check
+that llmesh/settings.py declares."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from llmesh import settings
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+COMPOSE_GPU = ROOT / "docker-compose.gpu.yml"
+DOCKERFILE = ROOT / "Dockerfile"
+# Standard variables read by libraries, allowed beside the declared ones.
+STANDARD_PREFIXES = ("OTEL_", "HF_")
+MODEL_READERS = ("tokenizer", "inference", "cache", "retrieval")
+
+
+def load(path: Path) -> dict[str, Any]:
+    data = yaml.safe_load(path.read_text())
+    assert isinstance(data, dict), f"{path.name} is not a mapping"
+    return data
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return load(COMPOSE)
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return compose["services"]
+
+
+def env_of(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
+    return {str(k): str(v) for k, v in env.items()}
+
+
+def container_ports(service: dict[str, Any]) -> set[int]:
+    ports: set[int] = set()
+    for entry in service.get("ports") or []:
+        text = str(entry["target"] if isinstance(entry, dict) else entry).split("/")[0]
+        ports.add(int(text.rsplit(":", 1)[-1]))
+    ports.update(int(str(p).split("/")[0]) for p in service.get("expose") or [])
+    return ports
+
+
+def dockerfile_entrypoints() -> dict[str, list[str]]:
+    """ENTRYPOINT of each named stage of the Dockerfile (exec form)."""
+    stages: dict[str, list[str]] = {}
+    current = None
+    for line in DOCKERFILE.read_text().splitlines():
+        stage = re.match(r"\s*FROM\s+\S+\s+AS\s+(\S+)", line, re.IGNORECASE)
+        if stage:
+            current = stage.group(1)
+            continue
+        entry = re.match(r"\s*ENTRYPOINT\s+(\[.*\])\s*$", line)
+        if entry and current:
+            stages[current] = yaml.safe_load(entry.group(1))
+    return stages
+
+
+def compose_command() -> list[str] | None:
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        return [docker, "compose"]
+    return None
+
+
+@pytest.mark.parametrize("files", [(COMPOSE,), (COMPOSE, COMPOSE_GPU)], ids=["cpu", "gpu"])
+def test_compose_config_is_accepted(files: tuple[Path, ...]) -> None:
+    command = compose_command()
+    if command is None:
+        pytest.skip("no docker-compose binary nor docker compose plugin (Debian: apt-get install docker-compose)")
+    args = [*command]
+    for path in files:
+        args += ["-f", str(path)]
+    result = subprocess.run([*args, "config", "-q"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr or result.stdout
+
+
+def test_every_llmesh_service_runs_its_own_module(services: dict[str, dict[str, Any]]) -> None:
+    entrypoints = dockerfile_entrypoints()
+    for name in settings.SERVICES:
+        assert name in services, f"compose has no {name} service"
+        svc = services[name]
+        assert svc["build"]["target"] == name, f"{name} builds Dockerfile target {svc['build'].get('target')}"
+        command = svc.get("entrypoint") or entrypoints.get(name)
+        assert command == ["python", "-m", f"services.{name}"], f"{name} runs {command}"
+        assert "command" not in svc, f"{name} overrides the image command"
+
+
+def test_ports_match_settings_defaults(services: dict[str, dict[str, Any]]) -> None:
+    for name in settings.SERVICES:
+        env = env_of(services[name])
+        port, metrics = settings.DEFAULT_PORTS[name], settings.DEFAULT_METRICS_PORTS[name]
+        assert env["LLMESH_LISTEN"] == f"0.0.0.0:{port}", name
+        assert env.get("LLMESH_METRICS_PORT", str(metrics)) == str(metrics), name
+        assert env["LLMESH_METRICS_HOST"] == "0.0.0.0", f"{name}: metrics must be reachable by Prometheus"
+        assert {port, metrics} <= container_ports(services[name]), f"{name} does not expose {port}/{metrics}"
+
+
+def test_env_names_are_declared_for_the_service(services: dict[str, dict[str, Any]]) -> None:
+    for name in settings.SERVICES:
+        for var in env_of(services[name]):
+            if var.startswith(STANDARD_PREFIXES):
+                continue
+            declared = settings.BY_ENV.get(var)
+            assert declared is not None, f"{name} sets {var}, which llmesh/settings.py does not declare"
+            assert name in declared.services, f"{name} sets {var}, read only by {declared.services}"
+    # The models job runs the CLI, which reads every declared setting.
+    for var in env_of(services["models"]):
+        assert var.startswith(STANDARD_PREFIXES) or var in settings.BY_ENV, f"models sets {var}"
+
+
+def test_peer_targets_point_at_the_peer_services(services: dict[str, dict[str, Any]]) -> None:
+    for name in settings.SERVICES:
+        for var, value in env_of(services[name]).items():
+            if not (var.startswith("LLMESH_") and var.endswith("_TARGET")):
+                continue
+            peer = var.removeprefix("LLMESH_").removesuffix("_TARGET").lower()
+            assert value == f"{peer}:{settings.DEFAULT_PORTS[peer]}", f"{name}: {var}={value}"
+            assert services[name]["depends_on"][peer]["condition"] == "service_healthy", (name, peer)
+    gateway_targets = {v for v in env_of(services["gateway"]) if v.endswith("_TARGET")}
+    expected = {s.env for s in settings.DECLARED if s.env.endswith("_TARGET") and "gateway" in s.services}
+    assert gateway_targets == expected
+
+
+def test_healthchecks_everywhere(services: dict[str, dict[str, Any]]) -> None:
+    for name, svc in services.items():
+        if name == "models":
+            assert svc.get("restart") == "no", "models is a one-shot job"
+            continue
+        check = svc.get("healthcheck")
+        assert check and check.get("test"), f"{name} has no healthcheck"
+    for name in settings.SERVICES:
+        test = " ".join(services[name]["healthcheck"]["test"])
+        assert "grpc_health" in test and "HealthCheckRequest" in test and "SERVING" in test, name
+
+
+def test_health_one_liner_is_valid_python(services: dict[str, dict[str, Any]]) -> None:
+    test = services["gateway"]["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"]
+    compile(test[3], "<healthcheck>", "exec")
+
+
+def test_depends_on_waits_for_health(services: dict[str, dict[str, Any]]) -> None:
+    for name, svc in services.items():
+        depends = svc.get("depends_on") or {}
+        assert isinstance(depends, dict), f"{name}: depends_on needs conditions"
+        for dep, spec in depends.items():
+            assert dep in services, f"{name} depends on unknown {dep}"
+            expected = "service_completed_successfully" if dep == "models" else "service_healthy"
+            assert spec["condition"] == expected, f"{name} -> {dep}: {spec['condition']}"
+            if expected == "service_healthy":
+                assert services[dep].get("healthcheck"), f"{dep} has no healthcheck to wait for"
+
+
+def test_models_volume_prepared_once_and_mounted(services: dict[str, dict[str, Any]], compose: dict) -> None:
+    assert "models" in compose["volumes"]
+    models = services["models"]
+    assert models["build"]["target"] == "models"
+    assert models["command"] == ["models", "prepare"]
+    assert "models:/data/models" in models["volumes"]
+    assert env_of(models)["LLMESH_DATA_DIR"] == "/data"
+    for name in MODEL_READERS:
+        svc = services[name]
+        assert "models:/data/models:ro" in svc["volumes"], name
+        assert svc["depends_on"]["models"]["condition"] == "service_completed_successfully", name
+        assert env_of(svc)["LLMESH_DATA_DIR"] == "/data", name
+
+
+def test_redis_requires_a_password(services: dict[str, dict[str, Any]]) -> None:
+    redis = services["redis"]
+    assert str(redis["image"]).startswith("redis:7")
+    assert "--requirepass" in " ".join(redis["command"])
+    url = env_of(services["cache"])["LLMESH_REDIS_URL"]
+    match = re.fullmatch(r"redis://:(\$\{REDIS_PASSWORD:-[^}]+\})@redis:6379/\d+", url)
+    assert match, f"cache must authenticate to redis: {url}"
+    assert env_of(redis)["REDIS_PASSWORD"] == match.group(1), "cache and redis use different passwords"
+
+
+def test_qdrant_requires_an_api_key(services: dict[str, dict[str, Any]]) -> None:
+    qdrant = services["qdrant"]
+    key = env_of(qdrant)["QDRANT__SERVICE__API_KEY"]
+    assert key.startswith("${QDRANT_API_KEY")
+    assert {p.split(":", 1)[-1] for p in qdrant["ports"]} >= {"6333:6333", "6334:6334"}
+    for name in ("cache", "retrieval"):
+        env = env_of(services[name])
+        assert env["QDRANT_URL"] == "http://qdrant:6333", name
+        assert env["QDRANT_API_KEY"] == key, name
+        assert services[name]["depends_on"]["qdrant"]["condition"] == "service_healthy"
+
+
+def test_third_party_images_are_pinned(services: dict[str, dict[str, Any]]) -> None:
+    for name, svc in services.items():
+        if "build" in svc:
+            continue
+        image = svc["image"]
+        assert ":" in image and not image.endswith(":latest"), f"{name}: {image} is not pinned"
+    assert re.fullmatch(r"jaegertracing/jaeger:2\.\d+\.\d+", services["jaeger"]["image"])
+    jaeger_ports = {p.rsplit(":", 2)[-1] for p in services["jaeger"]["ports"]}
+    assert {"16686", "4317", "4318"} <= jaeger_ports
+    for name in settings.SERVICES:
+        assert env_of(services[name])["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317", name
+
+
+def test_gpu_override() -> None:
+    gpu = load(COMPOSE_GPU)["services"]
+    assert set(gpu) == {"inference"}, "only inference runs on the GPU"
+    inference = gpu["inference"]
+    assert env_of(inference)["LLMESH_DEVICE"] == "cuda"
+    assert "inference" in settings.BY_ENV["LLMESH_DEVICE"].services
+    devices = inference["deploy"]["resources"]["reservations"]["devices"]
+    assert devices and devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    assert "/whl/cu" in inference["build"]["args"]["TORCH_INDEX_URL"]
+    for var in env_of(inference):
+        assert var.startswith(STANDARD_PREFIXES) or "inference" in settings.BY_ENV[var].services
