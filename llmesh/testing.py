@@ -72,3 +72,64 @@ async def hosted(
         yield host
     finally:
         await host.stop(grace=1.0)
+
+
+class OtlpReceiver:
+    """A real OTLP/gRPC trace receiver on loopback (what Jaeger v2 listens for on 4317),
+    keeping every span it is sent, for trace assertions across processes."""
+
+    def __init__(self) -> None:
+        import threading
+        from concurrent import futures
+
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+        receiver = self
+        self.spans: list[dict[str, object]] = []
+        self._lock = threading.Lock()
+
+        class TraceService(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request, context):  # type: ignore[no-untyped-def]
+                receiver._collect(request)
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(TraceService(), self._server)
+        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        self._server.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _collect(self, request) -> None:  # type: ignore[no-untyped-def]
+        from google.protobuf.json_format import MessageToDict
+
+        found = []
+        for resource_spans in request.resource_spans:
+            resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    attributes = {
+                        a.key: MessageToDict(a.value).popitem()[1] if MessageToDict(a.value) else None
+                        for a in span.attributes
+                    }
+                    found.append({
+                        "service": resource.get("service.name", ""),
+                        "name": span.name,
+                        "trace_id": span.trace_id.hex(),
+                        "span_id": span.span_id.hex(),
+                        "parent_span_id": span.parent_span_id.hex(),
+                        "attributes": attributes,
+                        "links": [(link.trace_id.hex(), link.span_id.hex()) for link in span.links],
+                    })
+        with self._lock:
+            self.spans.extend(found)
+
+    def trace(self, trace_id: str) -> list[dict[str, object]]:
+        with self._lock:
+            return [s for s in self.spans if s["trace_id"] == trace_id]
+
+    def close(self) -> None:
+        self._server.stop(0)

@@ -1,0 +1,113 @@
+"""The whole mesh as five processes with the real models: a real answer, a cache hit, a
+grounded answer from an ingested document, and one trace across all five services."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from llmesh.client import InvalidRequestError, Mesh
+from llmesh.supervisor import Mesh as Processes
+from llmesh.testing import OtlpReceiver
+from llmesh.v1 import common_pb2
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+SERVICES = {"llmesh-gateway", "llmesh-tokenizer", "llmesh-inference", "llmesh-cache", "llmesh-retrieval"}
+FACT = (
+    "Zorblax Quint is the chief lighthouse keeper of the island of Vellmora. "
+    "The lighthouse of Vellmora is painted bright purple and was built in 1873."
+)
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[OtlpReceiver]:
+    rx = OtlpReceiver()
+    yield rx
+    rx.close()
+
+
+@pytest.fixture(scope="module")
+def mesh(models_dir: Path, tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver) -> Iterator[Processes]:
+    data = tmp_path_factory.mktemp("mesh-data")
+    redis_db = str(9 + os.getpid() % 5)
+    env = {
+        "LLMESH_DATA_DIR": str(data),
+        "LLMESH_MODELS_DIR": str(models_dir),
+        "LLMESH_REDIS_URL": f"redis://127.0.0.1:6379/{redis_db}",
+        "LLMESH_MAX_BATCH_SIZE": "8",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+    }
+    import redis
+
+    redis.Redis.from_url(env["LLMESH_REDIS_URL"]).flushdb()
+    with Processes(env=env) as procs:
+        yield procs
+
+
+@pytest.fixture(scope="module")
+def client(mesh: Processes) -> Iterator[Mesh]:
+    with Mesh(mesh.target("gateway"), timeout=300) as c:
+        yield c
+
+
+def wait_for_spans(receiver: OtlpReceiver, trace_id: str, services: set[str], timeout: float = 15) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        spans = receiver.trace(trace_id)
+        if services <= {s["service"] for s in spans} or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.2)
+
+
+def test_real_answer_then_cache_hit(client: Mesh) -> None:
+    first = client.ask("What is the capital of France?", max_new_tokens=48)
+    assert "paris" in first.text.lower(), first.text
+    assert not first.cache.hit
+    assert first.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+    assert first.usage.input_tokens > 10 and first.usage.output_tokens > 0
+    assert len(first.trace_id) == 32
+    second = client.ask("What is the capital of France?", max_new_tokens=48)
+    assert second.cache.hit and second.cache.tier == common_pb2.CACHE_TIER_EXACT
+    assert second.text == first.text
+    assert second.trace_id != first.trace_id
+
+
+def test_streaming_deltas_add_up_to_the_final_text(client: Mesh) -> None:
+    deltas, final = [], None
+    for message in client.stream("Name one primary color.", max_new_tokens=16, use_cache=False):
+        if message.HasField("final"):
+            final = message.final
+        else:
+            deltas.append(message.delta)
+    assert final is not None and final.text and "".join(deltas) == final.text
+
+
+def test_bad_input_gets_invalid_argument_with_fields(client: Mesh) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        client.ask("", temperature=5.0)
+    fields = {f for f, _ in info.value.field_violations}
+    assert {"prompt", "sampling.temperature"} <= fields
+
+
+def test_ingested_fact_grounds_the_answer_in_one_trace(client: Mesh, receiver: OtlpReceiver) -> None:
+    ingested = client.ingest([("vellmora-lighthouse", FACT)])
+    assert ingested.documents == 1 and ingested.chunks >= 1
+    found = client.search("Who keeps the Vellmora lighthouse?")
+    assert found.results and found.results[0].document_id == "vellmora-lighthouse"
+    answer = client.ask("Who is the chief lighthouse keeper of Vellmora?", max_new_tokens=48)
+    assert "zorblax" in answer.text.lower(), answer.text
+    assert "vellmora-lighthouse" in {s.document_id for s in answer.sources}
+    spans = wait_for_spans(receiver, answer.trace_id, SERVICES)
+    assert SERVICES <= {s["service"] for s in spans}, {s["service"] for s in spans}
+    ids = {s["span_id"] for s in spans}
+    roots = [s for s in spans if not s["parent_span_id"]]
+    assert len(roots) == 1 and roots[0]["service"] == "llmesh-gateway"
+    orphans = [s for s in spans if s["parent_span_id"] and s["parent_span_id"] not in ids]
+    assert not orphans, orphans
