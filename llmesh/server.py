@@ -217,6 +217,7 @@ async def _serve(service: str, factory: Callable[[Settings], ServiceApp], settin
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     started = time.perf_counter()
+
     def listening(port: int) -> None:
         log.info("listening", extra={"fields": {"event": "listening", "port": port, "metrics_port": metrics.port}})
 
@@ -228,8 +229,14 @@ async def _serve(service: str, factory: Callable[[Settings], ServiceApp], settin
         # One machine-readable line: supervisors and tests read the bound ports from it.
         log.info(
             "serving",
-            extra={"fields": {"event": "serving", "port": host.port, "metrics_port": metrics.port,
-                              "startup_seconds": round(time.perf_counter() - started, 3)}},
+            extra={
+                "fields": {
+                    "event": "serving",
+                    "port": host.port,
+                    "metrics_port": metrics.port,
+                    "startup_seconds": round(time.perf_counter() - started, 3),
+                }
+            },
         )
         await waiter
     else:

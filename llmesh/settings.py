@@ -8,7 +8,9 @@ derived from this declaration, so they cannot drift from the code.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -84,6 +86,75 @@ def _choice(*options: str) -> Callable[[str], str]:
     return parse
 
 
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+# Parsers for the admission settings (raw string -> value; ValueError with a clear message).
+
+
+def _finite_positive(raw: str, what: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{what} must be a number, got {raw!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what} must be a finite number > 0, got {raw!r}")
+    return value
+
+
+def parse_budget(raw: str) -> float:
+    """A weight budget such as ``2e7`` (finite, > 0)."""
+    return _finite_positive(raw.strip(), "budget")
+
+
+def parse_share(raw: str) -> float:
+    """A fraction in (0, 1], e.g. ``0.5``."""
+    value = _finite_positive(raw.strip(), "share")
+    if value > 1:
+        raise ValueError(f"share must be in (0, 1], got {raw!r}")
+    return value
+
+
+def _parse_pairs(raw: str, what: str, parse_value: Callable[[str, str], float]) -> dict[str, float]:
+    found: dict[str, float] = {}
+    for item in raw.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep:
+            raise ValueError(f"{what} entry {item!r} must look like name=value")
+        if not name:
+            raise ValueError(f"{what} entry {item!r} has an empty name")
+        if not _NAME.match(name):
+            raise ValueError(f"{what} name {name!r} may only hold letters, digits, '_', '-' and '.'")
+        if name in found:
+            raise ValueError(f"{what} {name!r} is listed twice")
+        found[name] = parse_value(value, f"{what} {name!r}")
+    return found
+
+
+def parse_tenant_budgets(raw: str) -> dict[str, float]:
+    """Per-tenant weight budgets, ``"acme=5e6,beta=1e6"`` (empty string: none)."""
+    return _parse_pairs(raw, "tenant", lambda v, what: _finite_positive(v, f"budget of {what}"))
+
+
+def parse_lane_shares(raw: str) -> dict[str, float]:
+    """Lane ceilings as fractions of the global budget, ``"interactive=1,batch=0.5"``."""
+
+    def share(value: str, what: str) -> float:
+        parsed = _finite_positive(value, f"share of {what}")
+        if parsed > 1:
+            raise ValueError(f"share of {what} must be in (0, 1], got {value!r}")
+        return parsed
+
+    lanes = _parse_pairs(raw, "lane", share)
+    if not lanes:
+        raise ValueError("at least one lane is required, e.g. 'interactive=1,batch=0.5'")
+    return lanes
+
+
 def _text(raw: str) -> str:
     return raw
 
@@ -110,78 +181,223 @@ def _listen_defaults() -> dict[str, str]:
 
 DECLARED: tuple[Setting, ...] = (
     # Common to every service.
-    Setting("LLMESH_LISTEN", "", "Address this service binds (host:port; port 0 picks a free one).", ALL,
-            _address, _listen_defaults()),
-    Setting("LLMESH_METRICS_PORT", "", "Prometheus /metrics HTTP port (0 picks a free one).", ALL,
-            _non_negative_int, {s: str(p) for s, p in DEFAULT_METRICS_PORTS.items()}),
+    Setting(
+        "LLMESH_LISTEN",
+        "",
+        "Address this service binds (host:port; port 0 picks a free one).",
+        ALL,
+        _address,
+        _listen_defaults(),
+    ),
+    Setting(
+        "LLMESH_METRICS_PORT",
+        "",
+        "Prometheus /metrics HTTP port (0 picks a free one).",
+        ALL,
+        _non_negative_int,
+        {s: str(p) for s, p in DEFAULT_METRICS_PORTS.items()},
+    ),
     Setting("LLMESH_METRICS_HOST", "127.0.0.1", "Address the metrics endpoint binds.", ALL),
     Setting("LLMESH_DATA_DIR", ".data", "Folder for prepared models and the embedded Qdrant stores.", ALL),
     Setting("LLMESH_MODELS_DIR", "", "Prepared models folder (default: $LLMESH_DATA_DIR/models).", ALL),
     Setting("LLMESH_GRACE_SECONDS", "10", "Drain time for in-flight calls on SIGTERM.", ALL, _positive_float),
     Setting("LLMESH_LOG_LEVEL", "INFO", "Log level.", ALL, _choice("DEBUG", "INFO", "WARNING", "ERROR")),
     Setting("LLMESH_LOG_PROMPTS", "false", "Put prompt and answer text in logs and spans (opt-in).", ALL, _bool),
-    Setting("LLMESH_MAX_MESSAGE_BYTES", str(8 * 1024 * 1024), "Max gRPC message size, both directions.", ALL,
-            _positive_int),
+    Setting(
+        "LLMESH_MAX_MESSAGE_BYTES", str(8 * 1024 * 1024), "Max gRPC message size, both directions.", ALL, _positive_int
+    ),
     # Peers (who dials whom).
-    Setting("LLMESH_TOKENIZER_TARGET", "127.0.0.1:50052", "Tokenizer service address.",
-            ("gateway", "retrieval"), _target),
+    Setting(
+        "LLMESH_TOKENIZER_TARGET", "127.0.0.1:50052", "Tokenizer service address.", ("gateway", "retrieval"), _target
+    ),
     Setting("LLMESH_INFERENCE_TARGET", "127.0.0.1:50053", "Inference service address.", ("gateway",), _target),
     Setting("LLMESH_CACHE_TARGET", "127.0.0.1:50054", "Cache service address.", ("gateway",), _target),
     Setting("LLMESH_RETRIEVAL_TARGET", "127.0.0.1:50055", "Retrieval service address.", ("gateway",), _target),
     # Gateway.
-    Setting("LLMESH_DEFAULT_DEADLINE_SECONDS", "120",
-            "Deadline given to a request whose caller set none.", ("gateway",), _positive_float),
+    Setting(
+        "LLMESH_DEFAULT_DEADLINE_SECONDS",
+        "120",
+        "Deadline given to a request whose caller set none.",
+        ("gateway",),
+        _positive_float,
+    ),
     Setting("LLMESH_DEFAULT_TOP_K", "4", "Context chunks retrieved per question.", ("gateway",), _positive_int),
-    Setting("LLMESH_MIN_CONTEXT_SCORE", "0.25", "Retrieved chunks scoring below this are not used as context.",
-            ("gateway",), _unit_float),
+    Setting(
+        "LLMESH_MIN_CONTEXT_SCORE",
+        "0.25",
+        "Retrieved chunks scoring below this are not used as context.",
+        ("gateway",),
+        _unit_float,
+    ),
     Setting("LLMESH_MAX_PROMPT_BYTES", "32768", "Largest accepted prompt in bytes.", ("gateway",), _positive_int),
+    # Gateway admission by request weight (input tokens x max_new_tokens over a sliding window).
+    Setting(
+        "LLMESH_ADMISSION_BUDGET",
+        "2e7",
+        "Request weight admitted per window, all tenants together.",
+        ("gateway",),
+        parse_budget,
+    ),
+    Setting(
+        "LLMESH_ADMISSION_WINDOW_SECONDS",
+        "10",
+        "Length of the sliding admission window.",
+        ("gateway",),
+        _positive_float,
+    ),
+    Setting(
+        "LLMESH_ADMISSION_TENANT_SHARE", "0.5", "Fraction of the budget one tenant may hold.", ("gateway",), parse_share
+    ),
+    Setting(
+        "LLMESH_ADMISSION_TENANT_BUDGETS",
+        "",
+        "Per-tenant budget overrides, e.g. `acme=5e6,beta=1e6`.",
+        ("gateway",),
+        parse_tenant_budgets,
+    ),
+    Setting(
+        "LLMESH_ADMISSION_LANES",
+        "interactive=1,batch=0.5",
+        "Priority lanes: the share of the budget the window may be filled to when admitting on each lane.",
+        ("gateway",),
+        parse_lane_shares,
+    ),
+    Setting(
+        "LLMESH_ADMISSION_DEGRADE", "true", "Cap max_new_tokens to fit before refusing a request.", ("gateway",), _bool
+    ),
+    Setting(
+        "LLMESH_ADMISSION_MIN_NEW_TOKENS",
+        "16",
+        "Lowest max_new_tokens the degrade step may cap to.",
+        ("gateway",),
+        _positive_int,
+    ),
+    Setting(
+        "LLMESH_ADMISSION_REDIS_URL",
+        "",
+        "Redis shared by all gateway replicas for one cluster-wide budget (empty: per-process window).",
+        ("gateway",),
+    ),
+    # Gateway circuit breakers, one per downstream (resilience4j semantics).
+    Setting("LLMESH_BREAKER_WINDOW", "20", "Calls in each breaker's sliding window.", ("gateway",), _positive_int),
+    Setting(
+        "LLMESH_BREAKER_MINIMUM_CALLS", "10", "Calls needed before rates are evaluated.", ("gateway",), _positive_int
+    ),
+    Setting("LLMESH_BREAKER_FAILURE_RATE", "0.5", "Failure rate that opens a breaker.", ("gateway",), _unit_float),
+    Setting("LLMESH_BREAKER_SLOW_CALL_RATE", "0.8", "Slow-call rate that opens a breaker.", ("gateway",), _unit_float),
+    Setting(
+        "LLMESH_BREAKER_SLOW_CALL_SECONDS",
+        "30",
+        "A call at least this long counts as slow.",
+        ("gateway",),
+        _positive_float,
+    ),
+    Setting(
+        "LLMESH_BREAKER_WAIT_SECONDS",
+        "5",
+        "Time a breaker stays open before trial calls.",
+        ("gateway",),
+        _positive_float,
+    ),
+    Setting("LLMESH_BREAKER_HALF_OPEN_CALLS", "3", "Trial calls allowed while half-open.", ("gateway",), _positive_int),
     # Tokenizer.
-    Setting("LLMESH_TOKENIZER_MODEL", "smollm2", "Model (folder under the models dir) whose tokenizer is served.",
-            ("tokenizer",)),
-    Setting("LLMESH_MAX_TEXT_BYTES", str(4 * 1024 * 1024), "Largest text the tokenizer accepts.",
-            ("tokenizer",), _positive_int),
+    Setting(
+        "LLMESH_TOKENIZER_MODEL",
+        "smollm2",
+        "Model (folder under the models dir) whose tokenizer is served.",
+        ("tokenizer",),
+    ),
+    Setting(
+        "LLMESH_MAX_TEXT_BYTES",
+        str(4 * 1024 * 1024),
+        "Largest text the tokenizer accepts.",
+        ("tokenizer",),
+        _positive_int,
+    ),
     # Inference.
     Setting("LLMESH_INFERENCE_MODEL", "smollm2", "Model (folder under the models dir) to serve.", ("inference",)),
     Setting("LLMESH_DEVICE", "auto", "auto, cpu or cuda.", ("inference",), _choice("auto", "cpu", "cuda")),
     Setting("LLMESH_MAX_BATCH_SIZE", "32", "Most sequences decoded together.", ("inference",), _positive_int),
-    Setting("LLMESH_BATCH_WAIT_MS", "2", "How long the scheduler waits to gather new requests into a prefill.",
-            ("inference",), _non_negative_int),
-    Setting("LLMESH_MAX_QUEUE", "256", "Requests waiting for a batch slot before RESOURCE_EXHAUSTED.",
-            ("inference",), _positive_int),
-    Setting("LLMESH_QUEUE_TIMEOUT_SECONDS", "30", "Longest a request waits for a batch slot.",
-            ("inference",), _positive_float),
-    Setting("LLMESH_MAX_PROMPT_TOKENS", "1536", "Longest prompt in tokens.", ("inference", "gateway"),
-            _positive_int),
-    Setting("LLMESH_MAX_NEW_TOKENS", "512", "Upper bound on max_new_tokens.", ("inference", "gateway"),
-            _positive_int),
-    Setting("LLMESH_DEFAULT_MAX_NEW_TOKENS", "128", "max_new_tokens when a request leaves it 0.",
-            ("inference", "gateway"), _positive_int),
-    Setting("LLMESH_ADMIN_TOKEN", "", "Bearer token for the inference admin RPC (empty: admin disabled).",
-            ("inference",)),
+    Setting(
+        "LLMESH_BATCH_WAIT_MS",
+        "2",
+        "How long the scheduler waits to gather new requests into a prefill.",
+        ("inference",),
+        _non_negative_int,
+    ),
+    Setting(
+        "LLMESH_MAX_QUEUE",
+        "256",
+        "Requests waiting for a batch slot before RESOURCE_EXHAUSTED.",
+        ("inference",),
+        _positive_int,
+    ),
+    Setting(
+        "LLMESH_QUEUE_TIMEOUT_SECONDS",
+        "30",
+        "Longest a request waits for a batch slot.",
+        ("inference",),
+        _positive_float,
+    ),
+    Setting("LLMESH_MAX_PROMPT_TOKENS", "1536", "Longest prompt in tokens.", ("inference", "gateway"), _positive_int),
+    Setting("LLMESH_MAX_NEW_TOKENS", "512", "Upper bound on max_new_tokens.", ("inference", "gateway"), _positive_int),
+    Setting(
+        "LLMESH_DEFAULT_MAX_NEW_TOKENS",
+        "128",
+        "max_new_tokens when a request leaves it 0.",
+        ("inference", "gateway"),
+        _positive_int,
+    ),
+    Setting(
+        "LLMESH_ADMIN_TOKEN", "", "Bearer token for the inference admin RPC (empty: admin disabled).", ("inference",)
+    ),
     # Cache.
-    Setting("LLMESH_REDIS_URL", "redis://127.0.0.1:6379/0",
-            "Redis for cached answers (redis:// or rediss:// for TLS; user:password@ for ACL).", ("cache",)),
-    Setting("LLMESH_REDIS_TIMEOUT_SECONDS", "0.25", "Redis socket timeout; past it the cache answers miss.",
-            ("cache",), _positive_float),
-    Setting("LLMESH_CACHE_TTL_SECONDS", "3600", "Lifetime of a cached answer (fixed, not sliding).",
-            ("cache",), _positive_int),
-    Setting("LLMESH_SEMANTIC_THRESHOLD", "0.9",
-            "Cosine similarity in [0, 1] a cached question needs for a semantic hit; higher is stricter.",
-            ("cache",), _unit_float),
-    Setting("LLMESH_EMBEDDING_MODEL", "minilm", "Embedding model (folder under the models dir).",
-            ("cache", "retrieval")),
+    Setting(
+        "LLMESH_REDIS_URL",
+        "redis://127.0.0.1:6379/0",
+        "Redis for cached answers (redis:// or rediss:// for TLS; user:password@ for ACL).",
+        ("cache",),
+    ),
+    Setting(
+        "LLMESH_REDIS_TIMEOUT_SECONDS",
+        "0.25",
+        "Redis socket timeout; past it the cache answers miss.",
+        ("cache",),
+        _positive_float,
+    ),
+    Setting(
+        "LLMESH_CACHE_TTL_SECONDS",
+        "3600",
+        "Lifetime of a cached answer (fixed, not sliding).",
+        ("cache",),
+        _positive_int,
+    ),
+    Setting(
+        "LLMESH_SEMANTIC_THRESHOLD",
+        "0.9",
+        "Cosine similarity in [0, 1] a cached question needs for a semantic hit; higher is stricter.",
+        ("cache",),
+        _unit_float,
+    ),
+    Setting(
+        "LLMESH_EMBEDDING_MODEL", "minilm", "Embedding model (folder under the models dir).", ("cache", "retrieval")
+    ),
     # Retrieval.
-    Setting("QDRANT_URL", "", "Qdrant server URL; empty uses embedded Qdrant under the data dir.",
-            ("cache", "retrieval")),
+    Setting(
+        "QDRANT_URL", "", "Qdrant server URL; empty uses embedded Qdrant under the data dir.", ("cache", "retrieval")
+    ),
     Setting("QDRANT_API_KEY", "", "API key for the Qdrant server.", ("cache", "retrieval")),
-    Setting("LLMESH_CHUNK_TOKENS", "200", "Chunk window in tokens for ingested documents.", ("retrieval",),
-            _positive_int),
-    Setting("LLMESH_CHUNK_OVERLAP", "32", "Tokens shared by consecutive chunks.", ("retrieval",),
-            _non_negative_int),
-    Setting("LLMESH_DEFAULT_COLLECTION", "docs", "Collection used when a request names none.",
-            ("retrieval", "gateway", "cache")),
-    Setting("LLMESH_MAX_DOCUMENT_BYTES", str(1024 * 1024), "Largest document accepted.", ("retrieval",),
-            _positive_int),
+    Setting(
+        "LLMESH_CHUNK_TOKENS", "200", "Chunk window in tokens for ingested documents.", ("retrieval",), _positive_int
+    ),
+    Setting("LLMESH_CHUNK_OVERLAP", "32", "Tokens shared by consecutive chunks.", ("retrieval",), _non_negative_int),
+    Setting(
+        "LLMESH_DEFAULT_COLLECTION",
+        "docs",
+        "Collection used when a request names none.",
+        ("retrieval", "gateway", "cache"),
+    ),
+    Setting("LLMESH_MAX_DOCUMENT_BYTES", str(1024 * 1024), "Largest document accepted.", ("retrieval",), _positive_int),
 )
 
 BY_ENV = {s.env: s for s in DECLARED}

@@ -94,7 +94,9 @@ class Mesh:
         self.cwd = cwd
         self.procs: dict[str, ServiceProcess] = {}
 
-    def start_one(self, name: str, timeout: float = 180.0, extra_env: Mapping[str, str] | None = None) -> ServiceProcess:
+    def start_one(
+        self, name: str, timeout: float = 180.0, extra_env: Mapping[str, str] | None = None
+    ) -> ServiceProcess:
         env = dict(self.base_env)
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("PYTHONUNBUFFERED", "1")

@@ -37,9 +37,17 @@ def build_tiny_model(models_dir: Path, name: str = "tiny", version: str = "v1", 
 
     source = real_models_dir() / models.SMOLLM2 / "current"
     config = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
@@ -115,15 +123,17 @@ class OtlpReceiver:
                         a.key: MessageToDict(a.value).popitem()[1] if MessageToDict(a.value) else None
                         for a in span.attributes
                     }
-                    found.append({
-                        "service": resource.get("service.name", ""),
-                        "name": span.name,
-                        "trace_id": span.trace_id.hex(),
-                        "span_id": span.span_id.hex(),
-                        "parent_span_id": span.parent_span_id.hex(),
-                        "attributes": attributes,
-                        "links": [(link.trace_id.hex(), link.span_id.hex()) for link in span.links],
-                    })
+                    found.append(
+                        {
+                            "service": resource.get("service.name", ""),
+                            "name": span.name,
+                            "trace_id": span.trace_id.hex(),
+                            "span_id": span.span_id.hex(),
+                            "parent_span_id": span.parent_span_id.hex(),
+                            "attributes": attributes,
+                            "links": [(link.trace_id.hex(), link.span_id.hex()) for link in span.links],
+                        }
+                    )
         with self._lock:
             self.spans.extend(found)
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import re
 import threading
 import time
 import uuid
@@ -45,6 +44,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmesh.errors import LlmeshError, ResourceExhausted
+from llmesh.settings import (  # parsers live with the settings; re-exported here
+    _NAME,
+    parse_budget,
+    parse_lane_shares,
+    parse_share,
+    parse_tenant_budgets,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,78 +66,10 @@ SOURCE_LOCAL = "local"
 SOURCE_REDIS = "redis"
 SOURCE_FALLBACK = "local_fallback"
 
-_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
-
 
 def request_weight(input_tokens: int, max_new_tokens: int) -> int:
     """The admission weight of one generation request."""
     return max(1, int(input_tokens)) * max(1, int(max_new_tokens))
-
-
-# --- settings parsers (raw string -> value; ValueError with a clear message) ----------------------
-
-
-def _finite_positive(raw: str, what: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{what} must be a number, got {raw!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{what} must be a finite number > 0, got {raw!r}")
-    return value
-
-
-def parse_budget(raw: str) -> float:
-    """A weight budget such as ``2e7`` (finite, > 0)."""
-    return _finite_positive(raw.strip(), "budget")
-
-
-def parse_share(raw: str) -> float:
-    """A fraction in (0, 1], e.g. ``0.5``."""
-    value = _finite_positive(raw.strip(), "share")
-    if value > 1:
-        raise ValueError(f"share must be in (0, 1], got {raw!r}")
-    return value
-
-
-def _parse_pairs(raw: str, what: str, parse_value: Callable[[str, str], float]) -> dict[str, float]:
-    found: dict[str, float] = {}
-    for item in raw.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        name, sep, value = item.partition("=")
-        name, value = name.strip(), value.strip()
-        if not sep:
-            raise ValueError(f"{what} entry {item!r} must look like name=value")
-        if not name:
-            raise ValueError(f"{what} entry {item!r} has an empty name")
-        if not _NAME.match(name):
-            raise ValueError(f"{what} name {name!r} may only hold letters, digits, '_', '-' and '.'")
-        if name in found:
-            raise ValueError(f"{what} {name!r} is listed twice")
-        found[name] = parse_value(value, f"{what} {name!r}")
-    return found
-
-
-def parse_tenant_budgets(raw: str) -> dict[str, float]:
-    """Per-tenant weight budgets, ``"acme=5e6,beta=1e6"`` (empty string: none)."""
-    return _parse_pairs(raw, "tenant", lambda v, what: _finite_positive(v, f"budget of {what}"))
-
-
-def parse_lane_shares(raw: str) -> dict[str, float]:
-    """Lane ceilings as fractions of the global budget, ``"interactive=1,batch=0.5"``."""
-
-    def share(value: str, what: str) -> float:
-        parsed = _finite_positive(value, f"share of {what}")
-        if parsed > 1:
-            raise ValueError(f"share of {what} must be in (0, 1], got {value!r}")
-        return parsed
-
-    lanes = _parse_pairs(raw, "lane", share)
-    if not lanes:
-        raise ValueError("at least one lane is required, e.g. 'interactive=1,batch=0.5'")
-    return lanes
 
 
 # --- configuration and results -------------------------------------------------------------------

@@ -19,10 +19,17 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
-from llmesh.errors import InvalidArgument, LlmeshError
+from llmesh.errors import InvalidArgument, LlmeshError, ResourceExhausted
+from llmesh.metrics import trace_exemplar
 from llmesh.telemetry import current_trace_id
 from llmesh.v1 import cache_pb2, common_pb2, gateway_pb2, retrieval_pb2
-from services.gateway.peers import Deadline, PeerCallError, Peers
+from services.gateway import metrics
+from services.gateway.admission import INTERACTIVE, Admission, RedisWeightWindow, RequestTooHeavy, WeightWindow
+from services.gateway.breaker import BreakerOpen
+from services.gateway.peers import BREAKER_FAILURE_CODES, Deadline, PeerCallError, Peers
+
+# A downstream that failed, or whose breaker is open: optional hops degrade on these.
+DOWNSTREAM_ERRORS = (PeerCallError, BreakerOpen)
 
 log = logging.getLogger("llmesh.gateway")
 tracer = trace.get_tracer("llmesh.gateway")
@@ -37,6 +44,11 @@ CONTEXT_INSTRUCTION = (
     "answer from general knowledge.\n\nContext:\n"
 )
 MODEL_INFO_TTL_S = 30.0
+CACHEABLE_FINISH = (
+    common_pb2.FINISH_REASON_STOP,
+    common_pb2.FINISH_REASON_LENGTH,
+    common_pb2.FINISH_REASON_STOP_SEQUENCE,
+)
 
 
 @dataclass(frozen=True)
@@ -63,7 +75,13 @@ class Plan:
     top_k: int
     collection: str
     tenant: str
+    lane: str = INTERACTIVE
     degradations: list[str] = field(default_factory=list)
+
+    def degrade(self, what: str) -> None:
+        if what not in self.degradations:
+            self.degradations.append(what)
+            metrics.DEGRADED.labels(what).inc()
 
 
 @dataclass
@@ -123,7 +141,19 @@ def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Pla
         top_k=request.top_k or config.default_top_k,
         collection=request.collection or config.default_collection,
         tenant=request.tenant or "default",
+        lane=request.lane or INTERACTIVE,
     )
+
+
+def render_chatml(messages: list[common_pb2.ChatMessage]) -> str:
+    """The ChatML rendering SmolLM2's template produces; used only while the tokenizer is down."""
+    body = "".join(f"<|im_start|>{m.role}\n{m.content}<|im_end|>\n" for m in messages)
+    return body + "<|im_start|>assistant\n"
+
+
+def estimate_tokens(text: str) -> int:
+    """A conservative local token estimate (BPE averages ~4 bytes a token on English; 3 errs high)."""
+    return max(1, -(-len(text.encode("utf-8")) // 3))
 
 
 def build_messages(plan: Plan, sources: list[common_pb2.ScoredChunk]) -> list[common_pb2.ChatMessage]:
@@ -138,9 +168,11 @@ def build_messages(plan: Plan, sources: list[common_pb2.ScoredChunk]) -> list[co
 
 
 class Gateway:
-    def __init__(self, peers: Peers, config: GatewayConfig) -> None:
+    def __init__(self, peers: Peers, config: GatewayConfig, window: WeightWindow | RedisWeightWindow) -> None:
         self.peers = peers
         self.config = config
+        self.window = window
+        metrics.ADMISSION_BUDGET.set(window.config.budget)
         self._model: tuple[float, str] | None = None
         self._background: set[asyncio.Task[None]] = set()
 
@@ -158,9 +190,9 @@ class Gateway:
             return "", 0
         try:
             info = await self.peers.collection_info(plan.collection, plan.tenant, deadline)
-        except PeerCallError as exc:
+        except DOWNSTREAM_ERRORS as exc:
             log.warning("retrieval unavailable, answering without context: %s", exc.message)
-            plan.degradations.append("retrieval_unavailable")
+            plan.degrade("retrieval_unavailable")
             plan.use_retrieval = False
             return "", 0
         if not info.exists or info.points == 0:
@@ -173,21 +205,23 @@ class Gateway:
             model=model, tenant=plan.tenant, collection=collection, collection_version=version, sampling=plan.sampling
         )
 
-    async def _lookup(self, plan: Plan, scope: cache_pb2.CacheScope, deadline: Deadline) -> cache_pb2.CacheLookupResponse | None:
+    async def _lookup(
+        self, plan: Plan, scope: cache_pb2.CacheScope, deadline: Deadline
+    ) -> cache_pb2.CacheLookupResponse | None:
         with tracer.start_as_current_span("gateway.cache_lookup") as span:
             try:
                 found = await self.peers.cache_lookup(
                     cache_pb2.CacheLookupRequest(prompt=plan.prompt, scope=scope, allow_semantic=True), deadline
                 )
-            except PeerCallError as exc:
+            except DOWNSTREAM_ERRORS as exc:
                 log.warning("cache unavailable: %s", exc.message)
-                plan.degradations.append("cache_unavailable")
+                plan.degrade("cache_unavailable")
                 return None
             if found.degraded:
-                plan.degradations.append("cache_unavailable")
+                plan.degrade("cache_unavailable")
             span.set_attribute("llmesh.cache.hit", found.hit)
             if found.hit:
-                span.set_attribute("llmesh.cache.tier", cache_pb2.common__pb2.CacheTier.Name(found.tier))
+                span.set_attribute("llmesh.cache.tier", common_pb2.CacheTier.Name(found.tier))
                 span.set_attribute("llmesh.cache.similarity", found.similarity)
             return found if found.hit else None
 
@@ -198,24 +232,58 @@ class Gateway:
             try:
                 found = await self.peers.search(
                     retrieval_pb2.RetrievalSearchRequest(
-                        query=plan.prompt, collection=collection, tenant=plan.tenant, top_k=plan.top_k,
+                        query=plan.prompt,
+                        collection=collection,
+                        tenant=plan.tenant,
+                        top_k=plan.top_k,
                         score_threshold=self.config.min_context_score,
                     ),
                     deadline,
                 )
-            except PeerCallError as exc:
+            except DOWNSTREAM_ERRORS as exc:
                 log.warning("retrieval search failed, answering without context: %s", exc.message)
-                plan.degradations.append("retrieval_unavailable")
+                plan.degrade("retrieval_unavailable")
                 return []
             span.set_attribute("llmesh.retrieval.document_ids", [c.document_id for c in found.results])
             span.set_attribute("llmesh.retrieval.scores", [round(c.score, 4) for c in found.results])
             return list(found.results)
 
     async def generate(self, request: gateway_pb2.GenerateRequest, deadline: Deadline) -> AsyncIterator[Delta | Final]:
-        """Streams text deltas, then one Final with the whole response."""
+        """Streams text deltas, then one Final with the whole response; records the outcome."""
+        started = time.perf_counter()
+        tier = "none"
+        outcome = "error"
+        try:
+            async for event in self._generate(request, deadline):
+                if isinstance(event, Final):
+                    tier = (
+                        "none"
+                        if not event.response.cache.hit
+                        else ("exact" if event.response.cache.tier == common_pb2.CACHE_TIER_EXACT else "semantic")
+                    )
+                    outcome = "ok"
+                yield event
+        except LlmeshError as exc:
+            outcome = exc.code.name.lower()
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        finally:
+            metrics.REQUESTS.labels(outcome, tier).inc()
+            if outcome == "ok":
+                metrics.REQUEST_DURATION.labels(tier).observe(time.perf_counter() - started, trace_exemplar())
+
+    async def _generate(self, request: gateway_pb2.GenerateRequest, deadline: Deadline) -> AsyncIterator[Delta | Final]:
         plan = validate(request, self.config)
+        if plan.lane not in self.window.lanes:
+            raise InvalidArgument([("lane", f"must be one of {', '.join(self.window.lanes)}")])
         span = trace.get_current_span()
         span.set_attribute("llmesh.tenant", plan.tenant)
+        span.set_attribute("gen_ai.request.max_tokens", plan.sampling.max_new_tokens)
+        span.set_attribute("gen_ai.request.temperature", plan.sampling.temperature)
+        if self.config.log_prompts:
+            span.set_attribute("llmesh.prompt", plan.prompt)
         model = await self.model_key(deadline)
         collection, version = await self._retrieval_scope(plan, deadline)
         scope = self._scope(plan, model, collection, version)
@@ -226,60 +294,128 @@ class Gateway:
                 yield Delta(answer.text)
                 yield Final(
                     gateway_pb2.GenerateResponse(
-                        text=answer.text, finish_reason=answer.finish_reason, usage=answer.usage,
+                        text=answer.text,
+                        finish_reason=answer.finish_reason,
+                        usage=answer.usage,
                         cache=gateway_pb2.CacheInfo(hit=True, tier=hit.tier, similarity=hit.similarity),
-                        sources=answer.sources, trace_id=current_trace_id(), model=model,
+                        sources=answer.sources,
+                        trace_id=current_trace_id(),
+                        model=model,
                         degradations=plan.degradations,
                     )
                 )
                 return
         sources = await self._retrieve(plan, collection, deadline)
-        rendered = await self.peers.chat_template(build_messages(plan, sources), deadline)
-        input_tokens = len(rendered.ids)
+        prompt, input_tokens = await self._render(plan, sources, deadline)
         if input_tokens > self.config.max_prompt_tokens:
             raise InvalidArgument(
                 [("prompt", f"{input_tokens} tokens with context; the limit is {self.config.max_prompt_tokens}")]
             )
-        span.set_attribute("gen_ai.usage.input_tokens", input_tokens)
+        admission = await self._admit(plan, input_tokens)
+        if admission.degraded:
+            plan.sampling.max_new_tokens = admission.max_new_tokens
+            plan.degrade("max_new_tokens_capped")
         pieces: list[str] = []
         finish = common_pb2.FINISH_REASON_UNSPECIFIED
         usage = common_pb2.Usage(input_tokens=input_tokens)
         request_id = uuid.uuid4().hex
         with tracer.start_as_current_span("gateway.inference"):
-            async for message in self.peers.generate(list(rendered.ids), plan.sampling, request_id, deadline):
+            async for message in self.peers.generate(prompt, plan.sampling, request_id, deadline):
                 if message.text:
                     pieces.append(message.text)
                     yield Delta(message.text)
                 if message.finish_reason:
                     finish = message.finish_reason
                     usage = message.usage
+        span.set_attribute("gen_ai.usage.input_tokens", usage.input_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", usage.output_tokens)
         text = "".join(pieces)
         response = gateway_pb2.GenerateResponse(
-            text=text, finish_reason=finish, usage=usage, cache=gateway_pb2.CacheInfo(hit=False),
-            sources=sources, trace_id=current_trace_id(), model=model, degradations=plan.degradations,
+            text=text,
+            finish_reason=finish,
+            usage=usage,
+            cache=gateway_pb2.CacheInfo(hit=False),
+            sources=sources,
+            trace_id=current_trace_id(),
+            model=model,
+            degradations=plan.degradations,
         )
-        if plan.use_cache and finish in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH,
-                                         common_pb2.FINISH_REASON_STOP_SEQUENCE):
+        # A capped answer is not the answer to the request as asked: do not cache it.
+        if plan.use_cache and not admission.degraded and finish in CACHEABLE_FINISH:
             await self._store(plan, scope, response, deadline)
         yield Final(response)
 
-    async def _store(self, plan: Plan, scope: cache_pb2.CacheScope, response: gateway_pb2.GenerateResponse,
-                     deadline: Deadline) -> None:
+    async def _render(
+        self, plan: Plan, sources: list[common_pb2.ScoredChunk], deadline: Deadline
+    ) -> tuple[list[int] | str, int]:
+        """The prompt as token ids and its exact length; while the tokenizer is down, ChatML text
+        and a local estimate (inference tokenizes the text itself)."""
+        messages = build_messages(plan, sources)
+        try:
+            rendered = await self.peers.chat_template(messages, deadline)
+            return list(rendered.ids), len(rendered.ids)
+        except DOWNSTREAM_ERRORS as exc:
+            if isinstance(exc, PeerCallError) and exc.code not in BREAKER_FAILURE_CODES:
+                raise
+            log.warning("tokenizer unavailable, estimating tokens locally: %s", exc.message)
+            plan.degrade("tokenizer_estimate")
+            text = render_chatml(messages)
+            return text, estimate_tokens(text)
+
+    async def _admit(self, plan: Plan, input_tokens: int) -> Admission:
+        span = trace.get_current_span()
+        try:
+            decision = self.window.plan(plan.tenant, input_tokens, plan.sampling.max_new_tokens, plan.lane)
+            admission = await decision if asyncio.iscoroutine(decision) else decision
+        except RequestTooHeavy as exc:
+            metrics.SHED.labels(exc.reason).inc()
+            span.set_attribute("llmesh.admission.decision", "refused_too_heavy")
+            raise InvalidArgument(
+                [
+                    (
+                        "sampling.max_new_tokens",
+                        f"{input_tokens} input tokens x {plan.sampling.max_new_tokens} new "
+                        f"tokens exceeds the largest admissible weight ({exc.metadata.get('max_weight', '?')})",
+                    )
+                ]
+            ) from exc
+        except ResourceExhausted as exc:
+            metrics.SHED.labels(exc.reason).inc()
+            span.set_attribute("llmesh.admission.decision", "shed")
+            span.set_attribute("llmesh.admission.reason", exc.reason)
+            span.set_attribute("llmesh.admission.retry_after_s", exc.retry_after)
+            raise
+        metrics.ADMISSION_WEIGHT.set(admission.occupancy)
+        span.set_attribute("llmesh.admission.decision", "capped" if admission.degraded else "admitted")
+        span.set_attribute("llmesh.admission.weight", admission.weight)
+        span.set_attribute("llmesh.admission.occupancy", admission.occupancy)
+        span.set_attribute("llmesh.admission.budget", admission.budget)
+        return admission
+
+    async def _store(
+        self, plan: Plan, scope: cache_pb2.CacheScope, response: gateway_pb2.GenerateResponse, deadline: Deadline
+    ) -> None:
         with tracer.start_as_current_span("gateway.cache_store"):
             answer = cache_pb2.CachedAnswer(
-                text=response.text, finish_reason=response.finish_reason, usage=response.usage,
+                text=response.text,
+                finish_reason=response.finish_reason,
+                usage=response.usage,
                 sources=response.sources,
             )
             try:
-                await self.peers.cache_store(cache_pb2.CacheStoreRequest(prompt=plan.prompt, scope=scope, answer=answer),
-                                             deadline)
-            except PeerCallError as exc:
+                await self.peers.cache_store(
+                    cache_pb2.CacheStoreRequest(prompt=plan.prompt, scope=scope, answer=answer), deadline
+                )
+            except DOWNSTREAM_ERRORS as exc:
                 log.warning("cache store failed: %s", exc.message)
 
     async def ingest(self, request: gateway_pb2.IngestRequest, deadline: Deadline) -> gateway_pb2.IngestResponse:
         upsert = retrieval_pb2.UpsertRequest(
-            collection=request.collection or self.config.default_collection, tenant=request.tenant or "default",
-            documents=request.documents, chunk_tokens=request.chunk_tokens, overlap_tokens=request.overlap_tokens,
+            collection=request.collection or self.config.default_collection,
+            tenant=request.tenant or "default",
+            documents=request.documents,
+            chunk_tokens=request.chunk_tokens,
+            overlap_tokens=request.overlap_tokens,
         )
         last = retrieval_pb2.UpsertProgress()
         async for progress in self.peers.upsert(upsert, deadline):
@@ -287,7 +423,9 @@ class Gateway:
         if not last.done:
             raise LlmeshError("ingest ended before it was done")
         return gateway_pb2.IngestResponse(
-            documents=last.documents_done, chunks=last.chunks_done, collection_version=last.collection_version,
+            documents=last.documents_done,
+            chunks=last.chunks_done,
+            collection_version=last.collection_version,
             trace_id=current_trace_id(),
         )
 
@@ -296,8 +434,11 @@ class Gateway:
             raise InvalidArgument([("query", "must not be empty")])
         found = await self.peers.search(
             retrieval_pb2.RetrievalSearchRequest(
-                query=request.query, collection=request.collection or self.config.default_collection,
-                tenant=request.tenant or "default", top_k=request.top_k, score_threshold=request.score_threshold,
+                query=request.query,
+                collection=request.collection or self.config.default_collection,
+                tenant=request.tenant or "default",
+                top_k=request.top_k,
+                score_threshold=request.score_threshold,
                 filter=request.filter,
             ),
             deadline,

@@ -2,13 +2,58 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
+from opentelemetry import trace
 
 from llmesh.channels import remaining_seconds
 from llmesh.settings import Settings
 from llmesh.v1 import gateway_pb2, gateway_pb2_grpc
+from services.gateway import metrics
+from services.gateway.admission import AdmissionConfig, RedisWeightWindow, WeightWindow, connect_redis
+from services.gateway.breaker import BreakerConfig, State, TransitionListener
 from services.gateway.core import Delta, Final, Gateway, GatewayConfig
 from services.gateway.peers import Deadline, Peers
+
+log = logging.getLogger("llmesh.gateway")
+BREAKER_STATE_VALUE = {State.CLOSED: 0, State.HALF_OPEN: 1, State.OPEN: 2}
+
+
+def breaker_listener(peer: str) -> TransitionListener:
+    """Logs, counts and marks on the active span every breaker state change."""
+    metrics.BREAKER_STATE.labels(peer).set(0)
+
+    def on_transition(old: State, new: State, reason: str) -> None:
+        log.warning(
+            "circuit breaker %s: %s -> %s (%s)",
+            peer,
+            old.value,
+            new.value,
+            reason,
+            extra={
+                "fields": {
+                    "event": "breaker_transition",
+                    "peer": peer,
+                    "from": old.value,
+                    "to": new.value,
+                    "reason": reason,
+                }
+            },
+        )
+        metrics.BREAKER_STATE.labels(peer).set(BREAKER_STATE_VALUE[new])
+        metrics.BREAKER_TRANSITIONS.labels(peer, old.value, new.value).inc()
+        trace.get_current_span().add_event(
+            "llmesh.breaker.transition",
+            {
+                "llmesh.breaker.peer": peer,
+                "llmesh.breaker.from": old.value,
+                "llmesh.breaker.to": new.value,
+                "llmesh.breaker.reason": reason,
+            },
+        )
+
+    return on_transition
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -47,8 +92,27 @@ class GatewayApp:
 
     def __init__(self, settings: Settings) -> None:
         s = settings
-        self.peers = Peers(
-            s.tokenizer_target, s.inference_target, s.cache_target, s.retrieval_target, s.max_message_bytes
+        breakers = BreakerConfig(
+            window_size=s.breaker_window,
+            minimum_calls=s.breaker_minimum_calls,
+            failure_rate_threshold=s.breaker_failure_rate,
+            slow_call_rate_threshold=s.breaker_slow_call_rate,
+            slow_call_duration=s.breaker_slow_call_seconds,
+            wait_in_open=s.breaker_wait_seconds,
+            permitted_calls_in_half_open=s.breaker_half_open_calls,
+        )
+        targets = {
+            "tokenizer": s.tokenizer_target,
+            "inference": s.inference_target,
+            "cache": s.cache_target,
+            "retrieval": s.retrieval_target,
+        }
+        self.peers = Peers(targets, s.max_message_bytes, breakers, breaker_listener)
+        admission = AdmissionConfig.from_settings(s)
+        self.window: WeightWindow | RedisWeightWindow = (
+            RedisWeightWindow(admission, connect_redis(s.admission_redis_url))
+            if s.admission_redis_url
+            else WeightWindow(admission)
         )
         config = GatewayConfig(
             default_collection=s.default_collection,
@@ -60,7 +124,7 @@ class GatewayApp:
             default_max_new_tokens=s.default_max_new_tokens,
             log_prompts=s.log_prompts,
         )
-        self.gateway = Gateway(self.peers, config)
+        self.gateway = Gateway(self.peers, config, self.window)
         self.servicer = GatewayServicer(self.gateway, s.default_deadline_seconds)
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -71,3 +135,5 @@ class GatewayApp:
 
     async def stop(self) -> None:
         await self.peers.close()
+        if isinstance(self.window, RedisWeightWindow):
+            await self.window.redis.aclose()

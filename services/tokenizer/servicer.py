@@ -57,8 +57,11 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         return tokenizer_pb2.ChunkResponse(
             chunks=[
                 tokenizer_pb2.TextChunk(
-                    text=c.text, token_start=c.token_start, token_count=c.token_count,
-                    char_start=c.char_start, char_end=c.char_end,
+                    text=c.text,
+                    token_start=c.token_start,
+                    token_count=c.token_count,
+                    char_start=c.char_start,
+                    char_end=c.char_end,
                 )
                 for c in chunks
             ],

@@ -4,6 +4,7 @@ grounded answer from an ingested document, and one trace across all five service
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,12 +58,15 @@ def client(mesh: Processes) -> Iterator[Mesh]:
         yield c
 
 
-def wait_for_spans(receiver: OtlpReceiver, trace_id: str, services: set[str], timeout: float = 15) -> list[dict]:
+def wait_for_spans(receiver: OtlpReceiver, trace_id: str, caller_span: str, timeout: float = 15) -> list[dict]:
+    """Spans of the trace once every service and the gateway's entry span have been exported."""
     deadline = time.monotonic() + timeout
     while True:
         spans = receiver.trace(trace_id)
-        if services <= {s["service"] for s in spans} or time.monotonic() > deadline:
-            return spans
+        entry = [s for s in spans if s["parent_span_id"] == caller_span]
+        if (SERVICES <= {s["service"] for s in spans} and entry) or time.monotonic() > deadline:
+            time.sleep(1.0)  # stragglers of the same trace still in a batch processor
+            return receiver.trace(trace_id)
         time.sleep(0.2)
 
 
@@ -101,13 +105,19 @@ def test_ingested_fact_grounds_the_answer_in_one_trace(client: Mesh, receiver: O
     assert ingested.documents == 1 and ingested.chunks >= 1
     found = client.search("Who keeps the Vellmora lighthouse?")
     assert found.results and found.results[0].document_id == "vellmora-lighthouse"
-    answer = client.ask("Who is the chief lighthouse keeper of Vellmora?", max_new_tokens=48)
+    # The caller's own trace continues into the mesh (W3C traceparent).
+    caller_trace, caller_span = secrets.token_hex(16), secrets.token_hex(8)
+    traceparent = f"00-{caller_trace}-{caller_span}-01"
+    answer = client.ask(
+        "Who is the chief lighthouse keeper of Vellmora?", max_new_tokens=48, metadata=[("traceparent", traceparent)]
+    )
     assert "zorblax" in answer.text.lower(), answer.text
     assert "vellmora-lighthouse" in {s.document_id for s in answer.sources}
-    spans = wait_for_spans(receiver, answer.trace_id, SERVICES)
+    assert answer.trace_id == caller_trace
+    spans = wait_for_spans(receiver, caller_trace, caller_span)
     assert SERVICES <= {s["service"] for s in spans}, {s["service"] for s in spans}
+    entry = [s for s in spans if s["parent_span_id"] == caller_span]
+    assert len(entry) == 1 and entry[0]["service"] == "llmesh-gateway", entry
     ids = {s["span_id"] for s in spans}
-    roots = [s for s in spans if not s["parent_span_id"]]
-    assert len(roots) == 1 and roots[0]["service"] == "llmesh-gateway"
-    orphans = [s for s in spans if s["parent_span_id"] and s["parent_span_id"] not in ids]
+    orphans = [(s["service"], s["name"]) for s in spans if s is not entry[0] and s["parent_span_id"] not in ids]
     assert not orphans, orphans

@@ -60,7 +60,9 @@ def _reflected_services(port: int) -> set[str]:
 
 async def _health(port: int, service: str = "") -> int:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=2
+        )
         return reply.status
 
 
@@ -147,7 +149,8 @@ async def test_metrics_endpoint_exports_grpc_server_metrics(models_dir: Path) ->
         async with hosted("tokenizer", TokenizerApp, {"LLMESH_MODELS_DIR": str(models_dir)}) as host:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{host.port}") as channel:
                 await tokenizer_pb2_grpc.TokenizerStub(channel).Count(tokenizer_pb2.CountRequest(texts=["a b"]))
-        body = urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics", timeout=5).read().decode()
+        url = f"http://127.0.0.1:{metrics.port}/metrics"
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
     finally:
         metrics.close()
     assert 'grpc_server_handled_total{grpc_code="OK",grpc_method="Count",grpc_service="llmesh.v1.Tokenizer"' in body

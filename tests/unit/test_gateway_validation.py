@@ -7,15 +7,24 @@ from llmesh.v1 import common_pb2, gateway_pb2
 from services.gateway.core import GatewayConfig, build_messages, validate
 
 CONFIG = GatewayConfig(
-    default_collection="docs", default_top_k=4, min_context_score=0.3, max_prompt_bytes=100,
-    max_prompt_tokens=1000, max_new_tokens=256, default_max_new_tokens=64,
+    default_collection="docs",
+    default_top_k=4,
+    min_context_score=0.3,
+    max_prompt_bytes=100,
+    max_prompt_tokens=1000,
+    max_new_tokens=256,
+    default_max_new_tokens=64,
 )
 
 
 def test_defaults_are_filled() -> None:
     plan = validate(gateway_pb2.GenerateRequest(prompt="hi"), CONFIG)
     assert (plan.use_cache, plan.use_retrieval, plan.top_k, plan.collection, plan.tenant) == (
-        True, True, 4, "docs", "default",
+        True,
+        True,
+        4,
+        "docs",
+        "default",
     )
     assert plan.sampling.max_new_tokens == 64
 
@@ -26,23 +35,35 @@ def test_explicit_false_is_honoured() -> None:
 
 
 def test_greedy_requests_share_one_cache_scope() -> None:
-    a = validate(gateway_pb2.GenerateRequest(prompt="hi", sampling=common_pb2.SamplingParams(top_p=0.5, seed=3)),
-                 CONFIG)
+    a = validate(
+        gateway_pb2.GenerateRequest(prompt="hi", sampling=common_pb2.SamplingParams(top_p=0.5, seed=3)), CONFIG
+    )
     b = validate(gateway_pb2.GenerateRequest(prompt="hi"), CONFIG)
     assert a.sampling == b.sampling
 
 
 def test_every_bad_field_is_reported() -> None:
     request = gateway_pb2.GenerateRequest(
-        prompt=" ", top_k=99, tenant="bad tenant!",
-        sampling=common_pb2.SamplingParams(max_new_tokens=10_000, temperature=math.nan, top_p=1.5,
-                                           stop=["", "a", "b", "c", "d"]),
+        prompt=" ",
+        top_k=99,
+        tenant="bad tenant!",
+        sampling=common_pb2.SamplingParams(
+            max_new_tokens=10_000, temperature=math.nan, top_p=1.5, stop=["", "a", "b", "c", "d"]
+        ),
     )
     with pytest.raises(InvalidArgument) as info:
         validate(request, CONFIG)
     fields = {f for f, _ in info.value.violations}
-    assert fields >= {"prompt", "top_k", "tenant", "sampling.max_new_tokens", "sampling.temperature",
-                      "sampling.top_p", "sampling.stop", "sampling.stop[0]"}
+    assert fields >= {
+        "prompt",
+        "top_k",
+        "tenant",
+        "sampling.max_new_tokens",
+        "sampling.temperature",
+        "sampling.top_p",
+        "sampling.stop",
+        "sampling.stop[0]",
+    }
 
 
 def test_oversize_prompt_is_refused_by_bytes() -> None:

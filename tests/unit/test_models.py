@@ -27,7 +27,7 @@ def test_a_flipped_byte_is_refused(model_copy: Path) -> None:
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF
     weights.write_bytes(bytes(data))
-    with pytest.raises(models.ModelError, match="sha256 mismatch for model.safetensors"):
+    with pytest.raises(models.ModelError, match=r"sha256 mismatch for model\.safetensors"):
         models.verify(model_copy)
 
 

@@ -1,0 +1,23 @@
+"""Gateway metrics (Prometheus naming: base units, `_total` counters, one `llmesh_` prefix)."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from llmesh.metrics import LATENCY_BUCKETS
+
+REQUESTS = Counter("llmesh_gateway_requests", "Generate requests by outcome and cache tier.", ["outcome", "cache_tier"])
+REQUEST_DURATION = Histogram(
+    "llmesh_gateway_request_duration_seconds",
+    "End-to-end latency of Generate requests (exemplars carry the trace id).",
+    ["cache_tier"],
+    buckets=LATENCY_BUCKETS,
+)
+ADMISSION_WEIGHT = Gauge("llmesh_gateway_admission_weight", "Request weight admitted in the current window.")
+ADMISSION_BUDGET = Gauge("llmesh_gateway_admission_budget", "Request weight the window admits at most.")
+SHED = Counter("llmesh_gateway_shed", "Requests refused before any work, by reason.", ["reason"])
+DEGRADED = Counter("llmesh_gateway_degraded", "Requests answered with a part left out, by what.", ["what"])
+BREAKER_STATE = Gauge(
+    "llmesh_gateway_breaker_state", "Circuit breaker state per downstream (0 closed, 1 half-open, 2 open).", ["peer"]
+)
+BREAKER_TRANSITIONS = Counter(
+    "llmesh_gateway_breaker_transitions", "Circuit breaker state changes.", ["peer", "from_state", "to_state"]
+)
