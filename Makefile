@@ -57,8 +57,8 @@ lock: $(BIN)/python
 bench: install
 	$(BIN)/llmesh bench
 
-certs: install
-	$(BIN)/python -m llmesh.certs .certs
+certs:
+	scripts/dev-certs.sh .certs
 
 clean:
 	rm -rf $(VENV) .data

@@ -4,6 +4,7 @@ idempotent methods (with a retry budget), and deadlines derived from the caller'
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -56,11 +57,22 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     ]
 
 
-def peer_channel(target: str, max_message_bytes: int = 8 * 1024 * 1024) -> grpc.aio.Channel:
+def peer_credentials(settings: Any) -> grpc.ChannelCredentials | None:
+    """TLS to peers when LLMESH_TLS_CA is set, presenting this service's own cert (mutual TLS)."""
+    if not getattr(settings, "tls_ca", ""):
+        return None
+    read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+    return grpc.ssl_channel_credentials(read(settings.tls_ca), read(settings.tls_key), read(settings.tls_cert))
+
+
+def peer_channel(
+    target: str, max_message_bytes: int = 8 * 1024 * 1024, credentials: grpc.ChannelCredentials | None = None
+) -> grpc.aio.Channel:
     """A traced channel to a peer; round-robin over every address the target resolves to."""
-    return grpc.aio.insecure_channel(
-        target, options=channel_options(max_message_bytes), interceptors=aio_client_interceptors()
-    )
+    options = channel_options(max_message_bytes)
+    if credentials is not None:
+        return grpc.aio.secure_channel(target, credentials, options=options, interceptors=aio_client_interceptors())
+    return grpc.aio.insecure_channel(target, options=options, interceptors=aio_client_interceptors())
 
 
 def remaining_seconds(context: grpc.aio.ServicerContext | None, default: float) -> float:

@@ -14,6 +14,7 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
@@ -60,6 +61,18 @@ def server_options(settings: Settings) -> list[tuple[str, Any]]:
         ("grpc.max_connection_age_grace_ms", 60_000),
         ("grpc.so_reuseport", 0),
     ]
+
+
+def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
+    """TLS when a cert is set; mutual TLS (client certs required) when a client CA is set too."""
+    if not settings.tls_cert:
+        return None
+    client_ca = Path(settings.tls_client_ca).read_bytes() if settings.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(Path(settings.tls_key).read_bytes(), Path(settings.tls_cert).read_bytes())],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
 
 
 def _split_method(full: str) -> tuple[str, str]:
@@ -176,7 +189,11 @@ class ServiceHost:
         reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], self.server)
         for name in ("", *self.app.service_names):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self.server.add_insecure_port(self.settings.listen)
+        credentials = server_credentials(self.settings)
+        if credentials is None:
+            self.port = self.server.add_insecure_port(self.settings.listen)
+        else:
+            self.port = self.server.add_secure_port(self.settings.listen, credentials)
         if self.port == 0:
             raise RuntimeError(f"could not bind {self.settings.listen}")
         await self.server.start()

@@ -155,6 +155,21 @@ def parse_lane_shares(raw: str) -> dict[str, float]:
     return lanes
 
 
+def _optional_file(raw: str) -> str:
+    if raw and not Path(raw).is_file():
+        raise ValueError("no such file")
+    return raw
+
+
+def _api_keys(raw: str) -> str:
+    # Checked here so a malformed value stops the gateway at start; parsed by the gateway's auth module.
+    for item in filter(None, (i.strip() for i in raw.split(";"))):
+        key, sep, tenants = item.partition("=")
+        if not sep or len(key.strip()) < 16 or not tenants.strip():
+            raise ValueError("expected key=tenant|tenant;key2=* with keys of at least 16 characters")
+    return raw
+
+
 def _text(raw: str) -> str:
     return raw
 
@@ -206,6 +221,19 @@ DECLARED: tuple[Setting, ...] = (
     Setting(
         "LLMESH_MAX_MESSAGE_BYTES", str(8 * 1024 * 1024), "Max gRPC message size, both directions.", ALL, _positive_int
     ),
+    # Transport security. With a cert and key the service serves TLS; with a client CA it also
+    # requires client certificates (mutual TLS). With LLMESH_TLS_CA it dials its peers over TLS,
+    # presenting its own cert and key as the client identity.
+    Setting("LLMESH_TLS_CERT", "", "PEM certificate this service presents (enables TLS).", ALL, _optional_file),
+    Setting("LLMESH_TLS_KEY", "", "PEM private key of LLMESH_TLS_CERT.", ALL, _optional_file),
+    Setting(
+        "LLMESH_TLS_CLIENT_CA",
+        "",
+        "CA bundle client certificates must chain to (enables mutual TLS).",
+        ALL,
+        _optional_file,
+    ),
+    Setting("LLMESH_TLS_CA", "", "CA bundle to verify peers with (enables TLS to peers).", ALL, _optional_file),
     # Peers (who dials whom).
     Setting(
         "LLMESH_TOKENIZER_TARGET", "127.0.0.1:50052", "Tokenizer service address.", ("gateway", "retrieval"), _target
@@ -228,6 +256,13 @@ DECLARED: tuple[Setting, ...] = (
         "Retrieved chunks scoring below this are not used as context.",
         ("gateway",),
         _unit_float,
+    ),
+    Setting(
+        "LLMESH_API_KEYS",
+        "",
+        "Gateway API keys and the tenants each owns: `key1=acme|beta;key2=*` (empty: no authentication).",
+        ("gateway",),
+        _api_keys,
     ),
     Setting("LLMESH_MAX_PROMPT_BYTES", "32768", "Largest accepted prompt in bytes.", ("gateway",), _positive_int),
     # Gateway admission by request weight (input tokens x max_new_tokens over a sliding window).
@@ -424,6 +459,10 @@ class Settings:
     def models_path(self) -> Path:
         explicit = self._values.get("LLMESH_MODELS_DIR")
         return Path(explicit).resolve() if explicit else self.data_path / "models"
+
+    @property
+    def tls_server(self) -> bool:
+        return bool(self._values.get("LLMESH_TLS_CERT"))
 
     def as_env(self) -> dict[str, str]:
         return {k: str(v) for k, v in self._values.items()}

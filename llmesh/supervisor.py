@@ -57,10 +57,24 @@ class ServiceProcess:
         self._listening.set()
 
 
-def wait_serving(target: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+def tls_credentials(env: Mapping[str, str]) -> grpc.ChannelCredentials | None:
+    """Credentials to reach a service started with this environment (TLS when it serves TLS)."""
+    if not env.get("LLMESH_TLS_CERT"):
+        return None
+    read = lambda var: Path(env[var]).read_bytes() if env.get(var) else None  # noqa: E731
+    return grpc.ssl_channel_credentials(read("LLMESH_TLS_CA"), read("LLMESH_TLS_KEY"), read("LLMESH_TLS_CERT"))
+
+
+def wait_serving(
+    target: str,
+    timeout: float,
+    proc: subprocess.Popen[bytes] | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
     """Polls the standard health service until SERVING."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as channel:
+    channel_cm = grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
+    with channel_cm as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if proc is not None and proc.poll() is not None:
@@ -122,7 +136,7 @@ class Mesh:
             self._kill(sp)
             raise RuntimeError(f"{name} did not start:\n" + "\n".join(sp.log_lines[-30:]))
         try:
-            wait_serving(sp.target, timeout, proc)
+            wait_serving(sp.target, timeout, proc, tls_credentials(env))
         except (RuntimeError, TimeoutError) as exc:
             self._kill(sp)
             raise RuntimeError(f"{name}: {exc}\n" + "\n".join(sp.log_lines[-30:])) from exc

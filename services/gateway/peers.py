@@ -100,8 +100,9 @@ class Peers:
         max_message_bytes: int,
         breaker_config: BreakerConfig | None = None,
         on_transition: Callable[[str], TransitionListener] | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
-        self.channels = {name: peer_channel(targets[name], max_message_bytes) for name in PEERS}
+        self.channels = {name: peer_channel(targets[name], max_message_bytes, credentials) for name in PEERS}
         self.breakers = {
             name: CircuitBreaker(
                 name,

@@ -7,11 +7,12 @@ import logging
 import grpc
 from opentelemetry import trace
 
-from llmesh.channels import remaining_seconds
+from llmesh.channels import peer_credentials, remaining_seconds
 from llmesh.settings import Settings
 from llmesh.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway import metrics
 from services.gateway.admission import AdmissionConfig, RedisWeightWindow, WeightWindow, connect_redis
+from services.gateway.auth import ApiKeys
 from services.gateway.breaker import BreakerConfig, State, TransitionListener
 from services.gateway.core import Delta, Final, Gateway, GatewayConfig
 from services.gateway.peers import Deadline, Peers
@@ -57,23 +58,27 @@ def breaker_listener(peer: str) -> TransitionListener:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, gateway: Gateway, default_deadline: float) -> None:
+    def __init__(self, gateway: Gateway, default_deadline: float, api_keys: ApiKeys) -> None:
         self.gateway = gateway
         self.default_deadline = default_deadline
+        self.api_keys = api_keys
 
-    def _deadline(self, context: grpc.aio.ServicerContext) -> Deadline:
+    def _begin(self, context: grpc.aio.ServicerContext, tenant: str) -> Deadline:
+        """Authorizes the caller for the tenant, then fixes the request's deadline."""
+        authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+        self.api_keys.authorize(authorization if isinstance(authorization, str) else None, tenant or "default")
         return Deadline.after(remaining_seconds(context, self.default_deadline))
 
     async def Generate(self, request, context):  # type: ignore[no-untyped-def]
         final: gateway_pb2.GenerateResponse | None = None
-        async for event in self.gateway.generate(request, self._deadline(context)):
+        async for event in self.gateway.generate(request, self._begin(context, request.tenant)):
             if isinstance(event, Final):
                 final = event.response
         assert final is not None
         return final
 
     async def GenerateStream(self, request, context):  # type: ignore[no-untyped-def]
-        async for event in self.gateway.generate(request, self._deadline(context)):
+        async for event in self.gateway.generate(request, self._begin(context, request.tenant)):
             if isinstance(event, Delta):
                 if event.text:
                     yield gateway_pb2.GenerateStreamResponse(delta=event.text)
@@ -81,10 +86,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 yield gateway_pb2.GenerateStreamResponse(final=event.response)
 
     async def Ingest(self, request, context):  # type: ignore[no-untyped-def]
-        return await self.gateway.ingest(request, self._deadline(context))
+        return await self.gateway.ingest(request, self._begin(context, request.tenant))
 
     async def Search(self, request, context):  # type: ignore[no-untyped-def]
-        return await self.gateway.search(request, self._deadline(context))
+        return await self.gateway.search(request, self._begin(context, request.tenant))
 
 
 class GatewayApp:
@@ -107,7 +112,7 @@ class GatewayApp:
             "cache": s.cache_target,
             "retrieval": s.retrieval_target,
         }
-        self.peers = Peers(targets, s.max_message_bytes, breakers, breaker_listener)
+        self.peers = Peers(targets, s.max_message_bytes, breakers, breaker_listener, peer_credentials(s))
         admission = AdmissionConfig.from_settings(s)
         self.window: WeightWindow | RedisWeightWindow = (
             RedisWeightWindow(admission, connect_redis(s.admission_redis_url))
@@ -125,7 +130,7 @@ class GatewayApp:
             log_prompts=s.log_prompts,
         )
         self.gateway = Gateway(self.peers, config, self.window)
-        self.servicer = GatewayServicer(self.gateway, s.default_deadline_seconds)
+        self.servicer = GatewayServicer(self.gateway, s.default_deadline_seconds, ApiKeys.parse(s.api_keys))
 
     def register(self, server: grpc.aio.Server) -> None:
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, server)
