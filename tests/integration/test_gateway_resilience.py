@@ -1,0 +1,186 @@
+"""The gateway on real servers (tokenizer, tiny-model inference) with downstreams missing:
+degradation, breakers, admission shedding, cancellation and a cluster-wide budget."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+
+from llmesh.errors import status_details, unpack_details
+from llmesh.server import ServiceHost
+from llmesh.testing import hosted
+from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.gateway.servicer import GatewayApp
+from services.inference.servicer import InferenceApp
+from services.tokenizer.servicer import TokenizerApp
+
+CLOSED = "127.0.0.1:1"  # nothing listens there
+SHARED_REDIS = "redis://127.0.0.1:6379/13"
+
+
+@contextlib.asynccontextmanager
+async def backends(models_dir: Path) -> AsyncIterator[tuple[ServiceHost, ServiceHost]]:
+    env = {"LLMESH_MODELS_DIR": str(models_dir), "LLMESH_INFERENCE_MODEL": "tiny"}
+    async with hosted("tokenizer", TokenizerApp, env) as tok, hosted("inference", InferenceApp, env) as inf:
+        yield tok, inf
+
+
+def gateway_env(tok: ServiceHost | None, inf: ServiceHost | None, **extra: str) -> dict[str, str]:
+    return {
+        "LLMESH_TOKENIZER_TARGET": f"127.0.0.1:{tok.port}" if tok else CLOSED,
+        "LLMESH_INFERENCE_TARGET": f"127.0.0.1:{inf.port}" if inf else CLOSED,
+        "LLMESH_CACHE_TARGET": CLOSED,
+        "LLMESH_RETRIEVAL_TARGET": CLOSED,
+        **extra,
+    }
+
+
+async def weight_of(tok: ServiceHost, prompt: str, max_new_tokens: int) -> int:
+    """The admission weight the gateway will compute for this prompt (no retrieval context)."""
+    from llmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+    from services.gateway.core import build_messages, validate
+
+    plan = validate(ask(prompt, max_new_tokens), gw_config())
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{tok.port}") as channel:
+        rendered = await tokenizer_pb2_grpc.TokenizerStub(channel).ApplyChatTemplate(
+            tokenizer_pb2.ApplyChatTemplateRequest(messages=build_messages(plan, []), add_generation_prompt=True)
+        )
+    return rendered.token_count * max_new_tokens
+
+
+def gw_config():  # type: ignore[no-untyped-def]
+    from services.gateway.core import GatewayConfig
+
+    return GatewayConfig("docs", 4, 0.25, 32768, 1536, 512, 128)
+
+
+def ask(prompt: str, max_new_tokens: int = 8, **kw: object) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        prompt=prompt, sampling=common_pb2.SamplingParams(max_new_tokens=max_new_tokens), **kw
+    )
+
+
+async def test_answers_without_cache_and_retrieval_and_says_so(models_dir: Path, tiny_model: Path) -> None:
+    async with backends(models_dir) as (tok, inf), hosted("gateway", GatewayApp, gateway_env(tok, inf)) as gw:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            started = time.perf_counter()
+            reply = await stub.Generate(ask("Hello there"), timeout=30)
+            assert reply.usage.output_tokens == 8 and reply.text
+            assert {"cache_unavailable", "retrieval_unavailable"} <= set(reply.degradations)
+            assert time.perf_counter() - started < 10
+
+
+async def test_tokenizer_down_falls_back_to_a_local_estimate(models_dir: Path, tiny_model: Path) -> None:
+    async with backends(models_dir) as (_, inf), hosted("gateway", GatewayApp, gateway_env(None, inf)) as gw:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
+            reply = await gateway_pb2_grpc.GatewayStub(channel).Generate(ask("Hello there"), timeout=30)
+    assert "tokenizer_estimate" in reply.degradations
+    assert reply.usage.output_tokens == 8
+
+
+async def test_inference_down_opens_the_breaker_and_fails_fast(models_dir: Path) -> None:
+    env = gateway_env(
+        None, None, LLMESH_BREAKER_WINDOW="2", LLMESH_BREAKER_MINIMUM_CALLS="2", LLMESH_BREAKER_WAIT_SECONDS="30"
+    )
+    async with hosted("gateway", GatewayApp, env) as gw:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            for _ in range(2):
+                with pytest.raises(grpc.aio.AioRpcError) as down:
+                    await stub.Generate(ask("hi"), timeout=10)
+                assert down.value.code() == grpc.StatusCode.UNAVAILABLE
+            started = time.perf_counter()
+            with pytest.raises(grpc.aio.AioRpcError) as open_:
+                await stub.Generate(ask("hi"), timeout=10)
+            elapsed = time.perf_counter() - started
+    assert open_.value.code() == grpc.StatusCode.UNAVAILABLE
+    info = unpack_details(status_details(open_.value.trailing_metadata()))
+    assert info["error_info"].reason == "CIRCUIT_OPEN"  # type: ignore[attr-defined]
+    assert "retry_info" in info
+    assert elapsed < 0.5
+    assert gw.app.peers.breakers["inference"].state.value == "open"  # type: ignore[attr-defined]
+
+
+async def test_over_budget_is_shed_at_once_with_retry_info(models_dir: Path, tiny_model: Path) -> None:
+    async with backends(models_dir) as (tok, inf):
+        weight = await weight_of(tok, "Hello there", 16)
+        env = gateway_env(
+            tok,
+            inf,
+            LLMESH_ADMISSION_BUDGET=str(3 * weight + weight // 2),
+            LLMESH_ADMISSION_TENANT_SHARE="1",
+            LLMESH_ADMISSION_DEGRADE="false",
+        )
+        async with hosted("gateway", GatewayApp, env) as gw:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
+                stub = gateway_pb2_grpc.GatewayStub(channel)
+                for _ in range(3):
+                    reply = await stub.Generate(ask("Hello there", 16), timeout=30)
+                    assert reply.usage.input_tokens * 16 == weight
+                started = time.perf_counter()
+                with pytest.raises(grpc.aio.AioRpcError) as shed:
+                    await stub.Generate(ask("Hello there", 16), timeout=30)
+                elapsed = time.perf_counter() - started
+    assert shed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    details = unpack_details(status_details(shed.value.trailing_metadata()))
+    delay = details["retry_info"].retry_delay  # type: ignore[attr-defined]
+    assert 0 < delay.seconds + delay.nanos / 1e9 <= 10
+    assert details["error_info"].reason == "WEIGHT_BUDGET_EXCEEDED"  # type: ignore[attr-defined]
+    assert elapsed < 1.0
+
+
+async def test_cancelled_stream_frees_the_inference_slot(models_dir: Path, tiny_model: Path) -> None:
+    async with backends(models_dir) as (tok, inf), hosted("gateway", GatewayApp, gateway_env(tok, inf)) as gw:
+        engine = inf.app.manager.get().engine  # type: ignore[attr-defined]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
+            request = ask("Tell me a very long story", 500)
+            request.sampling.ignore_eos = True
+            call = gateway_pb2_grpc.GatewayStub(channel).GenerateStream(request, timeout=60)
+            async for message in call:
+                if message.delta:
+                    break
+            assert engine.running_count == 1
+            call.cancel()
+            for _ in range(100):
+                if engine.running_count == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert engine.running_count == 0
+
+
+async def test_two_gateways_sharing_redis_enforce_one_budget(models_dir: Path, tiny_model: Path) -> None:
+    redis.Redis.from_url(SHARED_REDIS).flushdb()
+    async with backends(models_dir) as (tok, inf):
+        weight = await weight_of(tok, "Hello there", 16)
+        env = gateway_env(
+            tok,
+            inf,
+            LLMESH_ADMISSION_BUDGET=str(3 * weight + weight // 2),
+            LLMESH_ADMISSION_TENANT_SHARE="1",
+            LLMESH_ADMISSION_DEGRADE="false",
+            LLMESH_ADMISSION_REDIS_URL=SHARED_REDIS,
+        )
+        async with hosted("gateway", GatewayApp, env) as a, hosted("gateway", GatewayApp, env) as b:
+            outcomes = []
+            async with (
+                grpc.aio.insecure_channel(f"127.0.0.1:{a.port}") as ca,
+                grpc.aio.insecure_channel(f"127.0.0.1:{b.port}") as cb,
+            ):
+                stubs = [gateway_pb2_grpc.GatewayStub(ca), gateway_pb2_grpc.GatewayStub(cb)]
+                for i in range(4):
+                    try:
+                        await stubs[i % 2].Generate(ask("Hello there", 16), timeout=30)
+                        outcomes.append("ok")
+                    except grpc.aio.AioRpcError as err:
+                        outcomes.append(err.code().name)
+    # Three requests fit a 3.5-request budget whichever gateway takes them; the fourth does not.
+    assert outcomes == ["ok", "ok", "ok", "RESOURCE_EXHAUSTED"]
+    redis.Redis.from_url(SHARED_REDIS).flushdb()
