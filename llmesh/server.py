@@ -28,6 +28,10 @@ from llmesh.metrics import GRPC_HANDLED, GRPC_HANDLING, GRPC_STARTED, MetricsEnd
 from llmesh.settings import Settings, load_or_exit
 
 log = logging.getLogger("llmesh.server")
+# Lifecycle events (listening, serving, draining, stopped) are logged whatever the log level:
+# supervisors read the bound ports from them.
+lifecycle = logging.getLogger("llmesh.lifecycle")
+lifecycle.setLevel(logging.INFO)
 T = TypeVar("T")
 
 
@@ -236,7 +240,9 @@ async def _serve(service: str, factory: Callable[[Settings], ServiceApp], settin
     started = time.perf_counter()
 
     def listening(port: int) -> None:
-        log.info("listening", extra={"fields": {"event": "listening", "port": port, "metrics_port": metrics.port}})
+        lifecycle.info(
+            "listening", extra={"fields": {"event": "listening", "port": port, "metrics_port": metrics.port}}
+        )
 
     startup = asyncio.create_task(host.start(listening))
     waiter = asyncio.create_task(stopping.wait())
@@ -244,7 +250,7 @@ async def _serve(service: str, factory: Callable[[Settings], ServiceApp], settin
     if startup in done:
         startup.result()
         # One machine-readable line: supervisors and tests read the bound ports from it.
-        log.info(
+        lifecycle.info(
             "serving",
             extra={
                 "fields": {
@@ -258,10 +264,10 @@ async def _serve(service: str, factory: Callable[[Settings], ServiceApp], settin
         await waiter
     else:
         startup.cancel()
-    log.info("draining", extra={"fields": {"event": "draining", "grace_seconds": settings.grace_seconds}})
+    lifecycle.info("draining", extra={"fields": {"event": "draining", "grace_seconds": settings.grace_seconds}})
     await host.stop()
     metrics.close()
-    log.info("stopped", extra={"fields": {"event": "stopped"}})
+    lifecycle.info("stopped", extra={"fields": {"event": "stopped"}})
 
 
 class Readiness(Generic[T]):

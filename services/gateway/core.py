@@ -9,12 +9,13 @@ what was left out.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -77,6 +78,16 @@ class Plan:
     tenant: str
     lane: str = INTERACTIVE
     degradations: list[str] = field(default_factory=list)
+    # Milliseconds spent per hop, returned to the caller as `server-timing` metadata.
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def timed(self, hop: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[hop] = self.timings.get(hop, 0.0) + (time.perf_counter() - started) * 1000
 
     def degrade(self, what: str) -> None:
         if what not in self.degradations:
@@ -92,6 +103,12 @@ class Delta:
 @dataclass
 class Final:
     response: gateway_pb2.GenerateResponse
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def server_timing(timings: dict[str, float]) -> str:
+    """The W3C Server-Timing form: `cache;dur=0.8, inference;dur=412.3`."""
+    return ", ".join(f"{hop};dur={ms:.1f}" for hop, ms in timings.items())
 
 
 def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Plan:
@@ -270,9 +287,22 @@ class Gateway:
             outcome = "cancelled"
             raise
         finally:
+            elapsed = time.perf_counter() - started
             metrics.REQUESTS.labels(outcome, tier).inc()
             if outcome == "ok":
-                metrics.REQUEST_DURATION.labels(tier).observe(time.perf_counter() - started, trace_exemplar())
+                metrics.REQUEST_DURATION.labels(tier).observe(elapsed, trace_exemplar())
+            # One access-log line per request; the JSON formatter adds trace_id and span_id.
+            log.info(
+                "generate",
+                extra={
+                    "fields": {
+                        "event": "generate",
+                        "outcome": outcome,
+                        "cache_tier": tier,
+                        "duration_ms": round(elapsed * 1000, 2),
+                    }
+                },
+            )
 
     async def _generate(self, request: gateway_pb2.GenerateRequest, deadline: Deadline) -> AsyncIterator[Delta | Final]:
         plan = validate(request, self.config)
@@ -284,11 +314,14 @@ class Gateway:
         span.set_attribute("gen_ai.request.temperature", plan.sampling.temperature)
         if self.config.log_prompts:
             span.set_attribute("llmesh.prompt", plan.prompt)
-        model = await self.model_key(deadline)
-        collection, version = await self._retrieval_scope(plan, deadline)
+        with plan.timed("model"):
+            model = await self.model_key(deadline)
+        with plan.timed("retrieval"):
+            collection, version = await self._retrieval_scope(plan, deadline)
         scope = self._scope(plan, model, collection, version)
         if plan.use_cache:
-            hit = await self._lookup(plan, scope, deadline)
+            with plan.timed("cache"):
+                hit = await self._lookup(plan, scope, deadline)
             if hit is not None:
                 answer = hit.answer
                 yield Delta(answer.text)
@@ -302,16 +335,20 @@ class Gateway:
                         trace_id=current_trace_id(),
                         model=model,
                         degradations=plan.degradations,
-                    )
+                    ),
+                    plan.timings,
                 )
                 return
-        sources = await self._retrieve(plan, collection, deadline)
-        prompt, input_tokens = await self._render(plan, sources, deadline)
+        with plan.timed("retrieval"):
+            sources = await self._retrieve(plan, collection, deadline)
+        with plan.timed("tokenizer"):
+            prompt, input_tokens = await self._render(plan, sources, deadline)
         if input_tokens > self.config.max_prompt_tokens:
             raise InvalidArgument(
                 [("prompt", f"{input_tokens} tokens with context; the limit is {self.config.max_prompt_tokens}")]
             )
-        admission = await self._admit(plan, input_tokens)
+        with plan.timed("admission"):
+            admission = await self._admit(plan, input_tokens)
         if admission.degraded:
             plan.sampling.max_new_tokens = admission.max_new_tokens
             plan.degrade("max_new_tokens_capped")
@@ -319,7 +356,7 @@ class Gateway:
         finish = common_pb2.FINISH_REASON_UNSPECIFIED
         usage = common_pb2.Usage(input_tokens=input_tokens)
         request_id = uuid.uuid4().hex
-        with tracer.start_as_current_span("gateway.inference"):
+        with tracer.start_as_current_span("gateway.inference"), plan.timed("inference"):
             async for message in self.peers.generate(prompt, plan.sampling, request_id, deadline):
                 if message.text:
                     pieces.append(message.text)
@@ -342,8 +379,9 @@ class Gateway:
         )
         # A capped answer is not the answer to the request as asked: do not cache it.
         if plan.use_cache and not admission.degraded and finish in CACHEABLE_FINISH:
-            await self._store(plan, scope, response, deadline)
-        yield Final(response)
+            with plan.timed("cache_store"):
+                await self._store(plan, scope, response, deadline)
+        yield Final(response, plan.timings)
 
     async def _render(
         self, plan: Plan, sources: list[common_pb2.ScoredChunk], deadline: Deadline

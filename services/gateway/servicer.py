@@ -14,7 +14,7 @@ from services.gateway import metrics
 from services.gateway.admission import AdmissionConfig, RedisWeightWindow, WeightWindow, connect_redis
 from services.gateway.auth import ApiKeys
 from services.gateway.breaker import BreakerConfig, State, TransitionListener
-from services.gateway.core import Delta, Final, Gateway, GatewayConfig
+from services.gateway.core import Delta, Final, Gateway, GatewayConfig, server_timing
 from services.gateway.peers import Deadline, Peers
 
 log = logging.getLogger("llmesh.gateway")
@@ -70,12 +70,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return Deadline.after(remaining_seconds(context, self.default_deadline))
 
     async def Generate(self, request, context):  # type: ignore[no-untyped-def]
-        final: gateway_pb2.GenerateResponse | None = None
+        final: Final | None = None
         async for event in self.gateway.generate(request, self._begin(context, request.tenant)):
             if isinstance(event, Final):
-                final = event.response
+                final = event
         assert final is not None
-        return final
+        context.set_trailing_metadata((("server-timing", server_timing(final.timings)),))
+        return final.response
 
     async def GenerateStream(self, request, context):  # type: ignore[no-untyped-def]
         async for event in self.gateway.generate(request, self._begin(context, request.tenant)):
@@ -83,6 +84,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if event.text:
                     yield gateway_pb2.GenerateStreamResponse(delta=event.text)
             else:
+                context.set_trailing_metadata((("server-timing", server_timing(event.timings)),))
                 yield gateway_pb2.GenerateStreamResponse(final=event.response)
 
     async def Ingest(self, request, context):  # type: ignore[no-untyped-def]

@@ -121,3 +121,62 @@ def test_ingested_fact_grounds_the_answer_in_one_trace(client: Mesh, receiver: O
     ids = {s["span_id"] for s in spans}
     orphans = [(s["service"], s["name"]) for s in spans if s is not entry[0] and s["parent_span_id"] not in ids]
     assert not orphans, orphans
+
+
+EXPECTED_METRICS = {
+    "gateway": {
+        "llmesh_gateway_requests": "counter",
+        "llmesh_gateway_request_duration_seconds": "histogram",
+        "llmesh_gateway_admission_weight": "gauge",
+        "llmesh_gateway_shed": "counter",
+        "llmesh_gateway_breaker_state": "gauge",
+    },
+    "inference": {
+        "llmesh_inference_queue_size": "gauge",
+        "llmesh_inference_batch_size": "gauge",
+        "llmesh_inference_time_to_first_token_seconds": "histogram",
+        "llmesh_inference_inter_token_latency_seconds": "histogram",
+        "llmesh_inference_request_duration_seconds": "histogram",
+        "llmesh_inference_prompt_tokens": "counter",
+        "llmesh_inference_generation_tokens": "counter",
+        "llmesh_inference_requests": "counter",
+    },
+    "cache": {"llmesh_cache_lookups": "counter", "llmesh_cache_degraded": "gauge"},
+    "retrieval": {"llmesh_retrieval_search_duration_seconds": "histogram", "llmesh_retrieval_points": "gauge"},
+    "tokenizer": {},
+}
+
+
+def test_every_service_exports_its_metrics(mesh: Processes) -> None:
+    import shutil
+    import subprocess
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for name, expected in EXPECTED_METRICS.items():
+        port = mesh.procs[name].metrics_port
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        families = {f.name: f.type for f in text_string_to_metric_families(body)}
+        assert families.get("grpc_server_handled") == "counter", name
+        assert families.get("grpc_server_handling_seconds") == "histogram", name
+        for metric, kind in expected.items():
+            assert families.get(metric) == kind, (name, metric, families.get(metric))
+        if shutil.which("promtool"):
+            lint = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, text=True)
+            assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def test_log_lines_carry_the_trace_id(client: Mesh, mesh: Processes) -> None:
+    import json
+
+    reply = client.ask("What is the capital of France?", max_new_tokens=48)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        lines = [json.loads(x) for x in mesh.procs["gateway"].log_lines if x.startswith("{")]
+        mine = [x for x in lines if x.get("trace_id") == reply.trace_id]
+        if mine:
+            break
+        time.sleep(0.1)
+    assert mine and all(len(x["span_id"]) == 16 for x in mine)
+    assert "What is the capital" not in json.dumps(mine)  # no prompt text unless opted in

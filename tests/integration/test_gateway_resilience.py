@@ -72,8 +72,13 @@ async def test_answers_without_cache_and_retrieval_and_says_so(models_dir: Path,
         async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
             started = time.perf_counter()
-            reply = await stub.Generate(ask("Hello there"), timeout=30)
+            call = stub.Generate(ask("Hello there"), timeout=30)
+            reply = await call
             assert reply.usage.output_tokens == 8 and reply.text
+            timing = dict(await call.trailing_metadata())["server-timing"]
+            hops = dict(part.split(";dur=") for part in timing.split(", "))
+            assert {"cache", "retrieval", "tokenizer", "admission", "inference"} <= set(hops)
+            assert all(float(ms) >= 0 for ms in hops.values())
             assert {"cache_unavailable", "retrieval_unavailable"} <= set(reply.degradations)
             assert time.perf_counter() - started < 10
 
