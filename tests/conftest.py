@@ -8,7 +8,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from llmesh.testing import build_tiny_model, real_models_dir  # noqa: E402
+from llmesh.testing import build_tiny_model, real_models_dir
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +21,15 @@ def models_dir() -> Path:
 def tiny_model(models_dir: Path) -> Path:
     """A tiny random-weight Llama on the real tokenizer, in the same models dir (name 'tiny')."""
     return build_tiny_model(models_dir)
+
+
+@pytest.fixture(scope="session")
+def dev_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA, a service certificate and a client certificate from scripts/dev-certs.sh."""
+    import subprocess
+
+    from llmesh.testing import REPO_ROOT
+
+    out = tmp_path_factory.mktemp("certs")
+    subprocess.run([str(REPO_ROOT / "scripts" / "dev-certs.sh"), str(out)], check=True, capture_output=True)
+    return out

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import redis
 
 from llmesh.client import AsyncMesh, AuthError, InvalidRequestError, Mesh, OverloadedError, UnavailableError
 from llmesh.server import ServiceHost
-from llmesh.testing import REPO_ROOT, hosted
+from llmesh.testing import hosted
 from services.cache.servicer import CacheApp
 from services.gateway.servicer import GatewayApp
 from services.inference.servicer import InferenceApp
@@ -117,9 +116,8 @@ async def test_overloaded_error_carries_retry_after(models_dir: Path, tiny_model
     assert overloaded.value.reason == "WEIGHT_BUDGET_EXCEEDED"
 
 
-async def test_tls_with_client_certificate(models_dir: Path, tiny_model: Path, tmp_path: Path) -> None:
-    certs = tmp_path / "certs"
-    subprocess.run([str(REPO_ROOT / "scripts" / "dev-certs.sh"), str(certs)], check=True, capture_output=True)
+async def test_tls_with_client_certificate(models_dir: Path, tiny_model: Path, tmp_path: Path, dev_certs: Path) -> None:
+    certs = dev_certs
     tls = {
         "LLMESH_TLS_CERT": str(certs / "service.pem"),
         "LLMESH_TLS_KEY": str(certs / "service.key"),

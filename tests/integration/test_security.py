@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmesh.testing import REPO_ROOT, hosted
+from llmesh.testing import hosted
 from llmesh.v1 import gateway_pb2, gateway_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from services.gateway.servicer import GatewayApp
 from services.tokenizer.servicer import TokenizerApp
 
 API_KEY = "test-key-0123456789"
 OTHER_KEY = "admin-key-0123456789"
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("certs")
-    subprocess.run([str(REPO_ROOT / "scripts" / "dev-certs.sh"), str(out)], check=True, capture_output=True)
-    return out
 
 
 def _creds(certs: Path, client: bool) -> grpc.ChannelCredentials:
@@ -32,7 +24,8 @@ def _creds(certs: Path, client: bool) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(ca, (certs / "client.key").read_bytes(), (certs / "client.pem").read_bytes())
 
 
-async def test_mutual_tls_refuses_clients_without_a_certificate(certs: Path, models_dir: Path) -> None:
+async def test_mutual_tls_refuses_clients_without_a_certificate(dev_certs: Path, models_dir: Path) -> None:
+    certs = dev_certs
     env = {
         "LLMESH_MODELS_DIR": str(models_dir),
         "LLMESH_TLS_CERT": str(certs / "service.pem"),
