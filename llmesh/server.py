@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -130,6 +131,7 @@ class RuntimeInterceptor(grpc.aio.ServerInterceptor):
                 started = time.perf_counter()
                 exc: BaseException | None = None
                 try:
+                    _refuse_unparsable(request)
                     return await inner_uu(request, context)
                 except BaseException as caught:
                     exc = caught
@@ -140,7 +142,7 @@ class RuntimeInterceptor(grpc.aio.ServerInterceptor):
                     finish(kind, started, context, code_of(context, exc))
 
             return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer
+                unary_unary, _tolerant(handler.request_deserializer), handler.response_serializer
             )
         if handler.unary_stream:
             inner_us = handler.unary_stream
@@ -151,6 +153,7 @@ class RuntimeInterceptor(grpc.aio.ServerInterceptor):
                 started = time.perf_counter()
                 exc: BaseException | None = None
                 try:
+                    _refuse_unparsable(request)
                     async for item in inner_us(request, context):
                         yield item
                 except BaseException as caught:
@@ -162,9 +165,35 @@ class RuntimeInterceptor(grpc.aio.ServerInterceptor):
                     finish(kind, started, context, code_of(context, exc))
 
             return grpc.unary_stream_rpc_method_handler(
-                unary_stream, handler.request_deserializer, handler.response_serializer
+                unary_stream, _tolerant(handler.request_deserializer), handler.response_serializer
             )
         return handler
+
+
+class _Unparsable:
+    """Stands in for a request whose bytes did not parse, so the handler can refuse it with
+    INVALID_ARGUMENT (grpc would otherwise answer UNKNOWN with a protobuf traceback)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except DecodeError as exc:
+            return _Unparsable(exc)
+
+    return parse
+
+
+def _refuse_unparsable(request: Any) -> None:
+    if isinstance(request, _Unparsable):
+        raise errors.InvalidArgument([("", f"request is not a valid message: {request.error}")])
 
 
 def _is_abort(exc: BaseException) -> bool:

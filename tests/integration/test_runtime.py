@@ -155,3 +155,14 @@ async def test_metrics_endpoint_exports_grpc_server_metrics(models_dir: Path) ->
         metrics.close()
     assert 'grpc_server_handled_total{grpc_code="OK",grpc_method="Count",grpc_service="llmesh.v1.Tokenizer"' in body
     assert "grpc_server_handling_seconds_bucket" in body
+
+
+async def test_unparsable_requests_are_invalid_argument(models_dir: Path) -> None:
+    async with hosted("tokenizer", TokenizerApp, {"LLMESH_MODELS_DIR": str(models_dir)}) as host:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{host.port}") as channel:
+            for method in ("/llmesh.v1.Tokenizer/Encode", "/llmesh.v1.Tokenizer/Chunk"):
+                call = channel.unary_unary(method)
+                for raw in (b"\x0a\x02\xff\xfe", b"\xff\xff\xff", b"\x08\x80"):  # bad UTF-8, corrupt wire
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await call(raw, timeout=5)
+                    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, raw)
