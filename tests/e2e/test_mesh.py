@@ -121,6 +121,25 @@ def test_ingested_fact_grounds_the_answer_in_one_trace(client: Mesh, receiver: O
     ids = {s["span_id"] for s in spans}
     orphans = [(s["service"], s["name"]) for s in spans if s is not entry[0] and s["parent_span_id"] not in ids]
     assert not orphans, orphans
+    # The generation span has the GenAI attributes, with the true token counts.
+    generation = [s for s in spans if s["name"] == "inference.generate"]
+    assert len(generation) == 1, [s["name"] for s in spans]
+    attrs = generation[0]["attributes"]
+    assert int(attrs["gen_ai.usage.input_tokens"]) == answer.usage.input_tokens
+    assert int(attrs["gen_ai.usage.output_tokens"]) == answer.usage.output_tokens
+    assert attrs["gen_ai.request.model"] == "SmolLM2-135M-Instruct"
+    assert int(attrs["gen_ai.request.max_tokens"]) == 48
+    assert "gen_ai.response.finish_reasons" in attrs and "llmesh.batch.id" in attrs
+    # ... and it is linked from the batch span it ran in.
+    deadline = time.monotonic() + 10
+    link = (caller_trace, generation[0]["span_id"])
+    while time.monotonic() < deadline:
+        batches = [s for s in receiver.spans if s["name"] == "inference.batch" and link in s["links"]]
+        if batches:
+            break
+        time.sleep(0.2)
+    assert batches, "no inference.batch span links to the request"
+    assert batches[0]["attributes"]["llmesh.batch.id"]
 
 
 EXPECTED_METRICS = {
