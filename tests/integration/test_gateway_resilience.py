@@ -189,3 +189,31 @@ async def test_two_gateways_sharing_redis_enforce_one_budget(models_dir: Path, t
     # Three requests fit a 3.5-request budget whichever gateway takes them; the fourth does not.
     assert outcomes == ["ok", "ok", "ok", "RESOURCE_EXHAUSTED"]
     redis.Redis.from_url(SHARED_REDIS).flushdb()
+
+
+async def test_sigterm_drain_completes_in_flight_streams(models_dir: Path, tiny_model: Path) -> None:
+    from llmesh.testing import service_settings
+
+    async with backends(models_dir) as (tok, inf):
+        settings = service_settings("gateway", gateway_env(tok, inf))
+        gw = ServiceHost(GatewayApp(settings), settings)
+        await gw.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            request = ask("Tell me a long story", 200)
+            request.sampling.ignore_eos = True
+            call = stub.GenerateStream(request, timeout=60)
+            first = await call.read()
+            assert first.delta
+            draining = asyncio.create_task(gw.stop(grace=20))
+            await asyncio.sleep(0.1)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Generate(ask("new work"), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            rest = []
+            while (message := await call.read()) is not grpc.aio.EOF:
+                rest.append(message)
+            await draining
+    assert rest[-1].HasField("final")
+    assert rest[-1].final.usage.output_tokens == 200
+    assert rest[-1].final.finish_reason == common_pb2.FINISH_REASON_LENGTH
