@@ -183,11 +183,15 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import runpy
+    """Runs the benchmarks (each in its own process, as `python -m bench.<name>`), then prints
+    the README table from bench/results."""
+    import subprocess
 
-    for name in args.names:
-        runpy.run_module(f"bench.{name}", run_name="__main__")
-    return 0
+    failed = [n for n in args.names if subprocess.run([sys.executable, "-m", f"bench.{n}"]).returncode != 0]
+    subprocess.run([sys.executable, "-m", "bench.report", *(["--readme"] if args.readme else [])], check=False)
+    if failed:
+        print(f"llmesh bench: failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -241,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     models.set_defaults(func=cmd_models)
 
     bench = sub.add_parser("bench", help="run benchmarks (default: all)")
-    bench.add_argument("names", nargs="*", default=["batching", "cache", "retrieval"])
+    bench.add_argument("names", nargs="*", default=["batching", "cache", "retrieval", "tracing", "reliability"])
+    bench.add_argument("--readme", action="store_true", help="also rewrite the README benchmark table")
     bench.set_defaults(func=cmd_bench)
     return parser
 

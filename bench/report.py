@@ -1,0 +1,80 @@
+"""`python -m bench.report [--readme]`: the latest figures from bench/results as one markdown
+table (what `llmesh bench` prints); --readme rewrites the table in README.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.common import RESULTS_DIR, fmt
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+# Headline figures per benchmark, in reading order.
+HEADLINES: dict[str, tuple[str, ...]] = {
+    "batching": ("sequential_tok_s", "offline_batch_tok_s", "mesh_tok_s", "mixed_tok_s", "ttft_idle_s",
+                 "ttft_p50_s", "ttft_p95_s"),
+    "cache": ("semantic_threshold", "semantic_precision", "semantic_recall", "exact_hit_p50_ms", "exact_hit_p99_ms",
+              "semantic_hit_p50_ms", "miss_p50_ms", "exact_hit_rps", "echo_chain_rps"),
+    "cache_eval": ("threshold", "semantic_precision", "semantic_recall", "pairs"),
+    "retrieval": ("ingest_chunks_s", "raw_embed_chunks_s", "search_p50_ms", "chunks"),
+    "tracing": ("hit_p50_ms_on", "hit_p50_ms_off", "overhead_ratio", "generate_overhead_ratio"),
+    "reliability": ("requests", "ok", "shed", "other_errors", "lost", "latency_p50_ms", "latency_p99_ms",
+                    "shed_reply_p99_ms", "bad_inputs_tried", "crashes", "unexpected_codes"),
+}
+
+
+def load() -> dict[str, dict[str, Any]]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS_DIR.glob("*.json"))}
+
+
+def _find(result: dict[str, Any], key: str) -> Any:
+    if key in result:
+        return result[key]
+    for value in result.values():  # one level down (e.g. reliability's "load" section)
+        if isinstance(value, dict) and key in value and not isinstance(value[key], dict | list):
+            return value[key]
+    return None
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    rows = ["| Benchmark | Figure | Value |", "| --- | --- | --- |"]
+    for name, result in results.items():
+        for key in HEADLINES.get(name, ()):
+            value = _find(result, key)
+            if value is not None:
+                rows.append(f"| {name} | `{key}` | {fmt(value)} |")
+        for target, ok in (result.get("passes") or {}).items():
+            rows.append(f"| {name} | target `{target}` | {'met' if ok else '**not met**'} |")
+        if "generated_at" in result:
+            rows.append(f"| {name} | measured at | {result['generated_at']} |")
+    return "\n".join(rows)
+
+
+def update_readme(text: str) -> None:
+    readme = README.read_text()
+    block = f"{START}\n{text}\n{END}"
+    if START in readme:
+        readme = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, readme, flags=re.S)
+    else:
+        readme = readme.replace("## Benchmarks\n", f"## Benchmarks\n\n{block}\n", 1)
+    README.write_text(readme)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--readme", action="store_true", help="rewrite the table in README.md")
+    args = parser.parse_args(argv)
+    text = table(load())
+    print(text)
+    if args.readme:
+        update_readme(text)
+
+
+if __name__ == "__main__":
+    main()
