@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m bench.<name>` (or `llmesh bench`); results land in bench/results/<name>.json."""

@@ -1,0 +1,305 @@
+"""Continuous batching benchmark: the inference service against transformers baselines.
+
+Same 32 chat prompts (SmolLM2-135M-Instruct, the real prepared weights), 64 new tokens each
+with EOS ignored, greedy, side by side in one run:
+
+* sequential_tok_s       one `model.generate` per request, one after another (a few requests)
+* offline_batch_tok_s    one `model.generate` over all 32 prompts as a left-padded batch
+* hf_continuous_batching_tok_s  transformers' own manager (`model.generate_batch`), extra column
+* mesh_tok_s             32 concurrent streaming gRPC clients in closed loop against the
+                         inference service started as a separate process (llmesh.supervisor.Mesh)
+* ttft_idle_s            time to first token of a lone request on the idle service
+* ttft_p50_s/ttft_p95_s  time to first token in the closed loop, after warm-up
+* decode_step_s          median gap between two tokens of a stream in the closed loop (one
+                         full-batch decode step)
+* mixed_tok_s            the closed loop with max_new_tokens drawn from 8..128 per request
+
+Closed loop: each client sends its next request as soon as the previous one finished. The
+clients start two decode steps apart (each once the previous one is decoding), which spreads
+their arrivals over about one request's duration, as independent users would; 32 requests
+arriving in the same instant would make the last one's first token wait for the prefill of
+all 32 prompts whatever the scheduler does. Measured after every client finished one request.
+
+Targets (the `passes` entries): mesh_tok_s >= 0.8 x offline_batch_tok_s and >= 6 x
+sequential_tok_s; ttft_p95_s <= 3 x ttft_idle_s + decode_step_s.
+
+Run: `.venv/bin/python -m bench.batching` (about 4-5 minutes on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import math
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import grpc
+
+from bench.common import machine, percentile, print_table, write_result
+from llmesh.supervisor import Mesh
+from llmesh.testing import real_models_dir
+from llmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+CLIENTS = 32
+NEW_TOKENS = 64
+SEQUENTIAL_REQUESTS = 3
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Explain photosynthesis in simple terms.",
+    "Give me three tips for better sleep.",
+    "What is a prime number?",
+    "How do vaccines work?",
+    "Write a haiku about the sea.",
+    "Why is the sky blue?",
+    "What causes the seasons on Earth?",
+    "How does a bicycle stay upright?",
+    "What is the difference between weather and climate?",
+    "Suggest a name for a pet turtle.",
+    "How do I boil an egg?",
+    "What is machine learning?",
+    "Summarize the plot of Romeo and Juliet.",
+    "What are the primary colors?",
+    "How many legs does a spider have?",
+    "What is the speed of light?",
+    "Explain gravity to a child.",
+    "What is the tallest mountain in the world?",
+    "How do plants drink water?",
+    "Give me a fun fact about octopuses.",
+    "What does a compiler do?",
+    "How do bees make honey?",
+    "What is the boiling point of water?",
+    "Name three renewable energy sources.",
+    "Why do cats purr?",
+    "What is an atom made of?",
+    "How does the internet work?",
+    "What is the largest ocean?",
+    "Describe a rainbow.",
+    "What is democracy?",
+    "How do magnets work?",
+]
+
+
+def build_prompts(model_dir: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    out = []
+    for question in QUESTIONS[:CLIENTS]:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+# --------------------------------------------------------------------------- transformers baselines
+
+
+def hf_baselines(model_dir: Path, prompts: list[list[int]], with_cb: bool) -> dict[str, float]:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, use_safetensors=True, dtype=torch.float32).eval()
+    pad = int(model.config.pad_token_id or 0)
+    greedy = {"do_sample": False, "max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "pad_token_id": pad}
+    results: dict[str, float] = {}
+    with torch.inference_mode():
+        # Warm-up (first-call allocations), not timed.
+        model.generate(torch.tensor([prompts[0]]), do_sample=False, max_new_tokens=4, pad_token_id=pad)
+
+        started = time.perf_counter()
+        produced = 0
+        for ids in prompts[:SEQUENTIAL_REQUESTS]:
+            out = model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), **greedy
+            )
+            produced += out.shape[1] - len(ids)
+        results["sequential_tok_s"] = produced / (time.perf_counter() - started)
+
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        started = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, **greedy)
+        elapsed = time.perf_counter() - started
+        results["offline_batch_tok_s"] = (out.shape[1] - width) * len(prompts) / elapsed
+        results["offline_batch_seconds"] = elapsed
+
+    if with_cb:
+        config = GenerationConfig(
+            max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=pad
+        )
+        started = time.perf_counter()
+        outputs = model.generate_batch(prompts, generation_config=config)
+        elapsed = time.perf_counter() - started
+        results["hf_continuous_batching_tok_s"] = sum(len(o.generated_tokens) for o in outputs.values()) / elapsed
+    del model
+    gc.collect()
+    return results
+
+
+# --------------------------------------------------------------------------- the mesh
+
+
+@dataclass
+class Record:
+    sent: float
+    first: float | None = None
+    done: float | None = None
+    arrivals: list[tuple[float, int]] = field(default_factory=list)
+
+
+def request_for(ids: list[int], max_new: int) -> inference_pb2.InferenceRequest:
+    return inference_pb2.InferenceRequest(
+        token_ids=inference_pb2.TokenIds(ids=ids),
+        sampling=common_pb2.SamplingParams(max_new_tokens=max_new, ignore_eos=True),
+    )
+
+
+async def one(
+    stub: inference_pb2_grpc.InferenceStub, ids: list[int], max_new: int, decoding: asyncio.Event | None = None
+) -> Record:
+    """One streamed request; `decoding` is set once its second token arrived."""
+    record = Record(time.perf_counter())
+    async for message in stub.Generate(request_for(ids, max_new), timeout=600):
+        now = time.perf_counter()
+        if message.token_ids:
+            if record.first is None:
+                record.first = now
+            record.arrivals.append((now, len(message.token_ids)))
+            if decoding is not None and len(record.arrivals) >= 2:
+                decoding.set()
+    record.done = time.perf_counter()
+    if decoding is not None:
+        decoding.set()
+    return record
+
+
+async def closed_loop(
+    stub: inference_pb2_grpc.InferenceStub,
+    prompts: list[list[int]],
+    max_new: Callable[[random.Random], int],
+    measure_s: float,
+    warmup_limit_s: float = 180.0,
+) -> dict[str, float]:
+    """Each client sends its next request when the previous one finished. Client i starts once
+    client i-1 is decoding (two tokens in): starts two decode steps apart spread the arrivals
+    over about one request's duration, as independent users would. Measured: `measure_s`
+    seconds from when every client has finished its first request."""
+    records: list[Record] = []
+    decoding = [asyncio.Event() for _ in prompts]
+    first_done = [asyncio.Event() for _ in prompts]
+    stop_at = [math.inf]
+
+    async def client(i: int) -> None:
+        rng = random.Random(i)
+        if i:
+            await decoding[i - 1].wait()
+        records.append(await one(stub, prompts[i], max_new(rng), decoding[i]))
+        first_done[i].set()
+        while time.perf_counter() < stop_at[0]:
+            records.append(await one(stub, prompts[i], max_new(rng)))
+
+    tasks = [asyncio.create_task(client(i)) for i in range(len(prompts))]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first_done)), warmup_limit_s)
+    lo = time.perf_counter()
+    hi = stop_at[0] = lo + measure_s
+    await asyncio.sleep(measure_s)
+    for task in tasks:
+        task.cancel()  # in-flight calls are cancelled: the service frees their rows
+    await asyncio.gather(*tasks, return_exceptions=True)
+    tokens = sum(n for r in records for t, n in r.arrivals if lo <= t < hi)
+    ttfts = [r.first - r.sent for r in records if r.sent >= lo and r.first is not None and r.first < hi]
+    gaps = [b[0] - a[0] for r in records for a, b in zip(r.arrivals, r.arrivals[1:], strict=False) if lo <= a[0] < hi]
+    return {
+        "tok_s": tokens / (hi - lo),
+        "ttft_p50_s": percentile(ttfts, 0.5),
+        "ttft_p95_s": percentile(ttfts, 0.95),
+        "ttft_samples": len(ttfts),
+        "step_s": statistics.median(gaps) if gaps else math.nan,
+        "requests": len([r for r in records if r.done is not None and lo <= r.done < hi]),
+    }
+
+
+async def mesh_phase(target: str, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        info = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
+        await one(stub, prompts[0], 8)  # connection and first-call warm-up
+        idle = [(await one(stub, prompts[i], 1)) for i in range(5)]
+        ttft_idle = statistics.median(r.first - r.sent for r in idle if r.first is not None)
+        fixed = await closed_loop(stub, prompts, lambda rng: NEW_TOKENS, args.measure)
+        mixed = await closed_loop(stub, prompts, lambda rng: rng.randint(8, 128), args.measure)
+    return {
+        "model": f"{info.model_id} {info.version} ({info.device}, {info.dtype})",
+        "max_batch_size": info.max_batch_size,
+        "mesh_tok_s": fixed["tok_s"],
+        "ttft_idle_s": ttft_idle,
+        "ttft_p50_s": fixed["ttft_p50_s"],
+        "ttft_p95_s": fixed["ttft_p95_s"],
+        "decode_step_s": fixed["step_s"],
+        "closed_loop_requests": fixed["requests"],
+        "ttft_samples": fixed["ttft_samples"],
+        "mixed_tok_s": mixed["tok_s"],
+        "mixed_ttft_p95_s": mixed["ttft_p95_s"],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--measure", type=float, default=30.0, help="measured seconds of each closed loop")
+    parser.add_argument("--no-hf-cb", action="store_true", help="skip transformers' continuous batching column")
+    args = parser.parse_args(argv)
+
+    begun = time.perf_counter()
+    models = real_models_dir()
+    model_dir = models / "smollm2" / "current"
+    prompts = build_prompts(model_dir)
+    load_before = machine()
+    print(
+        f"{len(prompts)} prompts of {min(map(len, prompts))}..{max(map(len, prompts))} tokens, "
+        f"{NEW_TOKENS} new tokens each",
+        flush=True,
+    )
+
+    result: dict[str, Any] = {"prompts": len(prompts), "new_tokens": NEW_TOKENS}
+    result.update(hf_baselines(model_dir, prompts, with_cb=not args.no_hf_cb))
+    print_table({k: v for k, v in result.items() if k.endswith("tok_s")}, "transformers baselines")
+
+    env = {"LLMESH_MODELS_DIR": str(models), "LLMESH_INFERENCE_MODEL": "smollm2", "LLMESH_MAX_BATCH_SIZE": str(CLIENTS)}
+    with Mesh(services=("inference",), env=env) as mesh:
+        result.update(asyncio.run(mesh_phase(mesh.target("inference"), prompts, args)))
+
+    result["mesh_vs_offline"] = result["mesh_tok_s"] / result["offline_batch_tok_s"]
+    result["mesh_vs_sequential"] = result["mesh_tok_s"] / result["sequential_tok_s"]
+    ttft_bound = 3 * result["ttft_idle_s"] + result["decode_step_s"]
+    result["ttft_p95_bound_s"] = ttft_bound
+    result["passes"] = {
+        "mesh_ge_0.8x_offline_batch": result["mesh_tok_s"] >= 0.8 * result["offline_batch_tok_s"],
+        "mesh_ge_6x_sequential": result["mesh_tok_s"] >= 6 * result["sequential_tok_s"],
+        "ttft_p95_le_3x_idle_plus_step": result["ttft_p95_s"] <= ttft_bound,
+    }
+    result["machine"] = {**load_before, "load_average_1m_after": machine().get("load_average_1m")}
+    result["bench_seconds"] = time.perf_counter() - begun
+    print_table({k: v for k, v in result.items() if not isinstance(v, dict)}, "batching benchmark")
+    print_table(result["passes"], "targets")
+    path = write_result(
+        "batching", {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in result.items()}
+    )
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Inference service: continuous batching over a transformers causal LM, streamed over gRPC."""

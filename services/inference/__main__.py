@@ -1,0 +1,6 @@
+"""Inference service: the causal LM with continuous batching, streamed over gRPC."""
+
+from llmesh.server import run_service
+from services.inference.servicer import InferenceApp
+
+run_service("inference", InferenceApp)

@@ -1,0 +1,190 @@
+"""Text side of generation: request validation, incremental detokenization and stop strings.
+
+Pure Python over a `tokenizers.Tokenizer`; no torch and no gRPC here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from llmesh.errors import InvalidArgument
+
+MAX_STOP_STRINGS = 4
+MAX_STOP_BYTES = 64
+MAX_TEMPERATURE = 2.0
+REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding parameters as a request states them (0 means "default" where the proto says so)."""
+
+    max_new_tokens: int = 0
+    temperature: float = 0.0
+    top_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_prompt_tokens: int
+    max_new_tokens: int
+    default_max_new_tokens: int
+    max_context_tokens: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class ResolvedParams:
+    """Validated parameters with every default applied."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    ignore_eos: bool
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def resolve_params(params: SamplingParams, prompt_ids: list[int], limits: Limits) -> ResolvedParams:
+    """Checks a request against the limits; raises InvalidArgument naming every violation and limit."""
+    bad: list[tuple[str, str]] = []
+    n_prompt = len(prompt_ids)
+    if n_prompt == 0:
+        bad.append(("input", "the prompt is empty"))
+    elif n_prompt > limits.max_prompt_tokens:
+        bad.append(
+            (
+                "input",
+                f"the prompt has {n_prompt} tokens; the limit is {limits.max_prompt_tokens} (LLMESH_MAX_PROMPT_TOKENS)",
+            )
+        )
+    out_of_vocab = next((t for t in prompt_ids if not 0 <= t < limits.vocab_size), None)
+    if out_of_vocab is not None:
+        bad.append(("token_ids.ids", f"token id {out_of_vocab} is outside the vocabulary (size {limits.vocab_size})"))
+
+    temperature = float(params.temperature)
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= MAX_TEMPERATURE):
+        bad.append(("sampling.temperature", f"must be in [0, {MAX_TEMPERATURE:g}]"))
+    top_p = float(params.top_p)
+    if not (math.isfinite(top_p) and 0.0 <= top_p <= 1.0):
+        bad.append(("sampling.top_p", "must be in [0, 1] (0 means 1, no nucleus filtering)"))
+    top_p = 1.0 if top_p == 0.0 else top_p
+
+    max_new = int(params.max_new_tokens)
+    room = limits.max_context_tokens - n_prompt
+    if max_new < 0:
+        bad.append(("sampling.max_new_tokens", "must be >= 0"))
+    elif max_new > limits.max_new_tokens:
+        bad.append(("sampling.max_new_tokens", f"must be at most {limits.max_new_tokens} (LLMESH_MAX_NEW_TOKENS)"))
+    elif max_new == 0:
+        # The server default is trimmed to the room the context leaves; an explicit value is not.
+        max_new = min(limits.default_max_new_tokens, room)
+        if max_new < 1 and n_prompt:
+            bad.append(("input", f"the prompt fills the model context of {limits.max_context_tokens} tokens"))
+    elif n_prompt and n_prompt + max_new > limits.max_context_tokens:
+        bad.append(
+            (
+                "sampling.max_new_tokens",
+                f"prompt ({n_prompt}) + max_new_tokens ({max_new}) exceeds the model "
+                f"context of {limits.max_context_tokens} tokens",
+            )
+        )
+
+    stop = tuple(params.stop)
+    if len(stop) > MAX_STOP_STRINGS:
+        bad.append(("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings"))
+    for i, s in enumerate(stop):
+        if not s:
+            bad.append((f"sampling.stop[{i}]", "must not be empty"))
+        elif len(s.encode("utf-8", "surrogatepass")) > MAX_STOP_BYTES:
+            bad.append((f"sampling.stop[{i}]", f"longer than {MAX_STOP_BYTES} bytes"))
+    if bad:
+        raise InvalidArgument(bad)
+    return ResolvedParams(
+        max_new_tokens=max_new,
+        temperature=temperature,
+        top_p=top_p,
+        seed=params.seed,
+        stop=stop,
+        ignore_eos=bool(params.ignore_eos),
+    )
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into text deltas that never split a UTF-8 character.
+
+    Byte-level BPE tokens can end in the middle of a multi-byte character; decoding such a
+    prefix yields U+FFFD. The decoder keeps a window of already-emitted tokens, decodes the
+    window with and without the new tokens, and emits the difference only when it does not
+    end in U+FFFD (the prefix-diff approach of TGI and vLLM).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith(REPLACEMENT_CHAR):
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            return full[len(prefix) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (at the end of generation), even if incomplete."""
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full[len(prefix) :]
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text. Text that could be the start of a stop string is
+    held back until it is known not to be one, so no text past a stop is ever returned."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops = stops
+        self._pending = ""
+
+    def push(self, delta: str) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string matched)."""
+        if not self._stops:
+            return delta, False
+        if not delta:
+            return "", False
+        buf = self._pending + delta
+        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._pending = ""
+            return buf[: min(hits)], True
+        hold = 0
+        for s in self._stops:
+            for k in range(min(len(s) - 1, len(buf)), hold, -1):
+                if buf.endswith(s[:k]):
+                    hold = k
+                    break
+        self._pending = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        text, self._pending = self._pending, ""
+        return text

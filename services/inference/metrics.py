@@ -1,0 +1,51 @@
+"""Prometheus metrics of the inference service (names after TGI/vLLM, `llmesh_` prefix, base units).
+
+Gauges move by inc/dec so that several engines in one process (during a model switch) add up.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from llmesh.metrics import LATENCY_BUCKETS
+
+TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
+
+#: Every value the `outcome` label takes.
+OUTCOMES = (
+    "stop",
+    "length",
+    "stop_sequence",
+    "cancelled",
+    "rejected_queue_full",
+    "queue_timeout",
+    "invalid",
+    "error",
+)
+
+QUEUE_SIZE = Gauge("llmesh_inference_queue_size", "Requests waiting for a batch slot.")
+BATCH_SIZE = Gauge("llmesh_inference_batch_size", "Sequences in the running decode batch.")
+TIME_TO_FIRST_TOKEN = Histogram(
+    "llmesh_inference_time_to_first_token_seconds",
+    "Time from a request's arrival to its first generated token.",
+    buckets=LATENCY_BUCKETS,
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "llmesh_inference_inter_token_latency_seconds",
+    "Time between two consecutive tokens of one sequence.",
+    buckets=TOKEN_LATENCY_BUCKETS,
+)
+REQUEST_DURATION = Histogram(
+    "llmesh_inference_request_duration_seconds",
+    "Time from a request's arrival to its last token.",
+    buckets=LATENCY_BUCKETS,
+)
+PROMPT_TOKENS = Counter("llmesh_inference_prompt_tokens", "Prompt tokens prefilled.")
+GENERATION_TOKENS = Counter("llmesh_inference_generation_tokens", "Tokens generated.")
+REQUESTS = Counter("llmesh_inference_requests", "Generation requests by outcome.", ["outcome"])
+OOM_RETRIES = Counter(
+    "llmesh_inference_oom_retries", "Device out-of-memory errors answered by halving the batch and retrying."
+)
+
+for _outcome in OUTCOMES:
+    REQUESTS.labels(_outcome)

@@ -1,0 +1,159 @@
+"""gRPC side of the inference service: messages in, engine calls, messages out."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from llmesh import errors
+from llmesh.server import Readiness
+from llmesh.settings import Settings
+from llmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.inference.decoding import SamplingParams
+from services.inference.engine import (
+    FINISH_CANCELLED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    FINISH_STOP_SEQUENCE,
+    EngineConfig,
+    GenerationEvent,
+    ModelDescription,
+)
+from services.inference.lifecycle import ModelManager
+
+log = logging.getLogger("llmesh.inference")
+
+# Prompts above this size are tokenized on a worker thread so the event loop keeps serving.
+THREAD_THRESHOLD_CHARS = 16 * 1024
+
+FINISH_REASONS = {
+    FINISH_STOP: common_pb2.FINISH_REASON_STOP,
+    FINISH_LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FINISH_STOP_SEQUENCE: common_pb2.FINISH_REASON_STOP_SEQUENCE,
+    FINISH_CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
+}
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=msg.max_new_tokens,
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=tuple(msg.stop),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def response_for(event: GenerationEvent) -> inference_pb2.InferenceResponse:
+    reply = inference_pb2.InferenceResponse(token_ids=event.token_ids, text=event.text, batch_id=event.batch_id)
+    if event.finish_reason is not None:
+        reply.finish_reason = FINISH_REASONS[event.finish_reason]
+        reply.usage.input_tokens = event.input_tokens
+        reply.usage.output_tokens = event.output_tokens
+    return reply
+
+
+def model_info(desc: ModelDescription) -> inference_pb2.ModelInfo:
+    return inference_pb2.ModelInfo(
+        model_id=desc.model_id,
+        version=desc.version,
+        sha256=desc.digest,
+        device=desc.device,
+        dtype=desc.dtype,
+        max_context_tokens=desc.max_context_tokens,
+        max_batch_size=desc.max_batch_size,
+    )
+
+
+def check_admin(context: grpc.aio.ServicerContext, admin_token: str) -> None:
+    """`authorization: Bearer <LLMESH_ADMIN_TOKEN>`; an empty setting disables admin RPCs."""
+    if not admin_token:
+        raise errors.PermissionDenied(
+            "admin RPCs are disabled (LLMESH_ADMIN_TOKEN is not set)", reason="ADMIN_DISABLED"
+        )
+    header = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+    if not isinstance(header, str) or not header.startswith("Bearer "):
+        raise errors.Unauthenticated(
+            "admin RPCs need `authorization: Bearer <token>` metadata", reason="MISSING_CREDENTIALS"
+        )
+    if not hmac.compare_digest(header.removeprefix("Bearer ").strip().encode(), admin_token.encode()):
+        raise errors.Unauthenticated("invalid admin token", reason="INVALID_CREDENTIALS")
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, manager: Readiness[ModelManager], settings: Settings) -> None:
+        self._manager = manager
+        self._admin_token: str = settings.admin_token
+
+    async def Generate(  # type: ignore[override]
+        self, request: inference_pb2.InferenceRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.InferenceResponse]:
+        manager = self._manager.get()
+        params = sampling_from_proto(request.sampling)
+        which = request.WhichOneof("input")
+        if which == "text":
+            engine = manager.engine
+            if len(request.text) > THREAD_THRESHOLD_CHARS:
+                ids = await asyncio.to_thread(engine.encode, request.text)
+                if manager.engine is not engine:  # switched meanwhile: use the new tokenizer
+                    ids = await asyncio.to_thread(manager.engine.encode, request.text)
+            else:
+                ids = engine.encode(request.text)
+        elif which == "token_ids":
+            ids = list(request.token_ids.ids)
+        else:
+            raise errors.InvalidArgument([("input", "either text or token_ids is required")])
+        # Synchronous from here to submit: the request binds to the engine serving right now.
+        stream = manager.submit(ids, params, request.request_id)
+        try:
+            async for event in stream:
+                yield response_for(event)
+        finally:
+            # Client cancel or deadline: the handler task is cancelled, which lands here and
+            # frees the sequence's batch row within one decode step.
+            stream.cancel()
+
+    async def GetModelInfo(
+        self, request: inference_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.ModelInfo:
+        return model_info(self._manager.get().description)
+
+    async def LoadModel(
+        self, request: inference_pb2.LoadModelRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.ModelInfo:
+        check_admin(context, self._admin_token)
+        manager = self._manager.get()
+        log.info("LoadModel %s requested", request.version)
+        return model_info(await manager.load_version(request.version))
+
+
+class InferenceApp:
+    service_names = (inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,)
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.manager: Readiness[ModelManager] = Readiness()
+
+    def register(self, server: grpc.aio.Server) -> None:
+        inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(self.manager, self.settings), server)
+
+    async def start(self) -> None:
+        manager = ModelManager(
+            self.settings.models_path,
+            self.settings.inference_model,
+            EngineConfig.from_settings(self.settings),
+            self.settings.device,
+        )
+        await asyncio.to_thread(manager.load_initial)
+        self.manager.set(manager)
+
+    async def stop(self) -> None:
+        if self.manager.ready:
+            manager = self.manager.get()
+            self.manager.clear()
+            await manager.close()

@@ -1,0 +1,316 @@
+"""The continuous-batching engine on the tiny real model (no gRPC, no mocks of torch)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import REGISTRY
+
+from llmesh.errors import InvalidArgument, LlmeshError, ResourceExhausted
+from llmesh.models import verify
+from services.inference.decoding import SamplingParams
+from services.inference.engine import Engine, EngineConfig, GenerationEvent, LoadedModel
+
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model: Path) -> LoadedModel:
+    return LoadedModel(verify(tiny_model), "cpu")
+
+
+@pytest.fixture(scope="module")
+def engine(loaded: LoadedModel) -> Iterator[Engine]:
+    eng = Engine(loaded, EngineConfig(max_batch_size=8, max_prompt_tokens=256, max_new_tokens=256))
+    eng.warm_up()
+    eng.start()
+    yield eng
+    eng.close()
+
+
+def side_engine(loaded: LoadedModel, **config: object) -> Engine:
+    """A second engine on the same weights with its own limits (not warmed: tests only)."""
+    eng = Engine(loaded, EngineConfig(**{"max_prompt_tokens": 256, "max_new_tokens": 256, **config}))  # type: ignore[arg-type]
+    eng.start()
+    return eng
+
+
+def sample(name: str, labels: dict[str, str] | None = None) -> float:
+    return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+
+
+async def run(
+    engine: Engine, ids: list[int], params: SamplingParams = GREEDY
+) -> tuple[list[int], str, GenerationEvent]:
+    tokens: list[int] = []
+    text = ""
+    last = None
+    async for event in engine.submit(ids, params):
+        tokens += event.token_ids
+        text += event.text
+        last = event
+    assert last is not None and last.finish_reason is not None
+    return tokens, text, last
+
+
+def prompts(engine: Engine) -> list[list[int]]:
+    texts = ["Hi", "The quick brown fox jumps over the lazy dog.", "Tell me about the sea " * 4, "é 🌍 ok?"]
+    return [engine.encode(t) for t in texts]
+
+
+async def wait_for(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_joining_mid_batch_gives_the_same_greedy_tokens_as_alone(engine: Engine) -> None:
+    ps = prompts(engine)
+    alone = [(await run(engine, ids))[0] for ids in ps]
+    long_params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    long_alone = (await run(engine, ps[2], long_params))[0]
+
+    # A long request runs; the others join one by one while it decodes (different lengths, so
+    # the cache is left-padded on merge and trimmed when rows leave).
+    first = engine.submit(ps[2], long_params)
+    got_long: list[int] = []
+    joined = []
+    async for event in first:
+        got_long += event.token_ids
+        if len(got_long) in (3, 10, 20):
+            joined.append(asyncio.create_task(run(engine, ps[len(joined)])))
+        if len(got_long) == 30:
+            joined.append(asyncio.create_task(run(engine, ps[3])))
+    results = await asyncio.gather(*joined)
+    assert got_long == long_alone
+    assert [r[0] for r in results] == [alone[0], alone[1], alone[2], alone[3]]
+    # They really ran in a batch with the long one: joiners got a later batch segment.
+    assert len({r[2].batch_id for r in results}) == 4
+    assert engine.running_count == 0
+
+
+async def test_concurrent_batch_matches_alone(engine: Engine) -> None:
+    ps = prompts(engine)
+    alone = [(await run(engine, ids))[0] for ids in ps]
+    together = await asyncio.gather(*(run(engine, ids) for ids in ps))
+    assert [t[0] for t in together] == alone
+    # All four were prefilled together (same segment at join) when submitted at once.
+    assert len({t[2].batch_id for t in together}) == 1
+
+
+async def test_rows_leave_at_once_and_padding_columns_are_trimmed(engine: Engine) -> None:
+    ps = prompts(engine)
+    long_prompt, short = ps[2], ps[0]
+    assert len(long_prompt) > len(short) + 10
+    quick = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    slow = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    alone = (await run(engine, short, slow))[0]
+    widths: list[int] = []
+
+    async def watch() -> None:
+        while True:
+            widths.append(engine.cache_columns)
+            await asyncio.sleep(0.001)
+
+    watcher = asyncio.create_task(watch())
+    together = await asyncio.gather(run(engine, long_prompt, quick), run(engine, short, slow))
+    watcher.cancel()
+    assert together[1][0] == alone
+    assert together[0][2].output_tokens == 3
+    # Once the long prompt's row left, the columns only it used were dropped.
+    assert max(widths) >= len(long_prompt) + 1
+    assert min(w for w in widths if w) <= len(short) + 5
+    assert engine.cache_columns == 0
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+async def test_same_seed_same_tokens_alone_and_in_a_batch(engine: Engine, top_p: float) -> None:
+    ps = prompts(engine)
+    params = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=top_p, seed=1234, ignore_eos=True)
+    alone = (await run(engine, ps[1], params))[0]
+    others = [
+        SamplingParams(max_new_tokens=30, ignore_eos=True),
+        SamplingParams(max_new_tokens=12, temperature=1.3, seed=7, ignore_eos=True),
+        SamplingParams(max_new_tokens=20, temperature=0.5, top_p=0.5, ignore_eos=True),
+    ]
+    batch = await asyncio.gather(
+        run(engine, ps[0], others[0]),
+        run(engine, ps[1], params),
+        run(engine, ps[2], others[1]),
+        run(engine, ps[3], others[2]),
+    )
+    assert batch[1][0] == alone
+    other_seed = (await run(engine, ps[1], dataclasses.replace(params, seed=99)))[0]
+    assert other_seed != alone  # sampling really samples
+
+
+async def test_stream_deltas_concatenate_to_the_full_decode(engine: Engine) -> None:
+    # A random model emits byte-fragment tokens often: the deltas must still never split a character.
+    params = SamplingParams(max_new_tokens=80, temperature=1.5, seed=3, ignore_eos=True)
+    deltas: list[str] = []
+    ids: list[int] = []
+    async for event in engine.submit(engine.encode("é 🌍"), params):
+        deltas.append(event.text)
+        ids += event.token_ids
+    full = engine.model.decode(ids)
+    assert "".join(deltas) == full
+    assert all("\ufffd" not in d for d in deltas[:-1])
+
+
+async def test_stop_string_ends_the_text_before_it(engine: Engine) -> None:
+    ids = engine.encode("Once upon a time")
+    _, full, _ = await run(engine, ids, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    assert len(full) > 20
+    stop = full[10:14]
+    cut = full.find(stop)
+    tokens, text, last = await run(engine, ids, SamplingParams(max_new_tokens=40, ignore_eos=True, stop=(stop,)))
+    assert last.finish_reason == "stop_sequence"
+    assert text == full[:cut]
+    assert last.output_tokens == len(tokens) < 40
+
+
+async def test_cancelled_stream_frees_its_row_within_a_step(engine: Engine) -> None:
+    before_cancelled = sample("llmesh_inference_requests_total", {"outcome": "cancelled"})
+    stream = engine.submit(engine.encode("Hello"), SamplingParams(max_new_tokens=256, ignore_eos=True))
+    await stream.__anext__()
+    await stream.__anext__()
+    assert engine.running_count == 1
+    steps = engine.steps
+    await stream.aclose()
+    await wait_for(lambda: engine.running_count == 0)
+    assert engine.steps - steps <= 2
+    assert sample("llmesh_inference_batch_size") == 0
+    assert sample("llmesh_inference_requests_total", {"outcome": "cancelled"}) == before_cancelled + 1
+
+
+async def test_task_cancellation_cancels_the_sequence(engine: Engine) -> None:
+    async def consume() -> None:
+        async for _ in engine.submit(engine.encode("Hello"), SamplingParams(max_new_tokens=256, ignore_eos=True)):
+            pass
+
+    task = asyncio.create_task(consume())
+    await wait_for(lambda: engine.running_count == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_for(lambda: engine.running_count == 0)
+
+
+async def test_full_queue_is_refused_at_once(loaded: LoadedModel) -> None:
+    eng = side_engine(loaded, max_batch_size=1, max_queue=2)
+    try:
+        long = SamplingParams(max_new_tokens=200, ignore_eos=True)
+        ids = eng.encode("Hello")
+        running = eng.submit(ids, long)
+        await running.__anext__()
+        queued = [eng.submit(ids, long) for _ in range(2)]
+        rejected_before = sample("llmesh_inference_requests_total", {"outcome": "rejected_queue_full"})
+        started = time.perf_counter()
+        with pytest.raises(ResourceExhausted) as info:
+            eng.submit(ids, long)
+        assert time.perf_counter() - started < 0.1
+        assert info.value.retry_after > 0 and info.value.reason == "QUEUE_FULL"
+        assert sample("llmesh_inference_requests_total", {"outcome": "rejected_queue_full"}) == rejected_before + 1
+        for s in [running, *queued]:
+            s.cancel()
+    finally:
+        eng.close()
+
+
+async def test_queue_timeout(loaded: LoadedModel) -> None:
+    eng = side_engine(loaded, max_batch_size=1, queue_timeout_s=0.3)
+    try:
+        ids = eng.encode("Hello")
+        running = eng.submit(ids, SamplingParams(max_new_tokens=256, ignore_eos=True))
+        await running.__anext__()
+        with pytest.raises(ResourceExhausted) as info:
+            await run(eng, ids)
+        assert info.value.reason == "QUEUE_TIMEOUT"
+        assert "LLMESH_QUEUE_TIMEOUT_SECONDS" in info.value.message
+        running.cancel()
+    finally:
+        eng.close()
+
+
+async def test_batch_token_budget_limits_admission(loaded: LoadedModel) -> None:
+    # Room for two sequences of (prompt + 20) tokens: the third waits for a slot, then runs.
+    ids = [1, *loaded.encode("Hello there")]
+    budget = 2 * (len(ids) + 20)
+    eng = side_engine(loaded, max_batch_size=8, max_batch_total_tokens=budget, max_prompt_tokens=16, max_new_tokens=20)
+    try:
+        params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+        seen: list[int] = []
+
+        async def watch() -> None:
+            while True:
+                seen.append(eng.running_count)
+                await asyncio.sleep(0.002)
+
+        watcher = asyncio.create_task(watch())
+        results = await asyncio.gather(*(run(eng, ids, params) for _ in range(3)))
+        watcher.cancel()
+        assert max(seen) == 2
+        assert all(r[2].finish_reason == "length" for r in results)
+    finally:
+        eng.close()
+
+
+async def test_invalid_requests_are_refused_before_queueing(engine: Engine) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        engine.submit(list(range(1, 300)), GREEDY)
+    assert "LLMESH_MAX_PROMPT_TOKENS" in info.value.message and "256" in info.value.message
+    with pytest.raises(InvalidArgument):
+        engine.submit([1, 2], SamplingParams(max_new_tokens=257))
+    assert engine.waiting_count == 0
+
+
+async def test_out_of_memory_halves_the_batch_and_loses_nothing(loaded: LoadedModel) -> None:
+    eng = side_engine(loaded, max_batch_size=8)
+    ps = prompts(eng)
+    alone = [(await run(eng, ids))[0] for ids in ps]
+    failures = {"decode": 1, "prefill": 1}
+
+    def fail_once(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        # Raised inside the forward, after layer 0 already appended this step's KV column:
+        # the engine must take that column back before retrying.
+        hidden = args[0]
+        kind = "decode" if hidden.shape[1] == 1 else "prefill"
+        if hidden.shape[0] >= 2 and failures[kind] > 0 and (kind == "prefill" or eng.steps >= 5):
+            failures[kind] -= 1
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+
+    handle = loaded.model.model.layers[1].register_forward_pre_hook(fail_once)
+    try:
+        before = sample("llmesh_inference_oom_retries_total")
+        together = await asyncio.gather(*(run(eng, ids) for ids in ps))
+        assert [t[0] for t in together] == alone
+        assert sample("llmesh_inference_oom_retries_total") == before + 2
+        assert failures == {"decode": 0, "prefill": 0}
+    finally:
+        handle.remove()
+        eng.close()
+
+
+async def test_step_failure_fails_the_batch_and_keeps_serving(loaded: LoadedModel) -> None:
+    eng = side_engine(loaded, max_batch_size=4)
+    try:
+        ids = eng.encode("Hello")
+
+        def hook(kind: str, batch: int) -> None:
+            raise RuntimeError("boom")
+
+        eng.fault_hook = hook
+        with pytest.raises(LlmeshError):
+            await run(eng, ids)
+        eng.fault_hook = None
+        tokens, _, last = await run(eng, ids)
+        assert last.finish_reason == "length" and len(tokens) == GREEDY.max_new_tokens
+    finally:
+        eng.close()
