@@ -1,0 +1,170 @@
+"""Semantic-cache quality: precision and recall of "semantic hit" on labelled question pairs.
+
+    python -m bench.cache_eval [--pairs bench/data/cache_pairs.jsonl] [--min-precision 0.97]
+
+Each pair is embedded exactly as the cache does (MiniLM on the normalized prompt); a pair is a
+predicted hit when its cosine similarity reaches the threshold and the near-hit guard passes.
+The default threshold is the one with the highest recall whose precision is at least
+--min-precision (ties: the stricter threshold). Writes bench/results/cache_eval.json.
+
+The functions are importable (the gateway latency benchmark reuses them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import machine, print_table, write_result
+from services.cache import guard
+from services.cache.keys import normalize_prompt
+
+ROOT = Path(__file__).resolve().parent
+PAIRS = ROOT / "data" / "cache_pairs.jsonl"
+RESULT = ROOT / "results" / "cache_eval.json"
+THRESHOLDS = tuple(round(0.70 + 0.01 * i, 2) for i in range(30))  # 0.70 .. 0.99
+MIN_PRECISION = 0.97
+
+
+@dataclass(frozen=True)
+class Pair:
+    a: str
+    b: str
+    same: bool
+    kind: str = ""
+
+
+def load_pairs(path: Path = PAIRS) -> list[Pair]:
+    pairs = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            pairs.append(Pair(row["a"], row["b"], bool(row["same"]), row.get("kind", "")))
+    return pairs
+
+
+def similarities(encode: Any, pairs: Sequence[Pair]) -> np.ndarray:
+    """Cosine similarity of each pair; `encode(texts) -> normalized rows` (Embedder.encode)."""
+    va = encode([normalize_prompt(p.a) for p in pairs])
+    vb = encode([normalize_prompt(p.b) for p in pairs])
+    return np.clip(np.sum(va * vb, axis=1), 0.0, 1.0)
+
+
+def guard_reasons(pairs: Sequence[Pair]) -> list[str | None]:
+    """The guard's verdict per pair (None: passes), asked question `b` against cached `a`."""
+    return [guard.check(p.b, p.a) for p in pairs]
+
+
+def evaluate(
+    pairs: Sequence[Pair],
+    sims: np.ndarray,
+    thresholds: Sequence[float] = THRESHOLDS,
+    reasons: Sequence[str | None] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per threshold: precision/recall with the guard and without it."""
+    labels = np.array([p.same for p in pairs])
+    passes = np.array([r is None for r in (reasons if reasons is not None else guard_reasons(pairs))])
+    rows = []
+    for t in thresholds:
+        above = sims >= t - 1e-9
+        row: dict[str, Any] = {"threshold": round(float(t), 2)}
+        for name, predicted in (("", above & passes), ("_no_guard", above)):
+            tp = int(np.sum(predicted & labels))
+            fp = int(np.sum(predicted & ~labels))
+            fn = int(np.sum(~predicted & labels))
+            row[f"precision{name}"] = round(tp / (tp + fp), 4) if tp + fp else None
+            row[f"recall{name}"] = round(tp / (tp + fn), 4) if tp + fn else 0.0
+            if not name:
+                row.update(tp=tp, fp=fp, fn=fn)
+        rows.append(row)
+    return rows
+
+
+def pick_threshold(curve: Sequence[dict[str, Any]], min_precision: float = MIN_PRECISION) -> dict[str, Any]:
+    """Highest recall with precision >= min_precision; among equals, the stricter threshold."""
+    ok = [r for r in curve if r["precision"] is not None and r["precision"] >= min_precision]
+    if not ok:
+        return max(curve, key=lambda r: (r["precision"] or 0.0, r["threshold"]))
+    return max(ok, key=lambda r: (r["recall"], r["threshold"]))
+
+
+def false_hits(pairs: Sequence[Pair], sims: np.ndarray, reasons: Sequence[str | None], t: float) -> list[dict]:
+    return [
+        {"a": p.a, "b": p.b, "kind": p.kind, "similarity": round(float(s), 4)}
+        for p, s, r in zip(pairs, sims, reasons, strict=True)
+        if not p.same and s >= t and r is None
+    ]
+
+
+def print_curve(rows: Sequence[dict[str, Any]]) -> None:
+    cols = list(rows[0])
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
+    print("  ".join(c.rjust(widths[c]) for c in cols))
+    for r in rows:
+        print("  ".join(str(r[c]).rjust(widths[c]) for c in cols))
+
+
+def run(pairs_path: Path = PAIRS, min_precision: float = MIN_PRECISION) -> dict[str, Any]:
+    from llmesh.embeddings import Embedder
+    from llmesh.testing import real_models_dir
+
+    pairs = load_pairs(pairs_path)
+    embedder = Embedder.load(real_models_dir(), "minilm")
+    started = time.perf_counter()
+    sims = similarities(embedder.encode, pairs)
+    reasons = guard_reasons(pairs)
+    curve = evaluate(pairs, sims, THRESHOLDS, reasons)
+    best = pick_threshold(curve, min_precision)
+    t = best["threshold"]
+    above = [(p, r) for p, s, r in zip(pairs, sims, reasons, strict=True) if s >= t]
+    return {
+        "threshold": t,
+        "semantic_precision": best["precision"],
+        "semantic_recall": best["recall"],
+        "min_precision": min_precision,
+        "pairs": len(pairs),
+        "same_pairs": sum(p.same for p in pairs),
+        "different_pairs": sum(not p.same for p in pairs),
+        "pairs_by_kind": dict(Counter(p.kind for p in pairs)),
+        "guard_rejections_at_threshold": {
+            "of_different": dict(Counter(r for p, r in above if r and not p.same)),
+            "of_same": dict(Counter(r for p, r in above if r and p.same)),
+        },
+        "false_hits_at_threshold": false_hits(pairs, sims, reasons, t),
+        "embedding_model": embedder.model_id,
+        "embed_seconds": round(time.perf_counter() - started, 3),
+        "curve": curve,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=Path, default=PAIRS)
+    parser.add_argument("--min-precision", type=float, default=MIN_PRECISION)
+    parser.add_argument("--out", type=Path, default=RESULT)
+    args = parser.parse_args(argv)
+    result = run(args.pairs, args.min_precision)
+    result["machine"] = machine()
+    columns = ("threshold", "precision", "recall", "tp", "fp", "precision_no_guard", "recall_no_guard")
+    print_curve([{k: r[k] for k in columns} for r in result["curve"]])
+    summary = ("threshold", "semantic_precision", "semantic_recall", "pairs", "same_pairs", "different_pairs")
+    print_table({k: result[k] for k in summary}, "bench.cache_eval")
+    if args.out == RESULT:
+        path = write_result("cache_eval", result)
+    else:
+        path = args.out
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

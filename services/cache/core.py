@@ -1,0 +1,550 @@
+"""Cache domain logic (no gRPC): the exact tier in Redis, the semantic tier in Qdrant, the
+near-hit guard, invalidation, and degraded mode when Redis is unreachable.
+
+Redis layout under the key prefix (default "llmesh:cache:"):
+  e:<key>           HASH {a: serialized answer, p: prompt as asked, t: tenant, c: collection}, TTL'd
+  tenant:<sha>      SET of entry keys of one tenant (expires with its longest-lived entry)
+  coll:<sha>        SET of entry keys grounded in one collection name
+  live              ZSET entry key -> expiry time (entry count for Stats)
+The semantic index is one Qdrant collection per embedding dimension; a point carries the entry
+key and every scope field, and the answer body stays in Redis, so the Redis TTL governs both: a
+point whose entry expired is a miss and is deleted when met.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+import redis.asyncio as aioredis
+from opentelemetry import trace
+from prometheus_client import Counter, Gauge, Histogram
+from qdrant_client import models as qm
+from redis import exceptions as redis_errors
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from llmesh.embeddings import Embedder
+from llmesh.errors import InvalidArgument, Unavailable
+from llmesh.metrics import LATENCY_BUCKETS, trace_exemplar
+from llmesh.qdrant import QdrantHandle
+from services.cache import guard
+from services.cache.keys import Scope, entry_key, name_digest, normalize_prompt
+
+log = logging.getLogger("llmesh.cache")
+tracer = trace.get_tracer("llmesh.cache")
+T = TypeVar("T")
+
+DEFAULT_PREFIX = "llmesh:cache:"
+MAX_PROMPT_BYTES = 64 * 1024
+# Embedded Qdrant filters payloads in Python (slow on large collections): it asks for every
+# point above the threshold, unfiltered, up to this many, and filters the scope itself; only a
+# saturated answer falls back to a filtered search.
+LOCAL_CANDIDATES = 32
+SERVER_CANDIDATES = 4
+SCOPE_FIELDS = ("scope", "model", "tenant", "collection", "collection_version", "sampling")
+INVALIDATE_BATCH = 500
+PROBE_MIN_S, PROBE_MAX_S = 0.5, 5.0
+SWEEP_INTERVAL_S = 300.0
+
+LOOKUPS = Counter("llmesh_cache_lookups_total", "Cache lookups by tier and result.", ["tier", "result"])
+REJECTIONS = Counter(
+    "llmesh_cache_semantic_rejections_total", "Semantic candidates refused by the near-hit guard.", ["reason"]
+)
+STORES = Counter("llmesh_cache_stores_total", "Answers stored in the cache.")
+DEGRADED = Gauge("llmesh_cache_degraded", "1 while Redis is unreachable and the cache answers miss.")
+LOOKUP_SECONDS = Histogram("llmesh_cache_lookup_duration_seconds", "Cache lookup latency.", buckets=LATENCY_BUCKETS)
+for _tier in ("exact", "semantic"):
+    for _result in ("hit", "miss"):
+        LOOKUPS.labels(_tier, _result)
+for _reason in guard.REASONS:
+    REJECTIONS.labels(_reason)
+
+
+class RedisDown(Exception):
+    """Redis is unreachable or too slow; the caller answers without it."""
+
+
+@dataclass
+class LookupResult:
+    hit: bool = False
+    tier: str = ""  # "exact" | "semantic" | ""
+    similarity: float = 0.0
+    answer: bytes = b""
+    key: str = ""
+    degraded: bool = False
+
+
+@dataclass
+class StoreResult:
+    key: str
+    stored: bool
+    degraded: bool = False
+
+
+@dataclass
+class Stats:
+    entries: int = 0
+    exact_hits: int = 0
+    semantic_hits: int = 0
+    misses: int = 0
+    rejections: int = 0
+    degraded: bool = False
+    rejections_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+def redis_client(url: str, timeout: float) -> aioredis.Redis:
+    """Client from the URL (user:password@ for ACL, rediss:// for TLS), failing fast: socket and
+    connect timeouts of `timeout`, no retries (a miss is cheaper than waiting)."""
+    return aioredis.Redis.from_url(
+        url,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry=Retry(NoBackoff(), 0),
+        retry_on_timeout=False,
+        health_check_interval=0,
+        decode_responses=False,
+    )
+
+
+def point_id(key: str) -> str:
+    return str(uuid.UUID(hex=key[:32]))
+
+
+def _as_bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode("utf-8")
+
+
+def _log_failure(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("background cache task failed: %s", task.exception())
+
+
+class CacheCore:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        *,
+        embedder: Embedder | None,
+        qdrant: QdrantHandle | None,
+        threshold: float,
+        default_ttl: int,
+        timeout: float,
+        default_collection: str = "docs",
+        prefix: str = DEFAULT_PREFIX,
+    ) -> None:
+        self.redis = redis
+        self.embedder = embedder
+        self.qdrant = qdrant
+        self.threshold = threshold
+        self.default_ttl = default_ttl
+        self.timeout = timeout
+        self.default_collection = default_collection
+        self.prefix = prefix
+        self.collection = f"llmesh_cache_d{embedder.dimension}" if embedder is not None else ""
+        self.degraded = False
+        self._probe: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self.counts = Stats()
+        DEGRADED.set(0)
+
+    # ----- lifecycle
+
+    async def start(self) -> None:
+        if self.qdrant is not None and self.embedder is not None:
+            await self.qdrant.run(self._ensure_collection)
+            self._sweeper = asyncio.create_task(self._sweep_loop())
+        try:
+            await self._redis(lambda: self.redis.ping())
+        except RedisDown:
+            log.warning("redis unreachable at start: the cache starts degraded (every lookup a miss)")
+
+    async def close(self) -> None:
+        for task in (self._probe, self._sweeper, *self._background):
+            if task is not None:
+                task.cancel()
+        await self.redis.aclose()
+
+    def _ensure_collection(self) -> None:
+        assert self.qdrant is not None and self.embedder is not None
+        client = self.qdrant.client
+        if not client.collection_exists(self.collection):
+            client.create_collection(
+                self.collection,
+                # Unit vectors: dot product = cosine, without embedded Qdrant renormalizing per search.
+                vectors_config=qm.VectorParams(size=self.embedder.dimension, distance=qm.Distance.DOT),
+            )
+            if not self.qdrant.local:  # embedded mode has no payload indexes
+                schema = qm.PayloadSchemaType
+                for name in SCOPE_FIELDS:
+                    kind = schema.INTEGER if name == "collection_version" else schema.KEYWORD
+                    client.create_payload_index(self.collection, name, kind)
+                client.create_payload_index(self.collection, "expires_at", qm.PayloadSchemaType.FLOAT)
+
+    # ----- Redis with degraded mode
+
+    def _k(self, *parts: str) -> str:
+        return self.prefix + ":".join(parts)
+
+    async def _redis(self, op: Callable[[], Awaitable[T]]) -> T:
+        if self.degraded:
+            raise RedisDown()
+        try:
+            return await asyncio.wait_for(op(), timeout=self.timeout * 4)
+        except (redis_errors.ConnectionError, redis_errors.TimeoutError, TimeoutError, OSError) as exc:
+            self._mark_down(exc)
+            raise RedisDown() from exc
+
+    def _mark_down(self, exc: BaseException) -> None:
+        if not self.degraded:
+            log.warning("redis unreachable (%s: %s): cache degraded, answering miss", type(exc).__name__, exc)
+        self.degraded = True
+        DEGRADED.set(1)
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.create_task(self._probe_loop())
+
+    async def _probe_loop(self) -> None:
+        delay = PROBE_MIN_S
+        while self.degraded:
+            await asyncio.sleep(delay)
+            try:
+                await asyncio.wait_for(self.redis.ping(), timeout=self.timeout * 4)
+            except (redis_errors.RedisError, TimeoutError, OSError):
+                delay = min(delay * 2, PROBE_MAX_S)
+                continue
+            self.degraded = False
+            DEGRADED.set(0)
+            log.info("redis reachable again: cache recovered")
+
+    # ----- lookup
+
+    def _check_prompt(self, prompt: str) -> None:
+        if not prompt.strip():
+            raise InvalidArgument([("prompt", "must not be empty")])
+        if len(prompt.encode("utf-8", "surrogatepass")) > MAX_PROMPT_BYTES:
+            raise InvalidArgument([("prompt", f"longer than {MAX_PROMPT_BYTES} bytes")])
+
+    @staticmethod
+    def _check_scope(scope: Scope) -> None:
+        if not scope.model:
+            raise InvalidArgument([("scope.model", "required: answers are cached per model")])
+
+    async def lookup(self, prompt: str, scope: Scope, allow_semantic: bool) -> LookupResult:
+        self._check_prompt(prompt)
+        self._check_scope(scope)
+        started = time.perf_counter()
+        try:
+            result = await self._lookup(prompt, scope, allow_semantic)
+        finally:
+            LOOKUP_SECONDS.observe(time.perf_counter() - started, exemplar=trace_exemplar())
+        if result.hit:
+            if result.tier == "exact":
+                self.counts.exact_hits += 1
+            else:
+                self.counts.semantic_hits += 1
+        else:
+            self.counts.misses += 1
+        return result
+
+    async def _lookup(self, prompt: str, scope: Scope, allow_semantic: bool) -> LookupResult:
+        normalized = normalize_prompt(prompt)
+        key = entry_key(normalized, scope)
+        with tracer.start_as_current_span("cache.redis.get") as span:
+            span.set_attribute("llmesh.cache.tier", "exact")
+            try:
+                answer = await self._redis(lambda: self.redis.hget(self._k("e", key), "a"))
+            except RedisDown:
+                span.set_attribute("llmesh.cache.degraded", True)
+                LOOKUPS.labels("exact", "miss").inc()
+                return LookupResult(degraded=True)
+            except redis_errors.RedisError as exc:
+                log.error("redis lookup failed: %s", exc)
+                LOOKUPS.labels("exact", "miss").inc()
+                return LookupResult()
+            if answer is not None:
+                span.set_attribute("llmesh.cache.similarity", 1.0)
+                LOOKUPS.labels("exact", "hit").inc()
+                return LookupResult(True, "exact", 1.0, _as_bytes(answer), key)
+        LOOKUPS.labels("exact", "miss").inc()
+        if not allow_semantic or self.embedder is None or self.qdrant is None:
+            return LookupResult()
+        result = await self._semantic(prompt, normalized, scope)
+        LOOKUPS.labels("semantic", "hit" if result.hit else "miss").inc()
+        return result
+
+    def _scope_payload(self, scope: Scope) -> dict[str, Any]:
+        assert self.embedder is not None
+        return {
+            "scope": f"{scope.digest()}:{self.embedder.digest[:16]}",
+            "model": scope.model,
+            "tenant": scope.tenant,
+            "collection": scope.collection,
+            "collection_version": int(scope.collection_version),
+            "sampling": scope.sampling.digest(),
+        }
+
+    async def _semantic(self, prompt: str, normalized: str, scope: Scope) -> LookupResult:
+        assert self.embedder is not None and self.qdrant is not None
+        with tracer.start_as_current_span("cache.embed") as span:
+            span.set_attribute("llmesh.cache.tier", "semantic")
+            try:
+                vector = (await self.embedder.aencode([normalized]))[0]
+            except Exception as exc:  # the semantic tier is best effort: a miss, never an error
+                log.warning("embedding failed: %s", exc)
+                return LookupResult()
+        want = self._scope_payload(scope)
+        with tracer.start_as_current_span("cache.qdrant.search") as span:
+            span.set_attribute("llmesh.cache.tier", "semantic")
+            try:
+                candidates = await self.qdrant.run(self._search, vector, want)
+            except Exception as exc:
+                log.warning("semantic search failed: %s", exc)
+                return LookupResult()
+            span.set_attribute("llmesh.cache.candidates", len(candidates))
+            if candidates:
+                span.set_attribute("llmesh.cache.similarity", float(candidates[0][1]))
+        if not candidates:
+            return LookupResult()
+        with tracer.start_as_current_span("cache.redis.get") as span:
+            span.set_attribute("llmesh.cache.tier", "semantic")
+
+            async def fetch() -> list[Any]:
+                pipe = self.redis.pipeline(transaction=False)
+                for key, _ in candidates:
+                    pipe.hmget(self._k("e", key), "a", "p")
+                return await pipe.execute()
+
+            try:
+                rows = await self._redis(fetch)
+            except RedisDown:
+                return LookupResult(degraded=True)
+            except redis_errors.RedisError as exc:
+                log.error("redis lookup failed: %s", exc)
+                return LookupResult()
+        expired: list[str] = []
+        asked = guard.features(prompt)
+        result = LookupResult()
+        for (key, score), (answer, cached_prompt) in zip(candidates, rows, strict=True):
+            if answer is None or cached_prompt is None:
+                expired.append(key)
+                continue
+            reason = guard.check(asked, _as_bytes(cached_prompt).decode("utf-8", "replace"))
+            if reason is not None:
+                REJECTIONS.labels(reason).inc()
+                self.counts.rejections += 1
+                self.counts.rejections_by_reason[reason] = self.counts.rejections_by_reason.get(reason, 0) + 1
+                trace.get_current_span().add_event("llmesh.cache.rejected", {"reason": reason, "similarity": score})
+                continue
+            result = LookupResult(True, "semantic", min(1.0, max(0.0, float(score))), _as_bytes(answer), key)
+            break
+        if expired:
+            self._spawn(self.qdrant.run(self._delete_points, [point_id(k) for k in expired]))
+        trace.get_current_span().set_attribute("llmesh.cache.similarity", result.similarity)
+        return result
+
+    def _search(self, vector: np.ndarray, want: dict[str, Any]) -> list[tuple[str, float]]:
+        """(entry key, similarity) of the points in scope above the threshold, best first."""
+        assert self.qdrant is not None
+        client = self.qdrant.client
+        if self.qdrant.local:
+            found = client.query_points(
+                self.collection,
+                query=vector.tolist(),
+                limit=LOCAL_CANDIDATES,
+                score_threshold=self.threshold,
+                with_payload=True,
+            ).points
+            if len(found) < LOCAL_CANDIDATES:
+                return [
+                    (p.payload["key"], p.score)
+                    for p in found
+                    if p.payload and all(p.payload.get(f) == want[f] for f in SCOPE_FIELDS)
+                ][:SERVER_CANDIDATES]
+        flt = qm.Filter(must=[qm.FieldCondition(key=f, match=qm.MatchValue(value=want[f])) for f in SCOPE_FIELDS])
+        found = client.query_points(
+            self.collection,
+            query=vector.tolist(),
+            query_filter=flt,
+            limit=SERVER_CANDIDATES,
+            score_threshold=self.threshold,
+            with_payload=["key"],
+        ).points
+        return [(p.payload["key"], p.score) for p in found if p.payload]
+
+    def _delete_points(self, ids: list[str]) -> None:
+        assert self.qdrant is not None
+        selector = qm.PointIdsList(points=list[qm.ExtendedPointId](ids))
+        self.qdrant.client.delete(self.collection, points_selector=selector)
+
+    def _delete_where(self, name: str, value: str) -> None:
+        assert self.qdrant is not None
+        flt = qm.Filter(must=[qm.FieldCondition(key=name, match=qm.MatchValue(value=value))])
+        self.qdrant.client.delete(self.collection, points_selector=qm.FilterSelector(filter=flt))
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(_log_failure)
+
+    # ----- store
+
+    async def store(self, prompt: str, scope: Scope, answer: bytes, ttl_seconds: int = 0) -> StoreResult:
+        self._check_prompt(prompt)
+        self._check_scope(scope)
+        normalized = normalize_prompt(prompt)
+        key = entry_key(normalized, scope)
+        ttl = int(ttl_seconds) or self.default_ttl
+        expires_at = time.time() + ttl
+        ekey = self._k("e", key)
+
+        async def write() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.delete(ekey)
+            pipe.hset(ekey, mapping={"a": answer, "p": prompt, "t": scope.tenant, "c": scope.collection})
+            pipe.expire(ekey, ttl)
+            sets = [self._k("tenant", name_digest(scope.tenant))]
+            if scope.collection:
+                sets.append(self._k("coll", name_digest(scope.collection)))
+            for set_key in sets:
+                pipe.sadd(set_key, key)
+                pipe.expire(set_key, ttl, nx=True)
+                pipe.expire(set_key, ttl, gt=True)
+            live = self._k("live")
+            pipe.zremrangebyscore(live, "-inf", time.time())
+            pipe.zadd(live, {key: expires_at})
+            return await pipe.execute()
+
+        with tracer.start_as_current_span("cache.redis.store") as span:
+            span.set_attribute("llmesh.cache.tier", "exact")
+            try:
+                await self._redis(write)
+            except RedisDown:
+                span.set_attribute("llmesh.cache.degraded", True)
+                return StoreResult(key, False, True)
+            except redis_errors.RedisError as exc:
+                log.error("redis store failed: %s", exc)
+                return StoreResult(key, False)
+        STORES.inc()
+        if self.embedder is not None and self.qdrant is not None:
+            try:
+                await self._index(normalized, scope, key, expires_at)
+            except Exception as exc:  # the exact tier has the entry; the semantic index is best effort
+                log.warning("semantic index write failed: %s", exc)
+        return StoreResult(key, True)
+
+    async def _index(self, normalized: str, scope: Scope, key: str, expires_at: float) -> None:
+        assert self.embedder is not None and self.qdrant is not None
+        with tracer.start_as_current_span("cache.embed") as span:
+            span.set_attribute("llmesh.cache.tier", "semantic")
+            vector = (await self.embedder.aencode([normalized]))[0]
+        payload = {**self._scope_payload(scope), "key": key, "expires_at": expires_at}
+        point = qm.PointStruct(id=point_id(key), vector=vector.tolist(), payload=payload)
+        with tracer.start_as_current_span("cache.qdrant.upsert"):
+            await self.qdrant.run(self.qdrant.client.upsert, self.collection, points=[point])
+
+    # ----- invalidation
+
+    async def invalidate_key(self, key: str) -> int:
+        key = key.strip().lower()
+        if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
+            raise InvalidArgument([("key", "must be a cache key as returned by Lookup or Store (64 hex digits)")])
+        ekey = self._k("e", key)
+
+        async def remove() -> int:
+            tenant, collection = await self.redis.hmget(ekey, "t", "c")
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.delete(ekey)
+            pipe.zrem(self._k("live"), key)
+            if tenant is not None:
+                pipe.srem(self._k("tenant", name_digest(_as_bytes(tenant).decode())), key)
+            if collection:
+                pipe.srem(self._k("coll", name_digest(_as_bytes(collection).decode())), key)
+            return int((await pipe.execute())[0])
+
+        removed = await self._must(remove)
+        await self._qdrant_cleanup(self._delete_points, [point_id(key)])
+        return removed
+
+    async def invalidate_tenant(self, tenant: str) -> int:
+        removed = await self._must(lambda: self._drop_set(self._k("tenant", name_digest(tenant))))
+        await self._qdrant_cleanup(self._delete_where, "tenant", tenant)
+        return removed
+
+    async def invalidate_collection(self, collection: str) -> int:
+        collection = collection or self.default_collection
+        removed = await self._must(lambda: self._drop_set(self._k("coll", name_digest(collection))))
+        await self._qdrant_cleanup(self._delete_where, "collection", collection)
+        return removed
+
+    async def _drop_set(self, set_key: str) -> int:
+        # Read and delete the set atomically: a concurrent Store lands in a new set.
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.smembers(set_key)
+        pipe.delete(set_key)
+        members, _ = await pipe.execute()
+        keys = sorted(m.decode() for m in members)
+        removed = 0
+        for i in range(0, len(keys), INVALIDATE_BATCH):
+            chunk = keys[i : i + INVALIDATE_BATCH]
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.delete(*[self._k("e", k) for k in chunk])
+            pipe.zrem(self._k("live"), *chunk)
+            removed += int((await pipe.execute())[0])
+        return removed
+
+    async def _must(self, op: Callable[[], Awaitable[T]]) -> T:
+        try:
+            return await self._redis(op)
+        except RedisDown as exc:
+            raise Unavailable(
+                "the cache store (Redis) is unreachable", reason="CACHE_DEGRADED", retry_after=1.0
+            ) from exc
+
+    async def _qdrant_cleanup(self, fn: Callable[..., None], *args: Any) -> None:
+        if self.qdrant is None or self.embedder is None:
+            return
+        try:
+            await self.qdrant.run(fn, *args)
+        except Exception as exc:  # the Redis entries are gone: orphan points are misses anyway
+            log.warning("semantic index cleanup failed: %s", exc)
+
+    # ----- stats and housekeeping
+
+    async def stats(self) -> Stats:
+        out = Stats(**{**self.counts.__dict__, "rejections_by_reason": dict(self.counts.rejections_by_reason)})
+
+        async def count() -> int:
+            live = self._k("live")
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.zremrangebyscore(live, "-inf", time.time())
+            pipe.zcard(live)
+            return int((await pipe.execute())[1])
+
+        try:
+            out.entries = await self._redis(count)
+        except (RedisDown, redis_errors.RedisError):
+            out.entries = 0
+        out.degraded = self.degraded
+        return out
+
+    async def _sweep_loop(self) -> None:
+        """Deletes semantic points of expired entries (those never met by a lookup)."""
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            try:
+                await self.qdrant.run(self._sweep_expired)  # type: ignore[union-attr]
+            except Exception as exc:
+                log.warning("semantic index sweep failed: %s", exc)
+
+    def _sweep_expired(self) -> None:
+        assert self.qdrant is not None
+        flt = qm.Filter(must=[qm.FieldCondition(key="expires_at", range=qm.Range(lt=time.time()))])
+        self.qdrant.client.delete(self.collection, points_selector=qm.FilterSelector(filter=flt))

@@ -1,0 +1,142 @@
+"""gRPC side of the cache service: messages in, CacheCore calls, messages out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import grpc
+
+from llmesh import qdrant as qdrant_mod
+from llmesh.embeddings import Embedder
+from llmesh.errors import InvalidArgument
+from llmesh.server import Readiness
+from llmesh.settings import Settings
+from llmesh.v1 import cache_pb2, cache_pb2_grpc, common_pb2
+from services.cache.core import DEFAULT_PREFIX, CacheCore, redis_client
+from services.cache.keys import Sampling, Scope
+
+log = logging.getLogger("llmesh.cache")
+
+TIERS = {"exact": common_pb2.CACHE_TIER_EXACT, "semantic": common_pb2.CACHE_TIER_SEMANTIC}
+
+
+def scope_of(msg: cache_pb2.CacheScope) -> Scope:
+    s = msg.sampling
+    return Scope(
+        model=msg.model,
+        tenant=msg.tenant,
+        collection=msg.collection,
+        collection_version=msg.collection_version,
+        sampling=Sampling(
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed if s.HasField("seed") else None,
+            stop=tuple(s.stop),
+            ignore_eos=s.ignore_eos,
+        ),
+    )
+
+
+class CacheServicer(cache_pb2_grpc.CacheServicer):
+    def __init__(self, core: Readiness[CacheCore]) -> None:
+        self._core = core
+
+    @property
+    def core(self) -> CacheCore:
+        return self._core.get()
+
+    async def Lookup(self, request, context):  # type: ignore[no-untyped-def]
+        result = await self.core.lookup(request.prompt, scope_of(request.scope), request.allow_semantic)
+        response = cache_pb2.CacheLookupResponse(
+            hit=result.hit,
+            tier=TIERS.get(result.tier, common_pb2.CACHE_TIER_UNSPECIFIED),
+            similarity=result.similarity,
+            key=result.key,
+            degraded=result.degraded or self.core.degraded,
+        )
+        if result.hit:
+            response.answer.ParseFromString(result.answer)
+        return response
+
+    async def Store(self, request, context):  # type: ignore[no-untyped-def]
+        answer = request.answer
+        violations = []
+        if not answer.text:
+            violations.append(("answer.text", "an empty answer is not cached"))
+        if answer.finish_reason == common_pb2.FINISH_REASON_CANCELLED:
+            violations.append(("answer.finish_reason", "a cancelled generation is not cached"))
+        if violations:
+            raise InvalidArgument(violations)
+        result = await self.core.store(
+            request.prompt, scope_of(request.scope), answer.SerializeToString(deterministic=True), request.ttl_seconds
+        )
+        return cache_pb2.CacheStoreResponse(key=result.key, stored=result.stored)
+
+    async def Invalidate(self, request, context):  # type: ignore[no-untyped-def]
+        target = request.WhichOneof("target")
+        if target == "key":
+            removed = await self.core.invalidate_key(request.key)
+        elif target == "tenant":
+            removed = await self.core.invalidate_tenant(request.tenant)
+        elif target == "collection":
+            removed = await self.core.invalidate_collection(request.collection)
+        else:
+            raise InvalidArgument([("target", "set one of key, tenant or collection")])
+        return cache_pb2.InvalidateResponse(removed=removed)
+
+    async def Stats(self, request, context):  # type: ignore[no-untyped-def]
+        stats = await self.core.stats()
+        return cache_pb2.CacheStatsResponse(
+            entries=stats.entries,
+            exact_hits=stats.exact_hits,
+            semantic_hits=stats.semantic_hits,
+            misses=stats.misses,
+            rejections=stats.rejections,
+            degraded=stats.degraded,
+        )
+
+
+class CacheApp:
+    service_names: Sequence[str] = (cache_pb2.DESCRIPTOR.services_by_name["Cache"].full_name,)
+
+    def __init__(self, settings: Settings, *, key_prefix: str = DEFAULT_PREFIX, semantic: bool = True) -> None:
+        self.settings = settings
+        self.key_prefix = key_prefix
+        self.semantic = semantic
+        self.core: Readiness[CacheCore] = Readiness()
+        self._embedder: Embedder | None = None
+        self._qdrant: qdrant_mod.QdrantHandle | None = None
+
+    def register(self, server: grpc.aio.Server) -> None:
+        cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(self.core), server)
+
+    async def start(self) -> None:
+        s = self.settings
+        if self.semantic:
+            self._embedder = await asyncio.to_thread(Embedder.load, s.models_path, s.embedding_model)
+            await self._embedder.aencode(["warm up"])
+            self._qdrant = await asyncio.to_thread(qdrant_mod.open_client, s, "cache")
+        core = CacheCore(
+            redis_client(s.redis_url, s.redis_timeout_seconds),
+            embedder=self._embedder,
+            qdrant=self._qdrant,
+            threshold=s.semantic_threshold,
+            default_ttl=s.cache_ttl_seconds,
+            timeout=s.redis_timeout_seconds,
+            default_collection=s.default_collection,
+            prefix=self.key_prefix,
+        )
+        await core.start()
+        self.core.set(core)
+
+    async def stop(self) -> None:
+        if self.core.ready:
+            await self.core.get().close()
+            self.core.clear()
+        if self._qdrant is not None:
+            await asyncio.to_thread(self._qdrant.close)
+        if self._embedder is not None:
+            self._embedder.close()

@@ -1,0 +1,1 @@
+"""Retrieval service: token-aware chunking, MiniLM embeddings and Qdrant search for RAG."""

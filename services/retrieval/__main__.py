@@ -1,0 +1,6 @@
+"""Retrieval service: document store and search for RAG over gRPC."""
+
+from llmesh.server import run_service
+from services.retrieval.servicer import RetrievalApp
+
+run_service("retrieval", RetrievalApp)

@@ -1,0 +1,512 @@
+"""Retrieval domain logic (no gRPC): validation, chunking through a `Chunker`, MiniLM embedding,
+Qdrant storage and search, collection versions.
+
+Each (tenant, collection) is its own Qdrant collection. A chunk's point id is uuid5 of
+(physical collection, document id, chunk index), so re-ingesting overwrites in place; chunks a
+shorter new version no longer has are deleted right after (no window where the document is
+missing from search). Collection versions live in the `llmesh_meta` collection, one point per
+collection, and go up by one on every upsert and delete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+from opentelemetry import trace
+from prometheus_client import Counter, Gauge, Histogram
+from qdrant_client import models as qm
+
+from llmesh.embeddings import Embedder
+from llmesh.errors import FailedPrecondition, InvalidArgument
+from llmesh.metrics import LATENCY_BUCKETS, trace_exemplar
+from llmesh.qdrant import QdrantHandle
+
+log = logging.getLogger("llmesh.retrieval")
+tracer = trace.get_tracer("llmesh.retrieval")
+
+META_COLLECTION = "llmesh_meta"
+# Vectors from llmesh.embeddings are unit length, so the dot product is the cosine similarity;
+# embedded Qdrant would renormalize every stored vector on each COSINE search.
+DISTANCE = qm.Distance.DOT
+POINT_NAMESPACE = uuid.UUID("6f1c3f0e-3b8a-5d7e-9a51-2f4d8c6b1e07")
+DEFAULT_TOP_K = 4
+MAX_TOP_K = 50
+MAX_METADATA_KEYS = 32
+MAX_METADATA_ENTRY_BYTES = 1024
+MAX_ID_BYTES = 256
+MAX_NAME_CHARS = 128
+MAX_CHUNK_TOKENS = 8192
+MAX_QUERY_BYTES = 16 * 1024
+# Documents per progress message; the next batch is chunked while this one is embedded.
+DOCS_PER_BATCH = 16
+CHUNK_CONCURRENCY = 8
+# Embedded Qdrant filters payloads in Python over every point (~20 us each): filtered searches
+# first filter the best top_k * N unfiltered results here, which is exact when at least top_k of
+# them pass (or when that was every point); only then the full filtered scan.
+LOCAL_FILTER_OVERSAMPLE = (8, 64)
+
+SEARCH_SECONDS = Histogram(
+    "llmesh_retrieval_search_duration_seconds", "Retrieval search latency.", buckets=LATENCY_BUCKETS
+)
+POINTS = Gauge("llmesh_retrieval_points", "Chunks stored per collection.", ["collection"])
+UPSERTED = Counter("llmesh_retrieval_upserted_chunks_total", "Chunks embedded and stored.")
+
+
+class Chunker(Protocol):
+    """Splits text into token windows (the tokenizer service's Chunk RPC)."""
+
+    def __call__(self, text: str, chunk_tokens: int, overlap_tokens: int, time_left: float) -> Awaitable[list[str]]: ...
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    text: str
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Progress:
+    documents_done: int
+    documents_total: int
+    chunks_done: int
+    done: bool = False
+    collection_version: int = 0
+
+
+@dataclass(frozen=True)
+class Hit:
+    document_id: str
+    chunk_index: int
+    text: str
+    score: float
+    metadata: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Info:
+    exists: bool
+    points: int
+    version: int
+    dimension: int
+
+
+def _clean(name: str) -> str:
+    return re.sub(r"[^a-z0-9_-]+", "_", name.lower())[:40] or "_"
+
+
+def physical_name(tenant: str, collection: str) -> str:
+    """Qdrant collection of (tenant, collection): readable, and unique thanks to the hash."""
+    digest = hashlib.sha256(f"{tenant}\0{collection}".encode()).hexdigest()[:12]
+    return f"rag_{_clean(tenant)}__{_clean(collection)}_{digest}"
+
+
+def chunk_point_id(physical: str, document_id: str, index: int) -> str:
+    return str(uuid.uuid5(POINT_NAMESPACE, f"{physical}/{document_id}/{index}"))
+
+
+def _meta_id(physical: str) -> str:
+    return str(uuid.uuid5(POINT_NAMESPACE, f"meta/{physical}"))
+
+
+def _metadata_key(key: str) -> str:
+    return f"metadata.{key}" if re.fullmatch(r"[A-Za-z0-9_]+", key) else f'metadata."{key}"'
+
+
+def _nbytes(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+class RetrievalCore:
+    def __init__(
+        self,
+        embedder: Embedder,
+        qdrant: QdrantHandle,
+        chunker: Chunker,
+        *,
+        chunk_tokens: int = 200,
+        chunk_overlap: int = 32,
+        default_collection: str = "docs",
+        max_document_bytes: int = 1024 * 1024,
+    ) -> None:
+        self.embedder = embedder
+        self.qdrant = qdrant
+        self.chunker = chunker
+        self.chunk_tokens = chunk_tokens
+        self.chunk_overlap = chunk_overlap
+        self.default_collection = default_collection
+        self.max_document_bytes = max_document_bytes
+        self._version_lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        await self.qdrant.run(self._ensure_meta)
+
+    def _ensure_meta(self) -> None:
+        client = self.qdrant.client
+        if not client.collection_exists(META_COLLECTION):
+            client.create_collection(META_COLLECTION, vectors_config=qm.VectorParams(size=1, distance=qm.Distance.DOT))
+
+    # ----- names and validation
+
+    def _physical(self, tenant: str, collection: str, prefix: str = "") -> tuple[str, str]:
+        violations = []
+        if len(collection) > MAX_NAME_CHARS:
+            violations.append((f"{prefix}collection", f"longer than {MAX_NAME_CHARS} characters"))
+        if len(tenant) > MAX_NAME_CHARS:
+            violations.append((f"{prefix}tenant", f"longer than {MAX_NAME_CHARS} characters"))
+        if violations:
+            raise InvalidArgument(violations)
+        collection = collection or self.default_collection
+        return physical_name(tenant, collection), collection
+
+    def validate_upsert(self, documents: Sequence[Document], chunk_tokens: int, overlap_tokens: int) -> tuple[int, int]:
+        """Checks every document before anything is written; returns the chunk window and overlap."""
+        violations: list[tuple[str, str]] = []
+        if not documents:
+            violations.append(("documents", "at least one document is required"))
+        seen: dict[str, int] = {}
+        for i, doc in enumerate(documents):
+            where = f"documents[{i}]"
+            if not doc.id:
+                violations.append((f"{where}.id", "must not be empty"))
+            elif _nbytes(doc.id) > MAX_ID_BYTES:
+                violations.append((f"{where}.id", f"longer than {MAX_ID_BYTES} bytes"))
+            elif doc.id in seen:
+                violations.append((f"{where}.id", f"duplicate of documents[{seen[doc.id]}].id"))
+            else:
+                seen[doc.id] = i
+            if not doc.text.strip():
+                violations.append((f"{where}.text", "must not be empty"))
+            elif _nbytes(doc.text) > self.max_document_bytes:
+                violations.append((f"{where}.text", f"longer than {self.max_document_bytes} bytes"))
+            if len(doc.metadata) > MAX_METADATA_KEYS:
+                violations.append((f"{where}.metadata", f"at most {MAX_METADATA_KEYS} keys"))
+            for key, value in doc.metadata.items():
+                if not key or '"' in key or any(ord(c) < 32 for c in key):
+                    violations.append((f"{where}.metadata", f"invalid key {key!r}"))
+                elif _nbytes(key) + _nbytes(value) > MAX_METADATA_ENTRY_BYTES:
+                    violations.append(
+                        (f"{where}.metadata[{key}]", f"key and value longer than {MAX_METADATA_ENTRY_BYTES} bytes")
+                    )
+        chunk = chunk_tokens or self.chunk_tokens
+        if overlap_tokens:
+            overlap = overlap_tokens
+        else:  # the default overlap, kept below a small requested window
+            overlap = min(self.chunk_overlap, chunk // 4)
+        if not 1 <= chunk <= MAX_CHUNK_TOKENS:
+            violations.append(("chunk_tokens", f"must be in 1..{MAX_CHUNK_TOKENS}"))
+        elif overlap >= chunk:
+            violations.append(("overlap_tokens", "must be smaller than chunk_tokens"))
+        if violations:
+            raise InvalidArgument(violations)
+        return chunk, overlap
+
+    # ----- upsert
+
+    async def upsert(
+        self,
+        collection: str,
+        tenant: str,
+        documents: Sequence[Document],
+        chunk_tokens: int = 0,
+        overlap_tokens: int = 0,
+        deadline: float | None = None,
+    ) -> AsyncIterator[Progress]:
+        """Validates everything, then chunks, embeds and stores batch by batch, yielding progress;
+        the last item has done=True and the new collection version."""
+        physical, logical = self._physical(tenant, collection)
+        chunk, overlap = self.validate_upsert(documents, chunk_tokens, overlap_tokens)
+        await self.qdrant.run(self._ensure_collection, physical)
+        ingest = uuid.uuid4().hex
+        total = len(documents)
+        batches = [list(documents[i : i + DOCS_PER_BATCH]) for i in range(0, total, DOCS_PER_BATCH)]
+        offsets = list(range(0, total, DOCS_PER_BATCH))
+        sem = asyncio.Semaphore(CHUNK_CONCURRENCY)
+
+        async def chunk_batch(batch: list[Document], first: int) -> list[list[str]]:
+            async def one(doc: Document, index: int) -> list[str]:
+                async with sem:
+                    timeout = max(0.001, deadline - time.monotonic()) if deadline is not None else 60.0
+                    pieces = await self.chunker(doc.text, chunk, overlap, timeout)
+                if not pieces:
+                    raise InvalidArgument([(f"documents[{index}].text", "has no tokens")])
+                return pieces
+
+            with tracer.start_as_current_span("retrieval.chunk") as span:
+                span.set_attribute("llmesh.retrieval.document_ids", [d.id for d in batch][:64])
+                return list(await asyncio.gather(*(one(d, first + j) for j, d in enumerate(batch))))
+
+        done_docs = done_chunks = 0
+        wrote = False
+        pending: asyncio.Task[int] | None = None
+        next_chunks: asyncio.Task[list[list[str]]] | None = asyncio.create_task(chunk_batch(batches[0], 0))
+        try:
+            for n, batch in enumerate(batches):
+                assert next_chunks is not None
+                pieces = await next_chunks
+                next_chunks = (
+                    asyncio.create_task(chunk_batch(batches[n + 1], offsets[n + 1])) if n + 1 < len(batches) else None
+                )
+                texts = [t for doc_pieces in pieces for t in doc_pieces]
+                with tracer.start_as_current_span("retrieval.embed") as span:
+                    span.set_attribute("llmesh.retrieval.document_ids", [d.id for d in batch][:64])
+                    span.set_attribute("llmesh.retrieval.chunks", len(texts))
+                    vectors = await self.embedder.aencode(texts)
+                if pending is not None:
+                    done_chunks += await pending
+                    done_docs += DOCS_PER_BATCH
+                    yield Progress(done_docs, total, done_chunks)
+                wrote = True
+                pending = asyncio.create_task(self._write(physical, tenant, ingest, batch, pieces, vectors))
+            assert pending is not None
+            done_chunks += await pending
+            pending = None
+            yield Progress(total, total, done_chunks)
+            version = await self._bump(physical, tenant, logical)
+            wrote = False
+            await self._update_points_gauge(physical)
+            yield Progress(total, total, done_chunks, done=True, collection_version=version)
+        finally:
+            for task in (next_chunks, pending):
+                if task is not None and not task.done():
+                    task.cancel()
+            if wrote:  # failed or cancelled part way: what was written still changes the version
+                await asyncio.shield(self._bump(physical, tenant, logical))
+
+    async def _write(
+        self,
+        physical: str,
+        tenant: str,
+        ingest: str,
+        batch: list[Document],
+        pieces: list[list[str]],
+        vectors: np.ndarray,
+    ) -> int:
+        points = []
+        row = 0
+        for doc, doc_pieces in zip(batch, pieces, strict=True):
+            for index, text in enumerate(doc_pieces):
+                payload = {
+                    "document_id": doc.id,
+                    "chunk_index": index,
+                    "text": text,
+                    "metadata": dict(doc.metadata),
+                    "tenant": tenant,
+                    "ingest": ingest,
+                }
+                points.append(
+                    qm.PointStruct(
+                        id=chunk_point_id(physical, doc.id, index), vector=vectors[row].tolist(), payload=payload
+                    )
+                )
+                row += 1
+        with tracer.start_as_current_span("retrieval.qdrant.upsert") as span:
+            span.set_attribute("llmesh.retrieval.document_ids", [d.id for d in batch][:64])
+            span.set_attribute("llmesh.retrieval.chunks", len(points))
+            await self.qdrant.run(self._replace, physical, ingest, [d.id for d in batch], points)
+        UPSERTED.inc(len(points))
+        return len(points)
+
+    def _replace(self, physical: str, ingest: str, doc_ids: list[str], points: list[qm.PointStruct]) -> None:
+        client = self.qdrant.client
+        # Documents stored before (their chunk 0 exists) may leave chunks past the new count.
+        firsts = {chunk_point_id(physical, d, 0): d for d in doc_ids}
+        existed = [firsts[str(r.id)] for r in client.retrieve(physical, ids=list(firsts), with_payload=False)]
+        client.upsert(physical, points=points, wait=True)
+        if existed:
+            stale = qm.Filter(
+                must=[qm.FieldCondition(key="document_id", match=qm.MatchAny(any=existed))],
+                must_not=[qm.FieldCondition(key="ingest", match=qm.MatchValue(value=ingest))],
+            )
+            client.delete(physical, points_selector=qm.FilterSelector(filter=stale), wait=True)
+
+    def _ensure_collection(self, physical: str) -> None:
+        client = self.qdrant.client
+        if client.collection_exists(physical):
+            size = self._dimension(physical)
+            if size != self.embedder.dimension:
+                raise FailedPrecondition(
+                    f"collection holds {size}-dimensional vectors; the embedding model makes {self.embedder.dimension}",
+                    reason="DIMENSION_MISMATCH",
+                )
+            return
+        client.create_collection(
+            physical, vectors_config=qm.VectorParams(size=self.embedder.dimension, distance=DISTANCE)
+        )
+        if not self.qdrant.local:  # embedded mode has no payload indexes
+            client.create_payload_index(physical, "document_id", qm.PayloadSchemaType.KEYWORD)
+            client.create_payload_index(physical, "ingest", qm.PayloadSchemaType.KEYWORD)
+
+    def _dimension(self, physical: str) -> int:
+        params = self.qdrant.client.get_collection(physical).config.params.vectors
+        size = getattr(params, "size", None)
+        return int(size) if size is not None else 0
+
+    # ----- versions
+
+    def _read_version(self, physical: str) -> int:
+        found = self.qdrant.client.retrieve(META_COLLECTION, ids=[_meta_id(physical)], with_payload=True)
+        return int(found[0].payload.get("version", 0)) if found and found[0].payload else 0
+
+    def _write_version(self, physical: str, tenant: str, collection: str) -> int:
+        version = self._read_version(physical) + 1
+        payload = {"physical": physical, "tenant": tenant, "collection": collection, "version": version}
+        self.qdrant.client.upsert(
+            META_COLLECTION, points=[qm.PointStruct(id=_meta_id(physical), vector=[1.0], payload=payload)], wait=True
+        )
+        return version
+
+    async def _bump(self, physical: str, tenant: str, collection: str) -> int:
+        async with self._version_lock:
+            return await self.qdrant.run(self._write_version, physical, tenant, collection)
+
+    async def _update_points_gauge(self, physical: str) -> int:
+        points = await self.qdrant.run(self._count, physical)
+        POINTS.labels(physical).set(points)
+        return points
+
+    def _count(self, physical: str, flt: qm.Filter | None = None) -> int:
+        if not self.qdrant.client.collection_exists(physical):
+            return 0
+        return int(self.qdrant.client.count(physical, count_filter=flt, exact=True).count)
+
+    # ----- search
+
+    async def search(
+        self,
+        query: str,
+        collection: str,
+        tenant: str,
+        top_k: int = 0,
+        score_threshold: float = 0.0,
+        filters: Mapping[str, str] | None = None,
+    ) -> tuple[list[Hit], int]:
+        started = time.perf_counter()
+        violations = []
+        if not query.strip():
+            violations.append(("query", "must not be empty"))
+        elif _nbytes(query) > MAX_QUERY_BYTES:
+            violations.append(("query", f"longer than {MAX_QUERY_BYTES} bytes"))
+        if top_k > MAX_TOP_K:
+            violations.append(("top_k", f"at most {MAX_TOP_K}"))
+        if not -1.0 <= score_threshold <= 1.0:
+            violations.append(("score_threshold", "must be a cosine similarity in [-1, 1]"))
+        for key in filters or {}:
+            if not key or '"' in key:
+                violations.append(("filter", f"invalid metadata key {key!r}"))
+        if violations:
+            raise InvalidArgument(violations)
+        physical, _ = self._physical(tenant, collection)
+        limit = top_k or DEFAULT_TOP_K
+        with tracer.start_as_current_span("retrieval.embed"):
+            vector = (await self.embedder.aencode([query]))[0]
+        with tracer.start_as_current_span("retrieval.qdrant.search") as span:
+            hits, version = await self.qdrant.run(
+                self._search, physical, vector, limit, score_threshold or None, dict(filters or {})
+            )
+            span.set_attribute("llmesh.retrieval.document_ids", [h.document_id for h in hits])
+            span.set_attribute("llmesh.retrieval.scores", [round(h.score, 4) for h in hits])
+        SEARCH_SECONDS.observe(time.perf_counter() - started, exemplar=trace_exemplar())
+        return hits, version
+
+    def _search(
+        self, physical: str, vector: np.ndarray, limit: int, threshold: float | None, filters: dict[str, str]
+    ) -> tuple[list[Hit], int]:
+        client = self.qdrant.client
+        version = self._read_version(physical)
+        if not client.collection_exists(physical):
+            return [], version
+        query = vector.tolist()
+        found = None
+        if filters and self.qdrant.local:
+            for oversample in LOCAL_FILTER_OVERSAMPLE:
+                wide = limit * oversample
+                candidates = client.query_points(
+                    physical, query=query, limit=wide, score_threshold=threshold, with_payload=True
+                ).points
+                passing = [p for p in candidates if _matches(p.payload or {}, filters)]
+                if len(passing) >= limit or len(candidates) < wide:
+                    found = passing[:limit]
+                    break
+        if found is None:
+            flt = None
+            if filters:
+                flt = qm.Filter(
+                    must=[
+                        qm.FieldCondition(key=_metadata_key(k), match=qm.MatchValue(value=v))
+                        for k, v in filters.items()
+                    ]
+                )
+            found = client.query_points(
+                physical, query=query, query_filter=flt, limit=limit, score_threshold=threshold, with_payload=True
+            ).points
+        hits = [
+            Hit(
+                document_id=str(p.payload.get("document_id", "")),
+                chunk_index=int(p.payload.get("chunk_index", 0)),
+                text=str(p.payload.get("text", "")),
+                score=max(-1.0, min(1.0, float(p.score))),
+                metadata={str(k): str(v) for k, v in (p.payload.get("metadata") or {}).items()},
+            )
+            for p in found
+            if p.payload
+        ]
+        return hits, version
+
+    # ----- delete and info
+
+    async def delete(self, collection: str, tenant: str, document_ids: Sequence[str]) -> tuple[int, int]:
+        violations = []
+        if not document_ids:
+            violations.append(("document_ids", "at least one document id is required"))
+        for i, doc_id in enumerate(document_ids):
+            if not doc_id:
+                violations.append((f"document_ids[{i}]", "must not be empty"))
+        if violations:
+            raise InvalidArgument(violations)
+        physical, logical = self._physical(tenant, collection)
+        with tracer.start_as_current_span("retrieval.qdrant.delete") as span:
+            span.set_attribute("llmesh.retrieval.document_ids", list(document_ids)[:64])
+            deleted, existed = await self.qdrant.run(self._delete_docs, physical, list(dict.fromkeys(document_ids)))
+        if not existed:
+            return 0, await self.qdrant.run(self._read_version, physical)
+        version = await self._bump(physical, tenant, logical)
+        await self._update_points_gauge(physical)
+        return deleted, version
+
+    def _delete_docs(self, physical: str, document_ids: list[str]) -> tuple[int, bool]:
+        client = self.qdrant.client
+        if not client.collection_exists(physical):
+            return 0, False
+        flt = qm.Filter(must=[qm.FieldCondition(key="document_id", match=qm.MatchAny(any=document_ids))])
+        deleted = int(client.count(physical, count_filter=flt, exact=True).count)
+        if deleted:
+            client.delete(physical, points_selector=qm.FilterSelector(filter=flt), wait=True)
+        return deleted, True
+
+    async def info(self, collection: str, tenant: str) -> Info:
+        physical, _ = self._physical(tenant, collection)
+        info = await self.qdrant.run(self._info, physical)
+        if info.exists:
+            POINTS.labels(physical).set(info.points)
+        return info
+
+    def _info(self, physical: str) -> Info:
+        version = self._read_version(physical)
+        if not self.qdrant.client.collection_exists(physical):
+            return Info(False, 0, version, 0)
+        return Info(True, self._count(physical), version, self._dimension(physical))
+
+
+def _matches(payload: Mapping[str, Any], filters: Mapping[str, str]) -> bool:
+    metadata = payload.get("metadata") or {}
+    return all(metadata.get(k) == v for k, v in filters.items())

@@ -1,0 +1,139 @@
+"""gRPC side of the retrieval service: messages in, RetrievalCore calls, messages out; chunking
+goes to the tokenizer service over a peer channel, within the caller's deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from llmesh import errors
+from llmesh import qdrant as qdrant_mod
+from llmesh.channels import peer_channel, remaining_seconds
+from llmesh.embeddings import Embedder
+from llmesh.server import Readiness
+from llmesh.settings import Settings
+from llmesh.v1 import common_pb2, retrieval_pb2, retrieval_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+from services.retrieval.core import Document, RetrievalCore
+
+# Time an upsert may take when its caller set no deadline.
+DEFAULT_UPSERT_SECONDS = 600.0
+
+
+class TokenizerChunker:
+    """`Chunker` backed by the tokenizer service's Chunk RPC."""
+
+    def __init__(self, target: str, max_message_bytes: int) -> None:
+        self.channel = peer_channel(target, max_message_bytes)
+        self.stub = tokenizer_pb2_grpc.TokenizerStub(self.channel)
+
+    async def __call__(self, text: str, chunk_tokens: int, overlap_tokens: int, time_left: float) -> list[str]:
+        request = tokenizer_pb2.ChunkRequest(text=text, chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
+        try:
+            response = await self.stub.Chunk(request, timeout=time_left)
+        except grpc.aio.AioRpcError as err:
+            raise errors.from_rpc_error("tokenizer", err) from err
+        return [c.text for c in response.chunks]
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class RetrievalServicer(retrieval_pb2_grpc.RetrievalServicer):
+    def __init__(self, core: Readiness[RetrievalCore]) -> None:
+        self._core = core
+
+    @property
+    def core(self) -> RetrievalCore:
+        return self._core.get()
+
+    async def Upsert(self, request, context):  # type: ignore[no-untyped-def]
+        core = self.core
+        deadline = time.monotonic() + remaining_seconds(context, DEFAULT_UPSERT_SECONDS)
+        documents = [Document(d.id, d.text, dict(d.metadata)) for d in request.documents]
+        async for progress in core.upsert(
+            request.collection, request.tenant, documents, request.chunk_tokens, request.overlap_tokens, deadline
+        ):
+            yield retrieval_pb2.UpsertProgress(
+                documents_done=progress.documents_done,
+                documents_total=progress.documents_total,
+                chunks_done=progress.chunks_done,
+                done=progress.done,
+                collection_version=progress.collection_version,
+            )
+
+    async def Search(self, request, context):  # type: ignore[no-untyped-def]
+        hits, version = await self.core.search(
+            request.query,
+            request.collection,
+            request.tenant,
+            request.top_k,
+            request.score_threshold,
+            dict(request.filter),
+        )
+        return retrieval_pb2.RetrievalSearchResponse(
+            results=[
+                common_pb2.ScoredChunk(
+                    document_id=h.document_id,
+                    chunk_index=h.chunk_index,
+                    text=h.text,
+                    score=h.score,
+                    metadata=h.metadata,
+                )
+                for h in hits
+            ],
+            collection_version=version,
+        )
+
+    async def Delete(self, request, context):  # type: ignore[no-untyped-def]
+        deleted, version = await self.core.delete(request.collection, request.tenant, list(request.document_ids))
+        return retrieval_pb2.DeleteResponse(deleted_chunks=deleted, collection_version=version)
+
+    async def GetCollectionInfo(self, request, context):  # type: ignore[no-untyped-def]
+        info = await self.core.info(request.collection, request.tenant)
+        return retrieval_pb2.CollectionInfo(
+            exists=info.exists, points=info.points, version=info.version, dimension=info.dimension
+        )
+
+
+class RetrievalApp:
+    service_names: Sequence[str] = (retrieval_pb2.DESCRIPTOR.services_by_name["Retrieval"].full_name,)
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.core: Readiness[RetrievalCore] = Readiness()
+        self._embedder: Embedder | None = None
+        self._qdrant: qdrant_mod.QdrantHandle | None = None
+        self._chunker: TokenizerChunker | None = None
+
+    def register(self, server: grpc.aio.Server) -> None:
+        retrieval_pb2_grpc.add_RetrievalServicer_to_server(RetrievalServicer(self.core), server)
+
+    async def start(self) -> None:
+        s = self.settings
+        self._embedder = await asyncio.to_thread(Embedder.load, s.models_path, s.embedding_model)
+        await self._embedder.aencode(["warm up"])
+        self._qdrant = await asyncio.to_thread(qdrant_mod.open_client, s, "retrieval")
+        self._chunker = TokenizerChunker(s.tokenizer_target, s.max_message_bytes)
+        core = RetrievalCore(
+            self._embedder,
+            self._qdrant,
+            self._chunker,
+            chunk_tokens=s.chunk_tokens,
+            chunk_overlap=s.chunk_overlap,
+            default_collection=s.default_collection,
+            max_document_bytes=s.max_document_bytes,
+        )
+        await core.start()
+        self.core.set(core)
+
+    async def stop(self) -> None:
+        self.core.clear()
+        if self._chunker is not None:
+            await self._chunker.close()
+        if self._qdrant is not None:
+            await asyncio.to_thread(self._qdrant.close)
+        if self._embedder is not None:
+            self._embedder.close()

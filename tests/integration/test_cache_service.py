@@ -1,0 +1,346 @@
+"""The cache service in-process on real Redis (DB 15, a unique key prefix per run), embedded
+Qdrant in a temp folder and the real MiniLM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import redis.asyncio as aioredis
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import REGISTRY
+
+from llmesh import telemetry
+from llmesh.errors import status_details, unpack_details
+from llmesh.testing import hosted
+from llmesh.v1 import cache_pb2, cache_pb2_grpc, common_pb2
+from services.cache.servicer import CacheApp
+
+REDIS_URL = os.environ.get("LLMESH_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+THRESHOLD = "0.75"
+GREEDY = common_pb2.SamplingParams(max_new_tokens=64)
+SAMPLED = common_pb2.SamplingParams(max_new_tokens=64, temperature=0.7, top_p=0.9, seed=7)
+
+
+def _env(models_dir: Path, data_dir: Path, redis_url: str = REDIS_URL, **extra: str) -> dict[str, str]:
+    return {
+        "LLMESH_MODELS_DIR": str(models_dir),
+        "LLMESH_DATA_DIR": str(data_dir),
+        "LLMESH_REDIS_URL": redis_url,
+        "LLMESH_SEMANTIC_THRESHOLD": THRESHOLD,
+        "LLMESH_REDIS_TIMEOUT_SECONDS": "0.25",
+        "QDRANT_URL": "",
+        **extra,
+    }
+
+
+@contextlib.asynccontextmanager
+async def cache_service(env: dict[str, str], prefix: str) -> AsyncIterator[cache_pb2_grpc.CacheStub]:
+    async with hosted("cache", lambda s: CacheApp(s, key_prefix=prefix), env) as host:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{host.port}") as channel:
+            yield cache_pb2_grpc.CacheStub(channel)
+
+
+async def _drop_prefix(url: str, prefix: str) -> None:
+    client = aioredis.Redis.from_url(url)
+    try:
+        keys = [k async for k in client.scan_iter(match=f"{prefix}*", count=1000)]
+        if keys:
+            await client.delete(*keys)
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture(scope="module")
+async def cache(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[cache_pb2_grpc.CacheStub]:
+    prefix = f"llmesh-test:{uuid.uuid4().hex[:12]}:"
+    env = _env(models_dir, tmp_path_factory.mktemp("cache-data"))
+    try:
+        async with cache_service(env, prefix) as stub:
+            yield stub
+    finally:
+        await _drop_prefix(REDIS_URL, prefix)
+
+
+def _tenant() -> str:
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+def scope(tenant: str, sampling: common_pb2.SamplingParams = GREEDY, **kw: object) -> cache_pb2.CacheScope:
+    return cache_pb2.CacheScope(model="smollm2", tenant=tenant, sampling=sampling, **kw)  # type: ignore[arg-type]
+
+
+def answer(text: str) -> cache_pb2.CachedAnswer:
+    return cache_pb2.CachedAnswer(
+        text=text, finish_reason=common_pb2.FINISH_REASON_STOP, usage=common_pb2.Usage(input_tokens=5, output_tokens=3)
+    )
+
+
+async def store(stub: cache_pb2_grpc.CacheStub, prompt: str, sc: cache_pb2.CacheScope, text: str, ttl: int = 0):
+    reply = await stub.Store(cache_pb2.CacheStoreRequest(prompt=prompt, scope=sc, answer=answer(text), ttl_seconds=ttl))
+    assert reply.stored and len(reply.key) == 64
+    return reply
+
+
+async def lookup(stub: cache_pb2_grpc.CacheStub, prompt: str, sc: cache_pb2.CacheScope, semantic: bool = True):
+    return await stub.Lookup(cache_pb2.CacheLookupRequest(prompt=prompt, scope=sc, allow_semantic=semantic), timeout=5)
+
+
+def _metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def test_exact_hit_after_normalization(cache: cache_pb2_grpc.CacheStub) -> None:
+    sc = scope(_tenant())
+    stored = await store(cache, "What is the capital of France?", sc, "Paris.")
+    reply = await lookup(cache, "  what is the   CAPITAL of france ", sc, semantic=False)
+    assert reply.hit and reply.tier == common_pb2.CACHE_TIER_EXACT and reply.similarity == 1.0
+    assert reply.key == stored.key and reply.answer.text == "Paris." and reply.answer.usage.output_tokens == 3
+    assert not reply.degraded
+
+
+async def test_greedy_and_sampled_answers_never_cross(cache: cache_pb2_grpc.CacheStub) -> None:
+    tenant = _tenant()
+    await store(cache, "Write a haiku about autumn leaves", scope(tenant, GREEDY), "greedy haiku")
+    sampled = await lookup(cache, "Write a haiku about autumn leaves", scope(tenant, SAMPLED))
+    assert not sampled.hit  # neither tier serves a greedy answer to a sampled request
+    await store(cache, "Write a limerick about a cat", scope(tenant, SAMPLED), "sampled limerick")
+    greedy = await lookup(cache, "Write a limerick about a cat", scope(tenant, GREEDY))
+    assert not greedy.hit
+    # Greedy decoding ignores top_p and the seed; sampled decoding does not.
+    greedy_other = common_pb2.SamplingParams(max_new_tokens=64, top_p=0.5, seed=99)
+    assert (await lookup(cache, "Write a haiku about autumn leaves", scope(tenant, greedy_other))).hit
+    other_seed = common_pb2.SamplingParams(max_new_tokens=64, temperature=0.7, top_p=0.9, seed=8)
+    assert not (await lookup(cache, "Write a limerick about a cat", scope(tenant, other_seed))).hit
+    same = await lookup(cache, "Write a limerick about a cat", scope(tenant, SAMPLED))
+    assert same.hit and same.answer.text == "sampled limerick"
+    longer = common_pb2.SamplingParams(max_new_tokens=128)
+    assert not (await lookup(cache, "Write a haiku about autumn leaves", scope(tenant, longer))).hit
+
+
+async def test_semantic_hit_on_a_paraphrase(cache: cache_pb2_grpc.CacheStub) -> None:
+    sc = scope(_tenant())
+    stored = await store(cache, "How do I reset my password?", sc, "Use the reset link.")
+    before = _metric("llmesh_cache_lookups_total", tier="semantic", result="hit")
+    reply = await lookup(cache, "What's the way to reset my password", sc)
+    assert reply.hit and reply.tier == common_pb2.CACHE_TIER_SEMANTIC
+    assert float(THRESHOLD) <= reply.similarity < 1.0
+    assert reply.key == stored.key and reply.answer.text == "Use the reset link."
+    assert _metric("llmesh_cache_lookups_total", tier="semantic", result="hit") == before + 1
+    assert not (await lookup(cache, "What's the way to reset my password", sc, semantic=False)).hit
+
+
+@pytest.mark.parametrize(
+    ("cached", "asked", "reason"),
+    [
+        ("Which foods are safe for dogs?", "Which foods are not safe for dogs?", "negation"),
+        ("What was the population of Tokyo in 2020?", "What was the population of Tokyo in 2010?", "number"),
+        ("How do I enable JavaScript in Firefox?", "How do I disable JavaScript in Firefox?", "antonym"),
+    ],
+)
+async def test_near_hit_guard_rejects_changed_meaning(
+    cache: cache_pb2_grpc.CacheStub, cached: str, asked: str, reason: str
+) -> None:
+    sc = scope(_tenant())
+    await store(cache, cached, sc, "cached answer")
+    stats_before = await cache.Stats(cache_pb2.CacheStatsRequest())
+    metric_before = _metric("llmesh_cache_semantic_rejections_total", reason=reason)
+    reply = await lookup(cache, asked, sc)
+    assert not reply.hit
+    stats_after = await cache.Stats(cache_pb2.CacheStatsRequest())
+    assert stats_after.rejections == stats_before.rejections + 1
+    assert _metric("llmesh_cache_semantic_rejections_total", reason=reason) == metric_before + 1
+
+
+async def test_ttl_expiry_in_both_tiers(cache: cache_pb2_grpc.CacheStub) -> None:
+    sc = scope(_tenant())
+    await store(cache, "How do I center a div in CSS?", sc, "flexbox", ttl=1)
+    assert (await lookup(cache, "How do I center a div in CSS?", sc)).hit
+    assert (await lookup(cache, "What's the way to center a div with CSS?", sc)).hit
+    await asyncio.sleep(1.3)
+    assert not (await lookup(cache, "How do I center a div in CSS?", sc)).hit
+    assert not (await lookup(cache, "What's the way to center a div with CSS?", sc)).hit
+
+
+async def test_rag_answer_is_stale_for_a_newer_collection_version(cache: cache_pb2_grpc.CacheStub) -> None:
+    tenant = _tenant()
+    v3 = scope(tenant, collection="handbook", collection_version=3)
+    v4 = scope(tenant, collection="handbook", collection_version=4)
+    await store(cache, "What is the vacation policy?", v3, "25 days.")
+    assert not (await lookup(cache, "What is the vacation policy?", v4)).hit
+    assert not (await lookup(cache, "What's the vacation policy", v4)).hit
+    assert (await lookup(cache, "What is the vacation policy?", v3)).hit
+    other = scope(tenant, collection="wiki", collection_version=3)
+    assert not (await lookup(cache, "What is the vacation policy?", other)).hit
+
+
+async def test_entries_never_cross_tenants_or_models(cache: cache_pb2_grpc.CacheStub) -> None:
+    a, b = _tenant(), _tenant()
+    await store(cache, "How do I cancel my subscription?", scope(a), "tenant a answer")
+    assert not (await lookup(cache, "How do I cancel my subscription?", scope(b))).hit
+    assert not (await lookup(cache, "How can I cancel my subscription plan?", scope(b))).hit
+    other_model = cache_pb2.CacheScope(model="tiny", tenant=a, sampling=GREEDY)
+    assert not (await lookup(cache, "How do I cancel my subscription?", other_model)).hit
+
+
+async def test_invalidate_by_key_tenant_and_collection(cache: cache_pb2_grpc.CacheStub) -> None:
+    tenant = _tenant()
+    first = await store(cache, "How do I undo the last git commit?", scope(tenant), "git reset")
+    await store(cache, "How do I delete a branch in git?", scope(tenant), "git branch -d")
+    collection = f"kb-{uuid.uuid4().hex[:6]}"
+    other = _tenant()
+    await store(cache, "What is the refund window?", scope(other, collection=collection, collection_version=1), "30d")
+    await store(cache, "Who approves refunds?", scope(tenant, collection=collection, collection_version=1), "support")
+
+    assert (await cache.Invalidate(cache_pb2.InvalidateRequest(key=first.key))).removed == 1
+    assert not (await lookup(cache, "How can I revert my most recent commit in git?", scope(tenant))).hit
+    assert (await cache.Invalidate(cache_pb2.InvalidateRequest(key=first.key))).removed == 0
+
+    removed = await cache.Invalidate(cache_pb2.InvalidateRequest(collection=collection))
+    assert removed.removed == 2
+    rag = scope(other, collection=collection, collection_version=1)
+    assert not (await lookup(cache, "What is the refund window?", rag)).hit
+
+    assert (await cache.Invalidate(cache_pb2.InvalidateRequest(tenant=tenant))).removed == 1
+    assert not (await lookup(cache, "How do I delete a branch in git?", scope(tenant))).hit
+    assert not (await lookup(cache, "How can I remove a git branch?", scope(tenant))).hit
+
+
+async def test_stats_count_entries_and_hits(cache: cache_pb2_grpc.CacheStub) -> None:
+    before = await cache.Stats(cache_pb2.CacheStatsRequest())
+    sc = scope(_tenant())
+    await store(cache, "Why is the sky blue?", sc, "Rayleigh scattering.")
+    await lookup(cache, "Why is the sky blue?", sc)
+    await lookup(cache, "What makes the sky appear blue?", sc)
+    await lookup(cache, "How do volcanoes form?", sc)
+    after = await cache.Stats(cache_pb2.CacheStatsRequest())
+    assert after.entries >= before.entries + 1
+    assert after.exact_hits == before.exact_hits + 1
+    assert after.semantic_hits == before.semantic_hits + 1
+    assert after.misses == before.misses + 1
+    assert not after.degraded
+
+
+async def test_bad_requests_name_the_field(cache: cache_pb2_grpc.CacheStub) -> None:
+    cases = [
+        (cache.Lookup(cache_pb2.CacheLookupRequest(prompt=" ", scope=scope("t"))), "prompt"),
+        (cache.Lookup(cache_pb2.CacheLookupRequest(prompt="hi", scope=cache_pb2.CacheScope())), "scope.model"),
+        (cache.Store(cache_pb2.CacheStoreRequest(prompt="hi", scope=scope("t"))), "answer.text"),
+        (cache.Invalidate(cache_pb2.InvalidateRequest()), "target"),
+        (cache.Invalidate(cache_pb2.InvalidateRequest(key="nope")), "key"),
+    ]
+    for call, field in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = unpack_details(status_details(caught.value.trailing_metadata()))
+        assert [v.field for v in details["bad_request"].field_violations] == [field]
+
+
+async def test_lookup_spans_carry_tier_and_similarity(cache: cache_pb2_grpc.CacheStub) -> None:
+    exporter = InMemorySpanExporter()
+    provider = telemetry.setup_tracing("test", exporter=exporter)
+    sc = scope(_tenant())
+    await store(cache, "How do vaccines work?", sc, "They train the immune system.")
+    await lookup(cache, "How does a vaccine work in the body?", sc)
+    provider.force_flush()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert {"cache.redis.get", "cache.embed", "cache.qdrant.search"} <= set(spans)
+    assert spans["cache.qdrant.search"].attributes["llmesh.cache.tier"] == "semantic"
+    assert spans["cache.qdrant.search"].attributes["llmesh.cache.similarity"] >= float(THRESHOLD)
+
+
+async def test_unreachable_redis_answers_miss_fast_and_degraded(models_dir: Path, tmp_path: Path) -> None:
+    env = _env(models_dir, tmp_path, redis_url="redis://127.0.0.1:1/0")
+    async with cache_service(env, "llmesh-test-down:") as stub:
+        sc = scope("t")
+        for _ in range(3):
+            started = time.perf_counter()
+            reply = await lookup(stub, "How do I reset my password?", sc)
+            assert time.perf_counter() - started < 1.0
+            assert not reply.hit and reply.degraded
+        stored = await stub.Store(cache_pb2.CacheStoreRequest(prompt="hi", scope=sc, answer=answer("x")), timeout=2)
+        assert not stored.stored and stored.key
+        stats = await stub.Stats(cache_pb2.CacheStatsRequest(), timeout=2)
+        assert stats.degraded
+        assert _metric("llmesh_cache_degraded") == 1.0
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Invalidate(cache_pb2.InvalidateRequest(tenant="t"), timeout=2)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _redis_server(port: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return proc
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs the redis-server binary")
+async def test_cache_recovers_when_redis_comes_back(models_dir: Path, tmp_path: Path) -> None:
+    port = _free_port()
+    server = _redis_server(port)
+    try:
+        async with cache_service(_env(models_dir, tmp_path, redis_url=f"redis://127.0.0.1:{port}/0"), "p:") as stub:
+            sc = scope("t")
+            await store(stub, "How do I reset my password?", sc, "link")
+            server.terminate()
+            server.wait(5)
+            reply = await lookup(stub, "How do I reset my password?", sc)
+            assert not reply.hit and reply.degraded
+            server = _redis_server(port)  # empty again: it keeps nothing on disk
+            deadline = time.monotonic() + 10
+            while (await stub.Stats(cache_pb2.CacheStatsRequest())).degraded:
+                assert time.monotonic() < deadline, "cache did not recover"
+                await asyncio.sleep(0.2)
+            assert _metric("llmesh_cache_degraded") == 0.0
+            await store(stub, "How do I reset my password?", sc, "link")
+            assert (await lookup(stub, "How do I reset my password?", sc)).hit
+    finally:
+        server.kill()
+        server.wait(5)
+
+
+async def test_redis_acl_credentials_come_from_the_url(models_dir: Path, tmp_path: Path) -> None:
+    prefix = f"llmesh-acl:{uuid.uuid4().hex[:8]}:"
+    user, password = f"llmesh-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    admin = aioredis.Redis.from_url(REDIS_URL)
+    await admin.acl_setuser(user, enabled=True, passwords=[f"+{password}"], keys=[f"{prefix}*"], commands=["+@all"])
+    try:
+        good = f"redis://{user}:{password}@127.0.0.1:6379/15"
+        async with cache_service(_env(models_dir, tmp_path / "a", redis_url=good), prefix) as stub:
+            sc = scope("t")
+            await store(stub, "What is an API?", sc, "An interface.")
+            assert (await lookup(stub, "What is an API?", sc)).hit
+        bad = f"redis://{user}:wrong@127.0.0.1:6379/15"
+        async with cache_service(_env(models_dir, tmp_path / "b", redis_url=bad), prefix) as stub:
+            reply = await lookup(stub, "What is an API?", scope("t"))
+            assert not reply.hit and reply.degraded
+    finally:
+        await admin.acl_deluser(user)
+        await _drop_prefix(REDIS_URL, prefix)
+        await admin.aclose()
