@@ -39,6 +39,25 @@ class LlmeshError(Exception):
         return [(STATUS_DETAILS_KEY, status.SerializeToString())]
 
 
+# Bounds on what one error carries: a request with thousands of bad items must still get a
+# status small enough for every client to read (gRPC caps trailing metadata at a few KiB).
+MAX_VIOLATIONS = 10
+MAX_FIELD_CHARS = 100
+MAX_DESCRIPTION_CHARS = 200
+MAX_MESSAGE_CHARS = 1000
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _bounded(violations: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    kept = [(_clip(f, MAX_FIELD_CHARS), _clip(d, MAX_DESCRIPTION_CHARS)) for f, d in violations[:MAX_VIOLATIONS]]
+    if len(violations) > MAX_VIOLATIONS:
+        kept.append(("", f"and {len(violations) - MAX_VIOLATIONS} more problems"))
+    return kept
+
+
 class InvalidArgument(LlmeshError):
     """Bad request fields; each violation is (field path, what is wrong)."""
 
@@ -47,9 +66,9 @@ class InvalidArgument(LlmeshError):
     def __init__(self, violations: Iterable[tuple[str, str]] | str, message: str = "") -> None:
         if isinstance(violations, str):
             violations = [("", violations)]
-        self.violations = list(violations)
+        self.violations = _bounded(list(violations))
         text = message or "; ".join(f"{f}: {d}" if f else d for f, d in self.violations)
-        super().__init__(text, reason="INVALID_ARGUMENT")
+        super().__init__(_clip(text, MAX_MESSAGE_CHARS), reason="INVALID_ARGUMENT")
 
     def details(self) -> list[any_pb2.Any]:
         bad = error_details_pb2.BadRequest(

@@ -299,6 +299,15 @@ class WeightWindow:
         unit, want = max(1, int(input_tokens)), max(1, int(max_new_tokens))
         return self._take(_request(self.config, tenant, unit, want, lane, degrade, planned=True))
 
+    def precheck(self, tenant: str, input_tokens: int, max_new_tokens: int, lane: str = INTERACTIVE) -> None:
+        """Raises what `plan` would raise for a request of at least this size, recording nothing.
+
+        The gateway calls it with a lower bound of the request's weight before its expensive hops
+        (retrieval search, tokenizer), so an overloaded gateway sheds in milliseconds; a request
+        that passes is still admitted exactly by `plan` once its true size is known."""
+        unit, want = max(1, int(input_tokens)), max(1, int(max_new_tokens))
+        self._take(_request(self.config, tenant, unit, want, lane, self.config.degrade, planned=True), record=False)
+
     def record(self, tenant: str, weight: int, lane: str = INTERACTIVE) -> None:
         """Adds weight without checking (mirrors what a cluster window admitted)."""
         with self._lock:
@@ -324,7 +333,7 @@ class WeightWindow:
                 return None
         return series
 
-    def _take(self, req: _Request) -> Admission:
+    def _take(self, req: _Request, record: bool = True) -> Admission:
         config = self.config
         lane_limit, tenant_limit = config.lane_limit(req.lane), config.tenant_limit(req.tenant)
         with self._lock:
@@ -336,9 +345,10 @@ class WeightWindow:
             n = req.want if req.unit * req.want <= room else math.floor(room / req.unit)
             if n >= req.least:
                 weight = req.unit * n
-                self._all.add(now, weight)
-                series.add(now, weight)
-                self._tenants[req.tenant] = series
+                if record:
+                    self._all.add(now, weight)
+                    series.add(now, weight)
+                    self._tenants[req.tenant] = series
                 return Admission(
                     tenant=req.tenant,
                     lane=req.lane,
@@ -533,6 +543,11 @@ class RedisWeightWindow:
         unit, want = max(1, int(input_tokens)), max(1, int(max_new_tokens))
         req = _request(self.config, tenant, unit, want, lane, degrade, planned=True)
         return await self._take(req, lambda: self.fallback.plan(tenant, input_tokens, max_new_tokens, lane, degrade))
+
+    def precheck(self, tenant: str, input_tokens: int, max_new_tokens: int, lane: str = INTERACTIVE) -> None:
+        """Like WeightWindow.precheck, against this replica's own recent admissions (mirrored
+        locally): a lower bound of the shared occupancy, so it never refuses what Redis would admit."""
+        self.fallback.precheck(tenant, input_tokens, max_new_tokens, lane)
 
     async def occupancy(self, tenant: str | None = None) -> float:
         try:

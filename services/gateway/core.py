@@ -197,7 +197,12 @@ class Gateway:
         """Model id + weights digest: new weights never serve answers cached from old ones."""
         now = time.monotonic()
         if self._model is None or now - self._model[0] > MODEL_INFO_TTL_S:
-            info = await self.peers.model_info(deadline)
+            try:
+                info = await self.peers.model_info(deadline)
+            except DOWNSTREAM_ERRORS:
+                if self._model is None:
+                    raise
+                return self._model[1]  # inference down: cached answers for the last known weights still serve
             self._model = (now, f"{info.model_id}@{info.sha256[:16]}")
         return self._model[1]
 
@@ -339,6 +344,8 @@ class Gateway:
                     plan.timings,
                 )
                 return
+        with plan.timed("admission"):
+            self._precheck(plan)
         with plan.timed("retrieval"):
             sources = await self._retrieve(plan, collection, deadline)
         with plan.timed("tokenizer"):
@@ -400,14 +407,32 @@ class Gateway:
             text = render_chatml(messages)
             return text, estimate_tokens(text)
 
+    def _precheck(self, plan: Plan) -> None:
+        """Sheds before the expensive hops when even a lower bound of the request's weight does
+        not fit now (a token is at most ~8 bytes of text, so bytes/8 never overestimates)."""
+        floor_tokens = max(1, (len(plan.prompt.encode()) + len(plan.system_prompt.encode())) // 8)
+        try:
+            self.window.precheck(plan.tenant, floor_tokens, plan.sampling.max_new_tokens, plan.lane)
+        except RequestTooHeavy:
+            pass  # decided exactly by _admit once the true token count is known
+        except ResourceExhausted as exc:
+            self._shed(exc, "shed_early")
+            raise
+
+    def _shed(self, exc: ResourceExhausted, decision: str) -> None:
+        metrics.SHED.labels(exc.reason).inc()
+        span = trace.get_current_span()
+        span.set_attribute("llmesh.admission.decision", decision)
+        span.set_attribute("llmesh.admission.reason", exc.reason)
+        span.set_attribute("llmesh.admission.retry_after_s", exc.retry_after)
+
     async def _admit(self, plan: Plan, input_tokens: int) -> Admission:
         span = trace.get_current_span()
         try:
             decision = self.window.plan(plan.tenant, input_tokens, plan.sampling.max_new_tokens, plan.lane)
             admission = await decision if asyncio.iscoroutine(decision) else decision
         except RequestTooHeavy as exc:
-            metrics.SHED.labels(exc.reason).inc()
-            span.set_attribute("llmesh.admission.decision", "refused_too_heavy")
+            self._shed(exc, "refused_too_heavy")
             raise InvalidArgument(
                 [
                     (
@@ -418,10 +443,7 @@ class Gateway:
                 ]
             ) from exc
         except ResourceExhausted as exc:
-            metrics.SHED.labels(exc.reason).inc()
-            span.set_attribute("llmesh.admission.decision", "shed")
-            span.set_attribute("llmesh.admission.reason", exc.reason)
-            span.set_attribute("llmesh.admission.retry_after_s", exc.retry_after)
+            self._shed(exc, "shed")
             raise
         metrics.ADMISSION_WEIGHT.set(admission.occupancy)
         span.set_attribute("llmesh.admission.decision", "capped" if admission.degraded else "admitted")

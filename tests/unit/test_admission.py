@@ -372,3 +372,16 @@ async def test_redis_recovers_after_retry_interval(rclient: aioredis.Redis, pref
     clock.advance(1.0)
     assert (await w.admit("t", 10)).source == "redis"
     assert w.redis_ok
+
+
+def test_precheck_refuses_like_plan_but_records_nothing() -> None:
+    clock = FakeClock()
+    w = window(clock, budget=100, degrade=False)
+    w.precheck("t", 5, 10)  # 50 fits an empty window
+    assert w.occupancy() == 0
+    w.plan("t", 6, 10)  # 60 admitted for real
+    err = refused(w.precheck, "t", 5, 10)  # a lower bound of 50 no longer fits
+    assert err.reason == REASON_BUDGET and err.retry_after == pytest.approx(10.0)
+    assert w.occupancy() == 60
+    w.precheck("t", 4, 10)  # 40 still fits exactly
+    assert w.occupancy() == 60

@@ -33,3 +33,12 @@ def test_peer_error_relays_the_original_code_and_details() -> None:
     details = errors.unpack_details(errors.status_details(relayed.trailing_metadata()))
     assert "retry_info" in details
     assert relayed.message == "inference: queue full"
+
+
+def test_a_flood_of_violations_stays_small_enough_to_deliver() -> None:
+    err = errors.InvalidArgument([(f"documents[{i}].text", "must not be empty" * 50) for i in range(50_000)])
+    assert len(err.violations) == errors.MAX_VIOLATIONS + 1
+    assert err.violations[-1][1] == "and 49990 more problems"
+    assert len(err.message) <= errors.MAX_MESSAGE_CHARS
+    size = sum(len(v) for _, v in err.trailing_metadata())
+    assert size < 4096

@@ -1,0 +1,1412 @@
+"""Reliability suite: the five services as processes under load, with faults and bad input.
+
+    python -m bench.reliability [--quick] [--model tiny|smollm2] [--duration 60]
+
+Starts its own redis-server on a free port (so it can stop and start it), a temporary data dir
+and the five services as separate processes on loopback (llmesh.supervisor.Mesh), then:
+
+* load      64 concurrent grpc.aio clients in closed loop for --duration seconds (15 with
+            --quick): repeated questions (cached), questions about ingested documents (RAG,
+            use_cache=False) and unique questions (plain, use_cache=False, half of them streamed).
+            The admission budget is set from a calibration run (a fraction of the weight the mesh
+            completes per window) so that the gateway sheds. Counts ok / shed / other errors /
+            lost (no reply nor status by the deadline + grace), latency percentiles and the p99 time
+            to a shed reply; checks every shed reply carries google.rpc.RetryInfo.
+* faults    each under 16 clients: inference SIGKILLed and restarted on the same port, retrieval
+            likewise, the bench's Redis killed and restarted, inference stalled (SIGSTOP/SIGCONT),
+            and SIGTERM to the gateway while long streams are in flight (they must finish within
+            the drain grace; the gateway is then restarted on the same port). Per fault: errors,
+            seconds to recover after the process is back (first success of an affected request and
+            the breaker closed again, the later of the two), lost requests, breaker transitions
+            scraped from the gateway's Prometheus endpoint, and which request kinds kept succeeding
+            while the part was down.
+* bad input every public gateway RPC with crafted raw protobuf bytes (empty, oversize, negative,
+            NaN/inf, invalid UTF-8, wrong wire types, unknown fields, huge repeated fields) plus
+            random bytes and mutations of valid requests; counts crashed processes and status
+            codes other than INVALID_ARGUMENT / RESOURCE_EXHAUSTED / UNAUTHENTICATED (OK is fine
+            for a request that happens to be valid).
+
+Writes bench/results/reliability.json (with "passes") and prints a table. The default run takes
+about 5-6 minutes on 2 shared CPU cores, --quick about 3. The tiny random-weight model is the
+default: the suite measures the mesh's behaviour, not model speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import grpc
+
+from bench.common import machine, percentile, print_table, write_result
+from llmesh.errors import status_details, unpack_details
+from llmesh.supervisor import Mesh
+from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+GATEWAY = "/llmesh.v1.Gateway/"
+GENERATE, STREAM, INGEST, SEARCH = (GATEWAY + m for m in ("Generate", "GenerateStream", "Ingest", "Search"))
+EXPECTED_BAD_INPUT_CODES = frozenset({"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAUTHENTICATED"})
+SERVICES = ("tokenizer", "inference", "cache", "retrieval", "gateway")
+
+BREAKER_WAIT_S = 2.0
+GRACE_S = 5.0
+ADMISSION_WINDOW_S = 5.0
+SHED_FRACTION = 0.5  # admission budget = this x the weight the mesh completed per window in calibration
+LOST_GRACE_S = 5.0  # a request with no reply nor status this long after its deadline is lost
+CLIENT_OPTIONS = [
+    # Reconnect quickly to a restarted gateway: recovery should measure the mesh, not client backoff.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+TENANT = "bench"
+FAQ = "faq"  # never ingested: cached and plain requests look it up, find it empty, go on without context
+DOCS = "docs"
+
+CACHED_QUESTIONS = (
+    "What is the capital of France?",
+    "Why is the sky blue?",
+    "What is a prime number?",
+    "How do vaccines work?",
+    "What causes the seasons on Earth?",
+    "How many legs does a spider have?",
+    "What is the boiling point of water?",
+    "Name three renewable energy sources.",
+    "What is the largest ocean?",
+    "How do magnets work?",
+    "What does a compiler do?",
+    "How do bees make honey?",
+)
+DOCUMENTS = (
+    ("vellmora", "Zorblax Quint is the chief lighthouse keeper of the island of Vellmora. The lighthouse is purple."),
+    ("quorrin", "The Quorrin river floods every spring; the town of Dask built stone levees along it in 1911."),
+    ("teshla", "Teshla bread is baked with blue corn flour and smoked salt, and is served at midwinter feasts."),
+    ("marrowind", "The Marrowind railway links Ostrel to Penhallow in four hours through the Kerrig tunnels."),
+    ("glimmerfin", "Glimmerfin trout glow faintly green at night and live only in the cold lakes of Ysmere."),
+    ("orbek", "The Orbek observatory on Mount Tallis houses a 3-metre telescope built by Ilse Varga."),
+)
+RAG_QUESTIONS = (
+    "Who is the lighthouse keeper of Vellmora?",
+    "What colour is the Vellmora lighthouse?",
+    "When were the levees on the Quorrin river built?",
+    "What flour is Teshla bread baked with?",
+    "How long does the Marrowind railway take from Ostrel to Penhallow?",
+    "Where do glimmerfin trout live?",
+    "Who built the telescope of the Orbek observatory?",
+)
+ALL_KINDS = ("cached", "rag", "plain")
+FAULTS = ("inference_kill", "retrieval_kill", "redis_stop", "inference_stall", "gateway_sigterm")
+TOPICS = ("volcanoes", "tides", "owls", "glaciers", "bridges", "comets", "coral", "deserts", "rivers", "clouds")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+# --- protobuf wire format, to craft messages the Python protobuf refuses to build ------------------
+
+
+def varint(value: int) -> bytes:
+    value &= (1 << 64) - 1  # negative numbers: two's complement, 10 bytes, as protobuf encodes int64 -1
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def tag(field_number: int, wire_type: int) -> bytes:
+    return varint((field_number << 3) | wire_type)
+
+
+def f_varint(field_number: int, value: int) -> bytes:
+    return tag(field_number, 0) + varint(value)
+
+
+def f_bytes(field_number: int, value: bytes | str) -> bytes:
+    data = value.encode() if isinstance(value, str) else value
+    return tag(field_number, 2) + varint(len(data)) + data
+
+
+def f_float(field_number: int, value: float) -> bytes:
+    return tag(field_number, 5) + struct.pack("<f", value)
+
+
+def f_fixed32_bits(field_number: int, bits: int) -> bytes:
+    return tag(field_number, 5) + struct.pack("<I", bits)
+
+
+def f_fixed64(field_number: int, value: int) -> bytes:
+    return tag(field_number, 1) + struct.pack("<Q", value & ((1 << 64) - 1))
+
+
+def map_entry(field_number: int, key: bytes | str, value: bytes | str) -> bytes:
+    return f_bytes(field_number, f_bytes(1, key) + f_bytes(2, value))
+
+
+# --- bad inputs ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BadInput:
+    method: str
+    label: str
+    payload: bytes
+
+    @property
+    def stream(self) -> bool:
+        return self.method == STREAM
+
+
+INVALID_UTF8 = {
+    "utf8_lone_continuation": b"ok\x80ok",
+    "utf8_ff": b"\xff\xfe",
+    "utf8_truncated": b"abc\xe2\x82",
+    "utf8_overlong_slash": b"\xc0\xaf",
+    "utf8_surrogate": b"\xed\xa0\x80",
+    "utf8_above_max": b"\xf4\x90\x80\x80",
+    "utf8_5_byte": b"\xf8\x88\x80\x80\x80",
+}
+ODD_VALID_STRINGS = {
+    "empty": b"",
+    "whitespace": b" \t\n\r ",
+    "nul_and_controls": b"a\x00b\x01\x1b[31mc",
+    "rtl_and_zero_width": "\u202eevil\u200b\ufeff".encode(),
+    "emoji_4k": ("\U0001f600" * 4000).encode(),
+}
+STRING_OVERSIZE = {"oversize_40k": b"a" * 40_000}
+STRING_HEAVY = {"oversize_2mb": b"word " * 400_000}
+VARINT_VALUES = {
+    "negative_1": -1,
+    "negative_min_int32": -(2**31),
+    "u32_overflow": 2**32,
+    "u32_max": 2**32 - 1,
+    "i64_max": 2**63 - 1,
+    "u64_max": 2**64 - 1,
+}
+FLOAT_VALUES = {
+    "nan": math.nan,
+    "inf": math.inf,
+    "neg_inf": -math.inf,
+    "negative": -1.0,
+    "neg_zero": -0.0,
+    "float_max": 3.4e38,
+    "denormal": 1e-45,
+}
+FLOAT_BITS = {"nan_payload": 0x7FC00001, "signalling_nan": 0x7F800001, "neg_nan": 0xFFC00000}
+
+
+def _wrong_wire_types(field_number: int, kind: str) -> dict[str, bytes]:
+    """The field sent with a wire type its declared type cannot take."""
+    wrong = {
+        "as_fixed64": f_fixed64(field_number, 7),
+        "as_group_start": tag(field_number, 3),
+        "as_group_pair": tag(field_number, 3) + tag(field_number, 4),
+        "as_wire_type_6": tag(field_number, 6) + b"\x01",
+        "as_wire_type_7": tag(field_number, 7) + b"\x01",
+        "truncated_length": tag(field_number, 2) + varint(100) + b"short",
+        "length_past_2gb": tag(field_number, 2) + varint(2**31 + 5) + b"x",
+        "truncated_varint": tag(field_number, 0) + b"\xff\xff",
+        "varint_11_bytes": tag(field_number, 0) + b"\xff" * 10 + b"\x01",
+    }
+    if kind in ("string", "message", "map"):
+        wrong["as_varint"] = f_varint(field_number, 5)
+        wrong["as_fixed32"] = f_fixed32_bits(field_number, 5)
+    elif kind == "float":
+        wrong["as_varint"] = f_varint(field_number, 5)
+        wrong["as_bytes"] = f_bytes(field_number, b"1.5")
+    else:  # varint kinds
+        wrong["as_bytes_garbage"] = f_bytes(field_number, b"\xff\xff\xff")  # packed-looking but corrupt
+        wrong["as_fixed32"] = f_fixed32_bits(field_number, 5)
+    return wrong
+
+
+def _field_variants(field_number: int, kind: str, heavy: bool) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    if kind == "string":
+        values = {**ODD_VALID_STRINGS, **INVALID_UTF8, **STRING_OVERSIZE}
+        out.update({name: f_bytes(field_number, v) for name, v in values.items()})
+        if heavy:
+            out.update({name: f_bytes(field_number, v) for name, v in STRING_HEAVY.items()})
+    elif kind in ("uint32", "uint64", "bool"):
+        out.update({name: f_varint(field_number, v) for name, v in VARINT_VALUES.items()})
+        if kind == "bool":
+            out["bool_2"] = f_varint(field_number, 2)
+    elif kind == "float":
+        out.update({name: f_float(field_number, v) for name, v in FLOAT_VALUES.items()})
+        out.update({name: f_fixed32_bits(field_number, v) for name, v in FLOAT_BITS.items()})
+    out.update(_wrong_wire_types(field_number, kind))
+    return out
+
+
+SAMPLING_FIELDS = {
+    "max_new_tokens": (1, "uint32"),
+    "temperature": (2, "float"),
+    "top_p": (3, "float"),
+    "seed": (4, "uint64"),
+    "stop": (5, "string"),
+    "ignore_eos": (6, "bool"),
+}
+GENERATE_FIELDS = {
+    "prompt": (1, "string"),
+    "system_prompt": (2, "string"),
+    "use_cache": (4, "bool"),
+    "use_retrieval": (5, "bool"),
+    "top_k": (6, "uint32"),
+    "collection": (7, "string"),
+    "tenant": (8, "string"),
+    "lane": (9, "string"),
+}
+INGEST_FIELDS = {
+    "collection": (1, "string"),
+    "tenant": (2, "string"),
+    "chunk_tokens": (4, "uint32"),
+    "overlap": (5, "uint32"),
+}
+DOCUMENT_FIELDS = {"id": (1, "string"), "text": (2, "string")}
+SEARCH_FIELDS = {
+    "query": (1, "string"),
+    "collection": (2, "string"),
+    "tenant": (3, "string"),
+    "top_k": (4, "uint32"),
+    "score_threshold": (5, "float"),
+}
+FUZZ_COLLECTION = "fuzz"
+
+
+def _base_generate(prompt: bytes = b"Say hi.", sampling: bytes | None = None) -> bytes:
+    sampling = f_varint(1, 4) if sampling is None else sampling
+    return f_bytes(1, prompt) + f_bytes(3, sampling) + f_varint(4, 0) + f_bytes(7, FUZZ_COLLECTION)
+
+
+def _base_sampling() -> bytes:
+    return f_varint(1, 4)
+
+
+def _base_document(doc_id: bytes = b"d1", text: bytes = b"hello fuzz world") -> bytes:
+    return f_bytes(1, doc_id) + f_bytes(2, text)
+
+
+def _base_ingest(document: bytes | None = None) -> bytes:
+    return f_bytes(1, FUZZ_COLLECTION) + f_bytes(3, _base_document() if document is None else document)
+
+
+def _base_search() -> bytes:
+    return f_bytes(1, b"hello") + f_bytes(2, FUZZ_COLLECTION)
+
+
+def crafted_inputs(heavy: bool = True) -> list[BadInput]:
+    """Hand-made bad requests for every public gateway RPC. `heavy` adds the multi-megabyte ones."""
+    out: list[BadInput] = []
+    gen_methods = (GENERATE, STREAM)
+
+    def add(methods: Iterable[str], label: str, payload: bytes) -> None:
+        out.extend(BadInput(m, label, payload) for m in methods)
+
+    for method in (*gen_methods, INGEST, SEARCH):
+        add([method], "empty_message", b"")
+        add([method], "unknown_field_varint", f_varint(99, 1))
+        add([method], "unknown_field_bytes", f_bytes(1000, b"\xff\xfe"))
+        add([method], "unknown_field_max_number", f_varint(2**29 - 1, 3))
+        add([method], "field_number_0", tag(0, 0) + b"\x01")
+        add([method], "unknown_enum_like_value", f_varint(77, 2**31 - 1))
+        add([method], "stray_group_end", tag(12, 4))
+        add([method], "only_a_tag", tag(1, 2))
+    # GenerateRequest: every top-level field, then every SamplingParams field.
+    for name, (number, kind) in GENERATE_FIELDS.items():
+        # Appended after a valid request: a later scalar or string field replaces the earlier one.
+        for variant, encoded in _field_variants(number, kind, heavy and name == "prompt").items():
+            add(gen_methods, f"{name}:{variant}", _base_generate() + encoded)
+    for name, (number, kind) in SAMPLING_FIELDS.items():
+        for variant, encoded in _field_variants(number, kind, False).items():
+            add(gen_methods, f"sampling.{name}:{variant}", _base_generate(sampling=_base_sampling() + encoded))
+    add(gen_methods, "sampling:as_varint", f_bytes(1, b"hi") + f_varint(3, 1))
+    add(gen_methods, "sampling:garbage", f_bytes(1, b"hi") + f_bytes(3, b"\xff\xff\xff\xff"))
+    add(gen_methods, "sampling:twice_merged", _base_generate() + f_bytes(3, f_varint(1, 2**32 - 1)))
+    add(gen_methods, "lane:unknown", _base_generate() + f_bytes(9, b"urgent"))
+    add(gen_methods, "lane:batch", _base_generate() + f_bytes(9, b"batch"))
+    add(gen_methods, "sampling.stop:5_items", _base_generate(sampling=_base_sampling() + f_bytes(5, b"x") * 5))
+    add(gen_methods, "sampling.stop:100k_items", _base_generate(sampling=_base_sampling() + f_bytes(5, b"x") * 100_000))
+    add(gen_methods, "sampling.stop:20k_empty", _base_generate(sampling=_base_sampling() + f_bytes(5, b"") * 20_000))
+    add(gen_methods, "prompt:repeated_50k", f_bytes(1, b"hi") * 50_000 + f_bytes(3, _base_sampling()))
+    add(gen_methods, "max_new_tokens_512_temp_2", _base_generate(sampling=f_varint(1, 512) + f_float(2, 2.0)))
+    if heavy:
+        add(gen_methods, "oversize_message_9mb", f_bytes(1, b"a" * (9 * 1024 * 1024)))
+    # IngestRequest, Document.
+    for name, (number, kind) in INGEST_FIELDS.items():
+        for variant, encoded in _field_variants(number, kind, False).items():
+            add([INGEST], f"{name}:{variant}", _base_ingest() + encoded)
+    for name, (number, kind) in DOCUMENT_FIELDS.items():
+        for variant, encoded in _field_variants(number, kind, heavy and name == "text").items():
+            add([INGEST], f"documents.{name}:{variant}", _base_ingest(_base_document() + encoded))
+    add([INGEST], "documents:garbage", f_bytes(1, FUZZ_COLLECTION) + f_bytes(3, b"\xff\xff\xff"))
+    add([INGEST], "documents:as_varint", f_bytes(1, FUZZ_COLLECTION) + f_varint(3, 9))
+    add([INGEST], "documents:50k_empty", f_bytes(3, b"") * 50_000)
+    add([INGEST], "documents:20k_duplicate_ids", f_bytes(3, _base_document()) * 20_000)
+    add([INGEST], "documents.text:over_1mib", _base_ingest(_base_document(text=b"z " * 600_000)))
+    add(
+        [INGEST],
+        "documents.metadata:10k_keys",
+        _base_ingest(_base_document() + b"".join(map_entry(3, f"k{i}", "v") for i in range(10_000))),
+    )
+    add([INGEST], "documents.metadata:bad_utf8_key", _base_ingest(_base_document() + map_entry(3, b"\xff", b"v")))
+    add([INGEST], "documents.metadata:bad_utf8_value", _base_ingest(_base_document() + map_entry(3, b"k", b"\xc0\xaf")))
+    add([INGEST], "documents.metadata:empty_key", _base_ingest(_base_document() + map_entry(3, b"", b"v")))
+    add([INGEST], "documents.metadata:quote_key", _base_ingest(_base_document() + map_entry(3, b'a"b', b"v")))
+    add([INGEST], "documents.metadata:entry_garbage", _base_ingest(_base_document() + f_bytes(3, b"\x0a\x09")))
+    add([INGEST], "chunk_tokens_1_overlap_1", _base_ingest() + f_varint(4, 1) + f_varint(5, 1))
+    add([INGEST], "chunk_tokens_over_max", _base_ingest() + f_varint(4, 100_000))
+    # SearchRequest.
+    for name, (number, kind) in SEARCH_FIELDS.items():
+        for variant, encoded in _field_variants(number, kind, heavy and name == "query").items():
+            add([SEARCH], f"{name}:{variant}", _base_search() + encoded)
+    add([SEARCH], "filter:bad_utf8_key", _base_search() + map_entry(6, b"\xff", b"v"))
+    add([SEARCH], "filter:bad_utf8_value", _base_search() + map_entry(6, b"k", b"\xed\xa0\x80"))
+    add([SEARCH], "filter:empty_key", _base_search() + map_entry(6, b"", b"v"))
+    add([SEARCH], "filter:100k_entries", _base_search() + b"".join(map_entry(6, f"k{i}", "v") for i in range(100_000)))
+    add([SEARCH], "filter:entry_garbage", _base_search() + f_bytes(6, b"\xff"))
+    return out
+
+
+def _mutate(payload: bytes, rng: random.Random) -> bytes:
+    data = bytearray(payload)
+    for _ in range(rng.randint(1, 4)):
+        op = rng.randrange(5)
+        pos = rng.randrange(len(data) + 1)
+        if op == 0 and data:  # flip a bit
+            i = min(pos, len(data) - 1)
+            data[i] ^= 1 << rng.randrange(8)
+        elif op == 1:  # insert random bytes
+            data[pos:pos] = rng.randbytes(rng.randint(1, 8))
+        elif op == 2 and data:  # delete a run
+            del data[pos : pos + rng.randint(1, 4)]
+        elif op == 3:  # truncate
+            del data[pos:]
+        else:  # overwrite a byte with a boundary value
+            if data:
+                data[min(pos, len(data) - 1)] = rng.choice((0x00, 0x7F, 0x80, 0xFF, 0xC0, 0xED))
+    return bytes(data)
+
+
+def random_inputs(count: int, rng: random.Random) -> list[BadInput]:
+    """Random bytes and mutations of valid requests, spread over the four RPCs."""
+    bases = {GENERATE: _base_generate(), STREAM: _base_generate(), INGEST: _base_ingest(), SEARCH: _base_search()}
+    out = []
+    methods = list(bases)
+    for i in range(count):
+        method = methods[i % len(methods)]
+        if rng.random() < 0.4:
+            out.append(BadInput(method, "random_bytes", rng.randbytes(rng.randint(1, 200))))
+        else:
+            out.append(BadInput(method, "mutated_valid", _mutate(bases[method], rng)))
+    return out
+
+
+def bad_inputs(count: int, seed: int = 7, heavy: bool = True) -> list[BadInput]:
+    crafted = crafted_inputs(heavy)
+    return crafted + random_inputs(max(0, count - len(crafted)), random.Random(seed))
+
+
+async def send_raw(channel: grpc.aio.Channel, item: BadInput, timeout: float) -> tuple[str, str]:
+    """(status code name, details) of one raw call; OK for a reply."""
+    try:
+        if item.stream:
+            call = channel.unary_stream(item.method)(item.payload, timeout=timeout)
+            async for _ in call:
+                pass
+        else:
+            await channel.unary_unary(item.method)(item.payload, timeout=timeout)
+        return "OK", ""
+    except grpc.aio.AioRpcError as err:
+        return err.code().name, err.details() or ""
+
+
+# --- load ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    kind: str
+    code: str  # OK, a gRPC status code name, NO_FINAL (stream ended without its final message) or LOST
+    started: float
+    ended: float
+    retry_info: bool = False
+    retry_after: float | None = None
+    cache_hit: bool = False
+    degradations: tuple[str, ...] = ()
+    sources: int = 0
+    weight: int = 0  # input tokens x requested max_new_tokens of an answer that was generated
+    detail: str = ""
+    timings: dict[str, float] = field(default_factory=dict)  # the gateway's server-timing, ms per hop
+
+    @property
+    def latency(self) -> float:
+        return self.ended - self.started
+
+    @property
+    def ok(self) -> bool:
+        return self.code == "OK"
+
+    @property
+    def shed(self) -> bool:
+        return self.code == "RESOURCE_EXHAUSTED"
+
+    @property
+    def error(self) -> bool:
+        return not (self.ok or self.shed)
+
+
+class Load:
+    """Closed-loop clients over a few channels to the gateway (which may be restarted on its port)."""
+
+    def __init__(self, target: str, new_tokens: int, channels: int = 4) -> None:
+        self.target = target
+        self.new_tokens = new_tokens
+        self.channels = [grpc.aio.insecure_channel(target, options=CLIENT_OPTIONS) for _ in range(channels)]
+        self.stubs = [gateway_pb2_grpc.GatewayStub(c) for c in self.channels]
+        self._counter = 0
+
+    async def close(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+
+    def request(self, kind: str, rng: random.Random) -> gateway_pb2.GenerateRequest:
+        sampling = common_pb2.SamplingParams(max_new_tokens=self.new_tokens)
+        if kind == "cached":
+            return gateway_pb2.GenerateRequest(
+                prompt=rng.choice(CACHED_QUESTIONS), sampling=sampling, collection=FAQ, tenant=TENANT
+            )
+        if kind == "rag":
+            return gateway_pb2.GenerateRequest(
+                prompt=rng.choice(RAG_QUESTIONS), sampling=sampling, collection=DOCS, tenant=TENANT, use_cache=False
+            )
+        self._counter += 1
+        prompt = f"Tell me one fact about {rng.choice(TOPICS)} (question {self._counter})."
+        return gateway_pb2.GenerateRequest(
+            prompt=prompt, sampling=sampling, collection=FAQ, tenant=TENANT, use_cache=False
+        )
+
+    async def call(
+        self, kind: str, request: gateway_pb2.GenerateRequest, stream: bool, deadline: float, stub_index: int = 0
+    ) -> Outcome:
+        stub = self.stubs[stub_index % len(self.stubs)]
+        started = now()
+
+        timing: list[str] = []
+
+        async def run() -> gateway_pb2.GenerateResponse | None:
+            call: Any
+            if not stream:
+                call = stub.Generate(request, timeout=deadline)
+                final = await call
+            else:
+                final = None
+                call = stub.GenerateStream(request, timeout=deadline)
+                async for message in call:
+                    if message.HasField("final"):
+                        final = message.final
+            timing.extend(str(v) for k, v in (await call.trailing_metadata() or ()) if k == "server-timing")
+            return final
+
+        try:
+            reply = await asyncio.wait_for(run(), deadline + LOST_GRACE_S)
+        except TimeoutError:
+            return Outcome(kind, "LOST", started, now())
+        except grpc.aio.AioRpcError as err:
+            ended = now()
+            info = unpack_details(status_details(err.trailing_metadata()))
+            retry = info.get("retry_info")
+            retry_after = None
+            if retry is not None:
+                retry_after = retry.retry_delay.seconds + retry.retry_delay.nanos / 1e9  # type: ignore[attr-defined]
+            return Outcome(
+                kind,
+                err.code().name,
+                started,
+                ended,
+                retry_info=retry is not None,
+                retry_after=retry_after,
+                detail=(err.details() or "")[:200],
+            )
+        ended = now()
+        if reply is None:
+            return Outcome(kind, "NO_FINAL", started, ended)
+        weight = 0 if reply.cache.hit else reply.usage.input_tokens * request.sampling.max_new_tokens
+        return Outcome(
+            kind,
+            "OK",
+            started,
+            ended,
+            cache_hit=reply.cache.hit,
+            degradations=tuple(reply.degradations),
+            sources=len(reply.sources),
+            weight=weight,
+            timings=parse_server_timing(timing[0]) if timing else {},
+        )
+
+    async def client(
+        self, index: int, stop: asyncio.Event, sink: list[Outcome], mix: dict[str, float], deadline: float
+    ) -> None:
+        rng = random.Random(index * 7919 + 1)
+        await asyncio.sleep(rng.random())  # users arrive spread over a second, not in one instant
+        kinds, weights = list(mix), list(mix.values())
+        while not stop.is_set():
+            kind = rng.choices(kinds, weights)[0]
+            stream = kind == "plain" and rng.random() < 0.5
+            outcome = await self.call(kind, self.request(kind, rng), stream, deadline, index)
+            sink.append(outcome)
+            if outcome.shed:  # honour the pushback, capped so the run keeps pressure on the gateway
+                await asyncio.sleep(min(outcome.retry_after or 0.1, 0.5) * rng.uniform(0.5, 1.0))
+            elif outcome.error:
+                await asyncio.sleep(rng.uniform(0.05, 0.1))
+
+    async def run(
+        self,
+        clients: int,
+        stop: asyncio.Event,
+        sink: list[Outcome],
+        mix: dict[str, float] | None = None,
+        deadline: float = 15.0,
+    ) -> None:
+        mix = mix or {"cached": 0.4, "rag": 0.3, "plain": 0.3}
+        await asyncio.gather(*(self.client(i, stop, sink, mix, deadline) for i in range(clients)))
+
+    async def for_seconds(self, clients: int, seconds: float, **kw: Any) -> tuple[list[Outcome], float]:
+        sink: list[Outcome] = []
+        stop = asyncio.Event()
+        started = now()
+        task = asyncio.create_task(self.run(clients, stop, sink, **kw))
+        await asyncio.sleep(seconds)
+        stop.set()
+        await task
+        return sink, now() - started
+
+
+async def loop_lag(stop: asyncio.Event, sink: list[float], interval: float = 0.01) -> None:
+    """How late this process's event loop wakes up: the clients' own share of measured latency."""
+    while not stop.is_set():
+        t = now()
+        await asyncio.sleep(interval)
+        sink.append(now() - t - interval)
+
+
+def parse_server_timing(value: str) -> dict[str, float]:
+    """`cache;dur=0.8, inference;dur=412.3` -> {"cache": 0.8, "inference": 412.3}."""
+    out = {}
+    for part in value.split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        try:
+            out[name] = float(dur)
+        except ValueError:
+            continue
+    return out
+
+
+# The hops the gateway runs before admission: a request that is shed has paid for these.
+PRE_ADMISSION_HOPS = ("model", "retrieval", "cache", "tokenizer")
+
+
+def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    ok = [o for o in outcomes if o.ok]
+    shed = [o for o in outcomes if o.shed]
+    errors = [o for o in outcomes if o.error and o.code != "LOST"]
+    by_kind = {}
+    for kind in ("cached", "rag", "plain"):
+        mine = [o for o in outcomes if o.kind == kind]
+        done = [o.latency for o in mine if o.ok]
+        kind_shed = [o.latency for o in mine if o.shed]
+        pre = [sum(o.timings.get(h, 0.0) for h in PRE_ADMISSION_HOPS) for o in mine if o.ok and o.timings]
+        by_kind[kind] = {
+            "requests": len(mine),
+            "ok": len(done),
+            "shed": len(kind_shed),
+            "p50_s": round(percentile(done, 0.5), 4),
+            "p99_s": round(percentile(done, 0.99), 4),
+            "shed_p50_s": round(percentile(kind_shed, 0.5), 4),
+            "shed_p99_s": round(percentile(kind_shed, 0.99), 4),
+            "pre_admission_p50_ms": round(percentile(pre, 0.5), 1),
+            "pre_admission_p99_ms": round(percentile(pre, 0.99), 1),
+        }
+    by_kind["cached"]["hits"] = sum(o.cache_hit for o in outcomes if o.kind == "cached")
+    by_kind["rag"]["grounded"] = sum(o.sources > 0 for o in outcomes if o.kind == "rag" and o.ok)
+    latencies = [o.latency for o in ok]
+    shed_times = [o.latency for o in shed]
+    return {
+        "requests": len(outcomes),
+        "ok": len(ok),
+        "shed": len(shed),
+        "other_errors": len(errors),
+        "lost": sum(o.code == "LOST" for o in outcomes),
+        "error_codes": dict(Counter(o.code for o in outcomes if o.error)),
+        "error_examples": sorted({f"{o.code}: {o.detail}" for o in errors})[:5],
+        "p50_s": round(percentile(latencies, 0.5), 4),
+        "p99_s": round(percentile(latencies, 0.99), 4),
+        "shed_p50_s": round(percentile(shed_times, 0.5), 4),
+        "shed_p99_s": round(percentile(shed_times, 0.99), 4),
+        "shed_without_retry_info": sum(not o.retry_info for o in shed),
+        "capped": sum("max_new_tokens_capped" in o.degradations for o in ok),
+        "degradations": dict(Counter(d for o in ok for d in o.degradations)),
+        "by_kind": by_kind,
+    }
+
+
+# --- gateway metrics -----------------------------------------------------------------------------
+
+_SAMPLE = re.compile(r"^(\w+)\{([^}]*)\}\s+([-+.\deE]+|NaN)")
+
+
+def scrape(port: int) -> dict[str, Any]:
+    """Breaker states and transition counts from the gateway's Prometheus endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as reply:
+        text = reply.read().decode()
+    states: dict[str, int] = {}
+    transitions: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels_text, value = m.groups()
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', labels_text))
+        if name == "llmesh_gateway_breaker_state":
+            states[labels["peer"]] = int(float(value))
+        elif name == "llmesh_gateway_breaker_transitions_total":
+            transitions[f"{labels['peer']}:{labels['from_state']}->{labels['to_state']}"] = float(value)
+    return {"states": states, "transitions": transitions}
+
+
+class BreakerWatch:
+    """Polls the gateway's breaker states during a fault (the gateway may be restarted meanwhile)."""
+
+    def __init__(self, mesh: Mesh, interval: float = 0.2) -> None:
+        self.mesh = mesh
+        self.interval = interval
+        self.samples: list[tuple[float, dict[str, int]]] = []
+        # Transition counters per gateway process: (first seen, last seen). A process started while
+        # watching counts from 0; the one already running counts from the first scrape.
+        self.counters: dict[int, tuple[dict[str, float], dict[str, float]]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def _scrape(self) -> tuple[int, dict[str, Any]] | None:
+        proc = self.mesh.procs.get("gateway")
+        if proc is None or not proc.metrics_port:
+            return None
+        try:
+            return proc.proc.pid, scrape(proc.metrics_port)
+        except OSError:
+            return None
+
+    async def _poll(self) -> None:
+        while True:
+            found = await asyncio.to_thread(self._scrape)
+            if found is not None:
+                pid, metrics = found
+                self.samples.append((now(), metrics["states"]))
+                first = {} if self.counters else dict(metrics["transitions"])
+                self.counters.setdefault(pid, (first, {}))[1].update(metrics["transitions"])
+            await asyncio.sleep(self.interval)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._poll())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    def transitions(self) -> dict[str, int]:
+        """Breaker state changes counted while watching, as "peer:from->to"."""
+        total: Counter[str] = Counter()
+        for first, last in self.counters.values():
+            for key, value in last.items():
+                total[key] += int(value - first.get(key, 0.0))
+        return {k: v for k, v in sorted(total.items()) if v > 0}
+
+    def closed_since(self, peer: str, t: float) -> float | None:
+        """Seconds from t until the peer's breaker was closed in every later sample (None: never)."""
+        after = [(ts, s.get(peer, 0)) for ts, s in self.samples if ts >= t]
+        if not after:
+            return None
+        closed_at = None
+        for ts, state in after:
+            if state == 0:
+                closed_at = ts if closed_at is None else closed_at
+            else:
+                closed_at = None
+        return None if closed_at is None else max(0.0, closed_at - t)
+
+    def opened(self, peer: str) -> bool:
+        return any(s.get(peer, 0) != 0 for _, s in self.samples)
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+@dataclass
+class FaultResult:
+    name: str
+    t_inject: float = 0.0
+    t_down: float = 0.0
+    t_back: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Reliability:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.tmp = Path(tempfile.mkdtemp(prefix="llmesh-reliability-"))
+        self.redis_port = free_port()
+        self.redis: subprocess.Popen[bytes] | None = None
+        self.stopped: set[str] = set()  # processes the bench SIGSTOPped (resumed on exit)
+        from llmesh.testing import build_tiny_model, real_models_dir
+
+        models_dir = real_models_dir()
+        if args.model == "tiny":
+            build_tiny_model(models_dir)
+        env = {
+            "LLMESH_DATA_DIR": str(self.tmp / "data"),
+            "LLMESH_MODELS_DIR": str(models_dir),
+            "LLMESH_REDIS_URL": f"redis://127.0.0.1:{self.redis_port}/0",
+            "LLMESH_INFERENCE_MODEL": args.model,
+            "LLMESH_BREAKER_WAIT_SECONDS": str(BREAKER_WAIT_S),
+            "LLMESH_GRACE_SECONDS": str(GRACE_S),
+            "LLMESH_ADMISSION_WINDOW_SECONDS": str(ADMISSION_WINDOW_S),
+            "LLMESH_ADMISSION_TENANT_SHARE": "1",
+            "LLMESH_ADMISSION_REDIS_URL": "",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "",
+        }
+        self.mesh = Mesh(env=env)
+        self.load: Load | None = None
+
+    # -- processes
+
+    def start_redis(self) -> None:
+        self.redis = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(self.redis_port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.tmp),
+                "--protected-mode",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        import redis
+
+        client = redis.Redis(port=self.redis_port, socket_timeout=0.5)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if client.ping():
+                    client.close()
+                    return
+            except redis.RedisError:
+                pass
+            if self.redis.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server on port {self.redis_port} did not start")
+            time.sleep(0.05)
+
+    def kill_redis(self) -> None:
+        if self.redis is not None and self.redis.poll() is None:
+            self.redis.kill()
+            self.redis.wait(10)
+
+    def restart(self, name: str, **extra_env: str) -> None:
+        """Starts `name` again on the port it had, so its peers find it."""
+        self.mesh.start_one(name, extra_env={"LLMESH_METRICS_PORT": "0", **extra_env})
+
+    def remember_ports(self) -> None:
+        for name, proc in self.mesh.procs.items():
+            self.mesh.ports[name] = proc.port
+
+    def crashed(self) -> list[str]:
+        return [n for n in SERVICES if n in self.mesh.procs and self.mesh.procs[n].proc.poll() is not None]
+
+    def gateway_target(self) -> str:
+        return self.mesh.target("gateway")
+
+    def cleanup(self) -> None:
+        for name in self.stopped:
+            if name in self.mesh.procs:
+                self.mesh.procs[name].proc.send_signal(signal.SIGCONT)
+        self.mesh.stop()
+        self.kill_redis()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    # -- phases
+
+    async def ingest(self) -> None:
+        stub = gateway_pb2_grpc.GatewayStub(self.load.channels[0])  # type: ignore[union-attr]
+        docs = [common_pb2.Document(id=i, text=t) for i, t in DOCUMENTS]
+        await stub.Ingest(gateway_pb2.IngestRequest(collection=DOCS, tenant=TENANT, documents=docs), timeout=120)
+
+    async def calibrate(self, seconds: float) -> dict[str, Any]:
+        assert self.load is not None
+        outcomes, elapsed = await self.load.for_seconds(self.args.clients, seconds)
+        done = [o for o in outcomes if o.ok and o.weight]
+        rate = sum(o.weight for o in done) / max(elapsed, 1e-9)
+        budget = max(1.0, round(SHED_FRACTION * rate * ADMISSION_WINDOW_S))
+        return {
+            "seconds": round(elapsed, 2),
+            "requests": len(outcomes),
+            "generated": len(done),
+            "weight_per_s": round(rate, 1),
+            "admission_budget": budget,
+            "errors": sum(o.error for o in outcomes),
+        }
+
+    async def restart_gateway(self, **extra_env: str) -> None:
+        await asyncio.to_thread(self.mesh.stop_one, "gateway")
+        await asyncio.to_thread(self.restart, "gateway", **extra_env)
+
+    async def run_fault(
+        self,
+        name: str,
+        inject: Callable[[FaultResult], Awaitable[None]],
+        recovered: Callable[[Outcome], bool],
+        peer: str | None,
+        down_kinds: Sequence[str] = (),
+    ) -> dict[str, Any]:
+        """One fault under load: warm up, inject (which restores and sets t_back), then run on until
+        the affected requests succeed again (or the phase times out)."""
+        assert self.load is not None
+        args = self.args
+        sink: list[Outcome] = []
+        stop = asyncio.Event()
+        watch = BreakerWatch(self.mesh)
+        watch.start()
+        task = asyncio.create_task(self.load.run(args.fault_clients, stop, sink, deadline=args.fault_deadline))
+        await asyncio.sleep(args.fault_warmup)
+        result = FaultResult(name, t_inject=now())
+        try:
+            await inject(result)
+        finally:
+            if not result.t_back:
+                result.t_back = now()
+        end_at = result.t_inject + args.fault_seconds
+        give_up = result.t_back + max(15.0, 4 * BREAKER_WAIT_S)
+        while True:
+            t = now()
+            seen = any(recovered(o) and o.started >= result.t_back for o in sink)
+            if t >= give_up or (t >= end_at and seen):
+                break
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)  # a few samples past recovery
+        stop.set()
+        await task
+        await watch.stop()
+        after = [o for o in sink if o.started >= result.t_back and recovered(o)]
+        first_ok = min((o.ended for o in after), default=None)
+        to_success = None if first_ok is None else round(first_ok - result.t_back, 3)
+        to_closed = watch.closed_since(peer, result.t_back) if peer else 0.0
+        recover = None if to_success is None or to_closed is None else round(max(to_success, to_closed), 3)
+        during = [o for o in sink if o.ended >= result.t_inject]
+        out: dict[str, Any] = {
+            "requests": len(sink),
+            "errors_during": sum(o.error for o in during),
+            "error_codes": dict(Counter(o.code for o in during if o.error)),
+            "shed": sum(o.shed for o in sink),
+            "lost": sum(o.code == "LOST" for o in sink) + result.extra.get("streams_lost", 0),
+            "down_seconds": round(result.t_back - result.t_down, 2) if result.t_down else None,
+            "seconds_to_first_success": to_success,
+            "seconds_to_breaker_closed": None if to_closed is None else round(to_closed, 3),
+            "seconds_to_recover": recover,
+            "breaker": peer,
+            "breaker_opened": watch.opened(peer) if peer else False,
+            "breaker_transitions": watch.transitions(),
+            "error_examples": sorted({f"{o.code}: {o.detail}" for o in during if o.error})[:4],
+        }
+        if down_kinds:
+            window = [o for o in sink if result.t_down <= o.started < result.t_back]
+            kept: dict[str, Any] = {}
+            for kind in down_kinds:
+                mine = [o for o in window if o.kind == kind]
+                kept[kind] = {
+                    "requests": len(mine),
+                    "ok": sum(o.ok for o in mine),
+                    "errors": sum(o.error for o in mine),
+                    "degradations": dict(Counter(d for o in mine if o.ok for d in o.degradations)),
+                }
+            out["while_down"] = kept
+        not_degraded = [
+            o.ended
+            for o in sink
+            if o.started >= result.t_back and o.ok and o.kind == "cached" and "cache_unavailable" not in o.degradations
+        ]
+        if name == "redis_stop":
+            out["seconds_to_cache_not_degraded"] = round(min(not_degraded) - result.t_back, 3) if not_degraded else None
+        out.update(result.extra)
+        return out
+
+    async def fault_kill(self, name: str, result: FaultResult) -> None:
+        await asyncio.to_thread(self.mesh.stop_one, name, 10.0, signal.SIGKILL)
+        result.t_down = now()
+        await asyncio.sleep(self.args.down_seconds)
+        await asyncio.to_thread(self.restart, name)
+        result.t_back = now()
+
+    async def fault_redis(self, result: FaultResult) -> None:
+        await asyncio.to_thread(self.kill_redis)
+        result.t_down = now()
+        await asyncio.sleep(self.args.down_seconds + 2)
+        await asyncio.to_thread(self.start_redis)
+        result.t_back = now()
+
+    async def fault_stall(self, result: FaultResult) -> None:
+        proc = self.mesh.procs["inference"].proc
+        self.stopped.add("inference")
+        proc.send_signal(signal.SIGSTOP)
+        result.t_down = now()
+        try:
+            await asyncio.sleep(self.args.stall_seconds)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+            self.stopped.discard("inference")
+        result.t_back = now()
+
+    async def fault_gateway(self, result: FaultResult) -> None:
+        """SIGTERM to the gateway while long streams are in flight; they must finish in the grace."""
+        assert self.load is not None
+        streams = self.args.long_streams
+        first_delta = [asyncio.Event() for _ in range(streams + 1)]
+        finished: list[tuple[str, float, int]] = []
+
+        async def long_stream(i: int, tokens: int) -> None:
+            request = gateway_pb2.GenerateRequest(
+                prompt=f"Write a long story about {TOPICS[i % len(TOPICS)]} number {i}.",
+                sampling=common_pb2.SamplingParams(max_new_tokens=tokens, ignore_eos=True),
+                collection=FAQ,
+                tenant=TENANT,
+                use_cache=False,
+            )
+            stub = self.load.stubs[i % len(self.load.stubs)]  # type: ignore[union-attr]
+            deltas, code = 0, "NO_FINAL"
+            deadline = 60.0
+            try:
+                async with asyncio.timeout(deadline + LOST_GRACE_S):
+                    async for message in stub.GenerateStream(request, timeout=deadline):
+                        if message.HasField("final"):
+                            code = "OK"
+                        else:
+                            deltas += 1
+                            first_delta[i].set()
+            except TimeoutError:
+                code = "LOST"
+            except grpc.aio.AioRpcError as err:
+                code = err.code().name
+            first_delta[i].set()
+            finished.append((code, now(), deltas))
+
+        # Size the streams to the speed under this load: long enough to be cut by the SIGTERM, short
+        # enough to finish inside the grace period (about 0.4 of it after their first token).
+        probe_tokens = 64
+        t = now()
+        await long_stream(streams, probe_tokens)
+        per_token = (now() - t) / probe_tokens
+        tokens = max(32, min(512, int(0.4 * GRACE_S / max(per_token, 1e-4))))
+        finished.clear()
+        tasks = [asyncio.create_task(long_stream(i, tokens)) for i in range(streams)]
+        try:
+            async with asyncio.timeout(30):
+                for event in first_delta:
+                    await event.wait()
+        except TimeoutError:
+            pass
+        in_flight = streams - len(finished)
+        result.t_inject = sigterm_at = now()
+        rc = await asyncio.to_thread(self.mesh.stop_one, "gateway", GRACE_S + 20)
+        result.t_down = exited = now()
+        await asyncio.gather(*tasks)
+        await asyncio.to_thread(self.restart, "gateway")
+        result.t_back = now()
+        done_in_time = [f for f in finished if f[0] == "OK" and f[1] - sigterm_at <= GRACE_S]
+        result.extra.update(
+            {
+                "streams_in_flight_at_sigterm": in_flight,
+                "streams_completed": sum(f[0] == "OK" for f in finished),
+                "streams_completed_within_grace": len(done_in_time),
+                "stream_codes": dict(Counter(f[0] for f in finished)),
+                "streams_lost": sum(f[0] == "LOST" for f in finished),
+                "stream_tokens": tokens,
+                "probe_seconds_per_token": round(per_token, 5),
+                "stream_deltas_min": min((f[2] for f in finished), default=0),
+                "last_stream_end_after_sigterm_s": round(
+                    max((f[1] for f in finished), default=sigterm_at) - sigterm_at, 3
+                ),
+                "drain_seconds": round(exited - sigterm_at, 3),
+                "gateway_exit_code": rc,
+                "grace_seconds": GRACE_S,
+            }
+        )
+
+    async def faults(self, which: Sequence[str]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        plan: list[
+            tuple[str, Callable[[FaultResult], Awaitable[None]], Callable[[Outcome], bool], str | None, tuple[str, ...]]
+        ] = [
+            (
+                "inference_kill",
+                lambda r: self.fault_kill("inference", r),
+                lambda o: o.ok and o.kind in ("plain", "rag") and not o.cache_hit,
+                "inference",
+                ALL_KINDS,
+            ),
+            (
+                "retrieval_kill",
+                lambda r: self.fault_kill("retrieval", r),
+                lambda o: o.ok and o.kind == "rag" and "retrieval_unavailable" not in o.degradations,
+                "retrieval",
+                ALL_KINDS,
+            ),
+            (
+                "redis_stop",
+                self.fault_redis,
+                lambda o: o.ok and o.kind == "cached" and o.cache_hit and "cache_unavailable" not in o.degradations,
+                "cache",
+                ALL_KINDS,
+            ),
+            (
+                "inference_stall",
+                self.fault_stall,
+                lambda o: o.ok and o.kind in ("plain", "rag") and not o.cache_hit,
+                "inference",
+                ALL_KINDS,
+            ),
+            ("gateway_sigterm", self.fault_gateway, lambda o: o.ok, None, ()),
+        ]
+        for name, inject, recovered, peer, kinds in plan:
+            if name not in which:
+                continue
+            print(f"fault: {name}", flush=True)
+            result = await self.run_fault(name, inject, recovered, peer, kinds)
+            if name == "retrieval_kill":
+                result["rag_grounded_after_restart"] = await self.grounded()
+            crashed = self.crashed()
+            result["crashed_after"] = crashed
+            out[name] = result
+            if crashed:
+                for dead in crashed:  # keep the run going; the crash is reported
+                    self.mesh.procs.pop(dead)
+                    await asyncio.to_thread(self.restart, dead)
+        return out
+
+    async def grounded(self) -> bool:
+        """Whether the documents ingested before the retrieval kill are still found."""
+        stub = gateway_pb2_grpc.GatewayStub(self.load.channels[0])  # type: ignore[union-attr]
+        try:
+            found = await stub.Search(
+                gateway_pb2.SearchRequest(query=RAG_QUESTIONS[0], collection=DOCS, tenant=TENANT), timeout=10
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return any(r.document_id == "vellmora" for r in found.results)
+
+    async def bad_input(self) -> dict[str, Any]:
+        crafted = crafted_inputs(heavy=True)
+        inputs = crafted + random_inputs(max(0, self.args.bad_inputs - len(crafted)), random.Random(7))
+        channel = grpc.aio.insecure_channel(self.gateway_target(), options=CLIENT_OPTIONS)
+        semaphore = asyncio.Semaphore(16)
+        codes: Counter[str] = Counter()
+        unexpected: list[dict[str, str]] = []
+        unexpected_kinds: Counter[str] = Counter()
+        started = now()
+
+        async def one(item: BadInput) -> None:
+            async with semaphore:
+                code, details = await send_raw(channel, item, self.args.fault_deadline)
+            if code == "RESOURCE_EXHAUSTED" and "metadata size exceeds" in details:
+                # Not a shed: the client dropped an error status too large for its metadata limit.
+                code = "RESOURCE_EXHAUSTED_STATUS_TOO_LARGE"
+            codes[code] += 1
+            if code not in EXPECTED_BAD_INPUT_CODES:
+                kind = f"{item.method.rsplit('/', 1)[1]} {item.label} -> {code}"
+                unexpected_kinds[kind] += 1
+                if unexpected_kinds[kind] == 1:
+                    unexpected.append(
+                        {
+                            "method": item.method,
+                            "case": item.label,
+                            "code": code,
+                            "details": details[:200],
+                            "payload_head_hex": item.payload[:24].hex(),
+                        }
+                    )
+
+        try:
+            await asyncio.gather(*(one(item) for item in inputs))
+        finally:
+            await channel.close()
+        crashed = self.crashed()
+        by_label = Counter(k.rsplit(" -> ", 1)[1] for k in unexpected_kinds.elements())
+        return {
+            "bad_inputs_tried": len(inputs),
+            "crafted": len(crafted),
+            "seconds": round(now() - started, 1),
+            "crashes": len(crashed),
+            "crashed": crashed,
+            "codes": dict(codes.most_common()),
+            "unexpected_codes": sum(by_label.values()),
+            "unexpected_by_code": dict(by_label),
+            "unexpected_cases": len(unexpected),
+            "unexpected_examples": unexpected[:40],
+        }
+
+    async def load_phase(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Calibrates, restarts the gateway with a budget that sheds, runs the load, restores the budget."""
+        assert self.load is not None
+        args = self.args
+        calibration = await self.calibrate(args.calibrate_seconds)
+        print(f"calibration: {calibration}", flush=True)
+        budget = calibration["admission_budget"]
+        await self.restart_gateway(LLMESH_ADMISSION_BUDGET=str(budget))
+        print(f"load: {args.clients} clients for {args.duration:.0f}s", flush=True)
+        stop, lags = asyncio.Event(), []
+        lag_task = asyncio.create_task(loop_lag(stop, lags))
+        outcomes, elapsed = await self.load.for_seconds(args.clients, args.duration, deadline=args.deadline)
+        stop.set()
+        await lag_task
+        load = summarize(outcomes)
+        load.update(
+            {
+                "clients": args.clients,
+                "seconds": round(elapsed, 1),
+                "requests_per_s": round(len(outcomes) / elapsed, 1),
+                "admission_budget": budget,
+                "client_loop_lag_p50_s": round(percentile(lags, 0.5), 4),
+                "client_loop_lag_p99_s": round(percentile(lags, 0.99), 4),
+            }
+        )
+        await self.restart_gateway()  # the faults run with the default admission budget
+        return calibration, load
+
+    async def main(self) -> dict[str, Any]:
+        args = self.args
+        t0 = now()
+        await asyncio.to_thread(self.start_redis)
+        await asyncio.to_thread(self.mesh.start)
+        self.remember_ports()
+        print(f"mesh up in {now() - t0:.1f}s (model {args.model})", flush=True)
+        self.load = Load(self.gateway_target(), args.new_tokens)
+        result: dict[str, Any] = {"model": args.model, "quick": args.quick}
+        try:
+            await self.ingest()
+            if "load" in args.only:
+                result["calibration"], result["load"] = await self.load_phase()
+            if args.faults:
+                result["faults"] = await self.faults(args.faults)
+            if "bad_input" in args.only:
+                print("bad input", flush=True)
+                result["bad_input"] = await self.bad_input()
+        finally:
+            await self.load.close()
+        result["config"] = {
+            "clients": args.clients,
+            "duration_s": args.duration,
+            "deadline_s": args.deadline,
+            "new_tokens": args.new_tokens,
+            "fault_clients": args.fault_clients,
+            "fault_seconds": args.fault_seconds,
+            "fault_deadline_s": args.fault_deadline,
+            "down_seconds": args.down_seconds,
+            "stall_seconds": args.stall_seconds,
+            "long_streams": args.long_streams,
+            "breaker_wait_s": BREAKER_WAIT_S,
+            "grace_s": GRACE_S,
+            "admission_window_s": ADMISSION_WINDOW_S,
+            "shed_fraction_of_capacity": SHED_FRACTION,
+            "lost_grace_s": LOST_GRACE_S,
+            "fault_admission_budget": "default (LLMESH_ADMISSION_BUDGET=2e7)",
+        }
+        result["wall_seconds"] = round(now() - t0, 1)
+        result["machine"] = machine()
+        result["passes"] = passes(result)
+        return result
+
+
+def passes(result: dict[str, Any]) -> dict[str, bool]:
+    """The targets, for the parts that ran."""
+    load, faults, bad = result.get("load"), result.get("faults", {}), result.get("bad_input")
+    limit = 2 * BREAKER_WAIT_S
+    out: dict[str, bool] = {
+        "lost_zero_everywhere": (load is None or load["lost"] == 0) and all(f["lost"] == 0 for f in faults.values())
+    }
+    if load is not None:
+        out.update(
+            {
+                "load_other_errors_zero": load["other_errors"] == 0,
+                "load_sheds": load["shed"] > 0,
+                "shed_replies_carry_retry_info": load["shed_without_retry_info"] == 0,
+                "shed_reply_p99_le_50ms": load["shed"] > 0 and load["shed_p99_s"] <= 0.050,
+            }
+        )
+    if bad is not None:
+        out.update(
+            {
+                "bad_inputs_ge_1000": bad["bad_inputs_tried"] >= 1000,
+                "bad_input_crashes_zero": bad["crashes"] == 0,
+                "bad_input_unexpected_codes_zero": bad["unexpected_codes"] == 0,
+            }
+        )
+    for name, fault in faults.items():
+        recover = fault["seconds_to_recover"]
+        out[f"{name}_recovers_within_{limit:g}s"] = recover is not None and recover <= limit
+    for name in ("retrieval_kill", "redis_stop"):
+        if name in faults:
+            down = faults[name]["while_down"]
+            out[f"{name}_cached_and_plain_kept_succeeding"] = all(
+                down[k]["requests"] > 0 and down[k]["errors"] == 0 for k in ("cached", "plain")
+            )
+    if "gateway_sigterm" in faults:
+        gw = faults["gateway_sigterm"]
+        out["gateway_sigterm_streams_finish_within_grace"] = (
+            gw["streams_in_flight_at_sigterm"] > 0
+            and gw["streams_completed_within_grace"] == gw["streams_in_flight_at_sigterm"]
+        )
+    if faults:
+        out["no_crashes_in_faults"] = all(not f["crashed_after"] for f in faults.values())
+    return out
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def print_result(result: dict[str, Any]) -> None:
+    load = result.get("load")
+    if load is not None:
+        print_table(
+            {k: v for k, v in load.items() if not isinstance(v, dict | list)},
+            f"load ({result['model']} model, {load['clients']} clients)",
+        )
+        print_table(
+            {
+                kind: f"ok {v['ok']:>5}  shed {v['shed']:>5}  p50 {_s(v['p50_s'])}  shed p99 {_s(v['shed_p99_s'])}  "
+                f"pre-admission p50/p99 {v['pre_admission_p50_ms']}/{v['pre_admission_p99_ms']} ms"
+                for kind, v in load["by_kind"].items()
+            },
+            "load by kind",
+        )
+    rows = []
+    for name, f in result.get("faults", {}).items():
+        rows.append(
+            (
+                name,
+                f"errors {f['errors_during']:>3}  recover {_s(f['seconds_to_recover'])}  lost {f['lost']}  "
+                f"breaker {'opened' if f['breaker_opened'] else 'closed'}  "
+                + "  ".join(
+                    f"{kind} {v['ok']}/{v['requests']}" for kind, v in f.get("while_down", {}).items() if v["requests"]
+                ),
+            )
+        )
+    if rows:
+        print_table(rows, "faults (ok/requests per kind while down)")
+    bad = result.get("bad_input")
+    if bad is not None:
+        print_table({k: v for k, v in bad.items() if not isinstance(v, dict | list)}, "bad input")
+        if bad["unexpected_by_code"]:
+            print_table(bad["unexpected_by_code"], "unexpected codes")
+    print_table(result["passes"], "targets")
+
+
+def _s(value: float | None) -> str:
+    return "never" if value is None or value != value else f"{value:.3f}s"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="15 s load, shorter faults, 1,000 bad inputs")
+    parser.add_argument("--model", default="tiny", help="inference model: tiny (default) or smollm2")
+    parser.add_argument("--duration", type=float, default=None, help="load seconds (default 60, --quick 15)")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--bad-inputs", type=int, default=None, help="bad inputs to send (default 1500, quick 1000)")
+    parser.add_argument(
+        "--only", default="load,faults,bad_input", help="phases: load, faults (or fault names), bad_input"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="write the JSON here instead of bench/results")
+    args = parser.parse_args(argv)
+    only = {p.strip() for p in args.only.split(",") if p.strip()}
+    args.faults = [f for f in FAULTS if "faults" in only or f in only]
+    args.only = only
+    tiny = args.model == "tiny"
+    args.duration = args.duration or (15.0 if args.quick else 60.0)
+    args.bad_inputs = args.bad_inputs or (1000 if args.quick else 1500)
+    args.calibrate_seconds = 4.0 if args.quick else 6.0
+    args.new_tokens = 32 if tiny else 16
+    args.deadline = 15.0 if tiny else 60.0
+    args.fault_clients = 16
+    args.fault_seconds = 12.0 if args.quick else 20.0
+    args.fault_warmup = 2.0 if args.quick else 3.0
+    args.fault_deadline = 10.0 if tiny else 60.0
+    args.down_seconds = 2.0
+    args.stall_seconds = 4.0
+    args.long_streams = 8
+    bench = Reliability(args)
+    try:
+        result = asyncio.run(bench.main())
+    finally:
+        bench.cleanup()
+    result = _finite(result)
+    print_result(result)
+    complete = {"load", "bad_input"} <= args.only and len(args.faults) == len(FAULTS)
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    elif complete:
+        print(f"wrote {write_result('reliability', result)}")
+    else:
+        print("partial run: bench/results/reliability.json left as it was (use --out to keep this one)")
+
+
+if __name__ == "__main__":
+    main()
