@@ -17,15 +17,42 @@ START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 # Headline figures per benchmark, in reading order.
 HEADLINES: dict[str, tuple[str, ...]] = {
-    "batching": ("sequential_tok_s", "offline_batch_tok_s", "mesh_tok_s", "mixed_tok_s", "ttft_idle_s",
-                 "ttft_p50_s", "ttft_p95_s"),
-    "cache": ("semantic_threshold", "semantic_precision", "semantic_recall", "exact_hit_p50_ms", "exact_hit_p99_ms",
-              "semantic_hit_p50_ms", "miss_p50_ms", "exact_hit_rps", "echo_chain_rps"),
+    "batching": (
+        "sequential_tok_s",
+        "offline_batch_tok_s",
+        "mesh_tok_s",
+        "mixed_tok_s",
+        "ttft_idle_s",
+        "ttft_p50_s",
+        "ttft_p95_s",
+    ),
+    "cache": (
+        "semantic_threshold",
+        "semantic_precision",
+        "semantic_recall",
+        "exact_hit_p50_ms",
+        "exact_hit_p99_ms",
+        "semantic_hit_p50_ms",
+        "miss_p50_ms",
+        "exact_hit_rps",
+        "echo_chain_rps",
+    ),
     "cache_eval": ("threshold", "semantic_precision", "semantic_recall", "pairs"),
     "retrieval": ("ingest_chunks_s", "raw_embed_chunks_s", "search_p50_ms", "chunks"),
     "tracing": ("hit_p50_ms_on", "hit_p50_ms_off", "overhead_ratio", "generate_overhead_ratio"),
-    "reliability": ("requests", "ok", "shed", "other_errors", "lost", "latency_p50_ms", "latency_p99_ms",
-                    "shed_reply_p99_ms", "bad_inputs_tried", "crashes", "unexpected_codes"),
+    "reliability": (
+        "requests",
+        "ok",
+        "shed",
+        "other_errors",
+        "lost",
+        "latency_p50_ms",
+        "latency_p99_ms",
+        "shed_reply_p99_ms",
+        "bad_inputs_tried",
+        "crashes",
+        "unexpected_codes",
+    ),
 }
 
 
