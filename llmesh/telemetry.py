@@ -65,7 +65,7 @@ def setup_tracing(service: str, exporter: SpanExporter | None = None) -> TracerP
     global _provider
     if _provider is not None:
         if exporter is not None:
-            _provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
+            _provider.add_span_processor(BatchSpanProcessor(exporter))
         return _provider
     name = os.environ.get("OTEL_SERVICE_NAME") or f"llmesh-{service}"
     provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name, "llmesh.service": service}))
@@ -76,7 +76,8 @@ def setup_tracing(service: str, exporter: SpanExporter | None = None) -> TracerP
         # export runs on the batch processor's thread, off the request path.
         exporter = OTLPSpanExporter(timeout=5)
     if exporter is not None:
-        provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
+        # Batch sizes and delays follow the standard OTEL_BSP_* variables.
+        provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     _provider = provider
     return provider
