@@ -173,6 +173,42 @@ def documents(
     return out
 
 
+def ingest_request(
+    docs: Iterable[tuple[str, str] | common_pb2.Document],
+    *,
+    collection: str = "",
+    tenant: str = "",
+    chunk_tokens: int = 0,
+    overlap_tokens: int = 0,
+) -> gateway_pb2.IngestRequest:
+    return gateway_pb2.IngestRequest(
+        collection=collection,
+        tenant=tenant,
+        documents=documents(docs),
+        chunk_tokens=chunk_tokens,
+        overlap_tokens=overlap_tokens,
+    )
+
+
+def search_request(
+    query: str,
+    *,
+    collection: str = "",
+    tenant: str = "",
+    top_k: int = 0,
+    score_threshold: float = 0.0,
+    filter: Mapping[str, str] | None = None,
+) -> gateway_pb2.SearchRequest:
+    return gateway_pb2.SearchRequest(
+        query=query,
+        collection=collection,
+        tenant=tenant,
+        top_k=top_k,
+        score_threshold=score_threshold,
+        filter=dict(filter or {}),
+    )
+
+
 class Mesh:
     """Blocking client."""
 
@@ -216,12 +252,8 @@ class Mesh:
         overlap_tokens: int = 0,
         timeout: float | None = None,
     ) -> gateway_pb2.IngestResponse:
-        request = gateway_pb2.IngestRequest(
-            collection=collection,
-            tenant=tenant,
-            documents=documents(docs),
-            chunk_tokens=chunk_tokens,
-            overlap_tokens=overlap_tokens,
+        request = ingest_request(
+            docs, collection=collection, tenant=tenant, chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens
         )
         try:
             return self.stub.Ingest(request, **self._kw(timeout))
@@ -239,13 +271,8 @@ class Mesh:
         filter: Mapping[str, str] | None = None,
         timeout: float | None = None,
     ) -> gateway_pb2.SearchResponse:
-        request = gateway_pb2.SearchRequest(
-            query=query,
-            collection=collection,
-            tenant=tenant,
-            top_k=top_k,
-            score_threshold=score_threshold,
-            filter=dict(filter or {}),
+        request = search_request(
+            query, collection=collection, tenant=tenant, top_k=top_k, score_threshold=score_threshold, filter=filter
         )
         try:
             return self.stub.Search(request, **self._kw(timeout))
@@ -307,12 +334,8 @@ class AsyncMesh:
         overlap_tokens: int = 0,
         timeout: float | None = None,
     ) -> gateway_pb2.IngestResponse:
-        request = gateway_pb2.IngestRequest(
-            collection=collection,
-            tenant=tenant,
-            documents=documents(docs),
-            chunk_tokens=chunk_tokens,
-            overlap_tokens=overlap_tokens,
+        request = ingest_request(
+            docs, collection=collection, tenant=tenant, chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens
         )
         try:
             return await self.stub.Ingest(request, **self._kw(timeout))
@@ -330,13 +353,8 @@ class AsyncMesh:
         filter: Mapping[str, str] | None = None,
         timeout: float | None = None,
     ) -> gateway_pb2.SearchResponse:
-        request = gateway_pb2.SearchRequest(
-            query=query,
-            collection=collection,
-            tenant=tenant,
-            top_k=top_k,
-            score_threshold=score_threshold,
-            filter=dict(filter or {}),
+        request = search_request(
+            query, collection=collection, tenant=tenant, top_k=top_k, score_threshold=score_threshold, filter=filter
         )
         try:
             return await self.stub.Search(request, **self._kw(timeout))

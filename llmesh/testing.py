@@ -143,3 +143,16 @@ class OtlpReceiver:
 
     def close(self) -> None:
         self._server.stop(0)
+
+
+class FakeClock:
+    """A monotonic clock tests move by hand (for windows, breakers, timeouts)."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds

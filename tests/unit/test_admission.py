@@ -9,6 +9,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from llmesh.errors import RETRY_PUSHBACK_KEY, ResourceExhausted, status_details, unpack_details
+from llmesh.testing import FakeClock
 from services.gateway.admission import (
     _LUA,
     BATCH,
@@ -25,17 +26,6 @@ from services.gateway.admission import (
     parse_tenant_budgets,
     request_weight,
 )
-
-
-class FakeClock:
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def window(clock: FakeClock, budget: float = 100, **kw: object) -> WeightWindow:

@@ -6,6 +6,7 @@ import grpc
 import pytest
 
 from llmesh.errors import Unavailable, status_details, unpack_details
+from llmesh.testing import FakeClock
 from services.gateway.breaker import (
     FAILURE_RATE,
     RESET,
@@ -17,17 +18,6 @@ from services.gateway.breaker import (
     CircuitBreaker,
     State,
 )
-
-
-class FakeClock:
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @pytest.fixture
