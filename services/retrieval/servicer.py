@@ -11,7 +11,7 @@ import grpc
 
 from llmesh import errors
 from llmesh import qdrant as qdrant_mod
-from llmesh.channels import peer_channel, remaining_seconds
+from llmesh.channels import peer_channel, peer_credentials, remaining_seconds
 from llmesh.embeddings import Embedder
 from llmesh.server import Readiness
 from llmesh.settings import Settings
@@ -25,8 +25,10 @@ DEFAULT_UPSERT_SECONDS = 600.0
 class TokenizerChunker:
     """`Chunker` backed by the tokenizer service's Chunk RPC."""
 
-    def __init__(self, target: str, max_message_bytes: int) -> None:
-        self.channel = peer_channel(target, max_message_bytes)
+    def __init__(
+        self, target: str, max_message_bytes: int, credentials: grpc.ChannelCredentials | None = None
+    ) -> None:
+        self.channel = peer_channel(target, max_message_bytes, credentials)
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self.channel)
 
     async def __call__(self, text: str, chunk_tokens: int, overlap_tokens: int, time_left: float) -> list[str]:
@@ -116,7 +118,7 @@ class RetrievalApp:
         self._embedder = await asyncio.to_thread(Embedder.load, s.models_path, s.embedding_model)
         await self._embedder.aencode(["warm up"])
         self._qdrant = await asyncio.to_thread(qdrant_mod.open_client, s, "retrieval")
-        self._chunker = TokenizerChunker(s.tokenizer_target, s.max_message_bytes)
+        self._chunker = TokenizerChunker(s.tokenizer_target, s.max_message_bytes, peer_credentials(s))
         core = RetrievalCore(
             self._embedder,
             self._qdrant,

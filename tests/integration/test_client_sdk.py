@@ -132,6 +132,8 @@ async def test_tls_with_client_certificate(models_dir: Path, tiny_model: Path, t
             cert_file=str(certs / "client.pem"),
             key_file=str(certs / "client.key"),
         ) as client:
+            ingested = await client.ingest([("tls-doc", "Documents travel over mutual TLS too.")])
+            assert ingested.chunks == 1  # retrieval reached the tokenizer over mutual TLS
             reply = await client.ask("Hello over mutual TLS", max_new_tokens=4)
             # Every hop behind the gateway is mutual TLS too: the answer needed all of them.
             assert reply.usage.output_tokens == 4 and not reply.degradations
