@@ -50,7 +50,7 @@ LOCAL_CANDIDATES = 32
 SERVER_CANDIDATES = 4
 SCOPE_FIELDS = ("scope", "model", "tenant", "collection", "collection_version", "sampling")
 INVALIDATE_BATCH = 500
-PROBE_MIN_S, PROBE_MAX_S = 0.5, 5.0
+PROBE_MIN_S, PROBE_MAX_S = 0.5, 1.0
 SWEEP_INTERVAL_S = 300.0
 
 LOOKUPS = Counter("llmesh_cache_lookups_total", "Cache lookups by tier and result.", ["tier", "result"])
@@ -219,6 +219,9 @@ class CacheCore:
             except (redis_errors.RedisError, TimeoutError, OSError):
                 delay = min(delay * 2, PROBE_MAX_S)
                 continue
+            # Pooled connections opened before the outage are dead; drop them so the first
+            # requests after recovery do not fail on them and mark the cache degraded again.
+            await self.redis.connection_pool.disconnect(inuse_connections=False)
             self.degraded = False
             DEGRADED.set(0)
             log.info("redis reachable again: cache recovered")
