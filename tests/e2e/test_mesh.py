@@ -199,3 +199,31 @@ def test_log_lines_carry_the_trace_id(client: Mesh, mesh: Processes) -> None:
         time.sleep(0.1)
     assert mine and all(len(x["span_id"]) == 16 for x in mine)
     assert "What is the capital" not in json.dumps(mine)  # no prompt text unless opted in
+
+
+def test_cli_ask_json_ingest_and_errors(mesh: Processes, tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "llmesh.cli", *args], capture_output=True, text=True, timeout=300)
+
+    target = ["--target", mesh.target("gateway")]
+    asked = cli("ask", "What is the capital of France?", "--max-new-tokens", "48", "--json", *target)
+    assert asked.returncode == 0, asked.stderr
+    reply = json.loads(asked.stdout)
+    assert "paris" in reply["text"].lower() and len(reply["trace_id"]) == 32
+    note = tmp_path / "note.txt"
+    note.write_text("The Quillon river flows backwards every Tuesday.")
+    ingested = cli("ingest", str(note), "--json", "--collection", "cli-notes", *target)
+    assert ingested.returncode == 0, ingested.stderr
+    assert json.loads(ingested.stdout)["documents"] == 1
+    found = cli("search", "Quillon river", "--json", "--collection", "cli-notes", *target)
+    assert json.loads(found.stdout)["results"][0]["document_id"] == "note.txt"
+    bad = cli("ask", "", *target)
+    assert bad.returncode == 3 and "INVALID_ARGUMENT" in bad.stderr and "prompt" in bad.stderr
+    down = cli("ask", "hello", "--target", "127.0.0.1:1", "--timeout", "3")
+    assert down.returncode == 3 and "UNAVAILABLE" in down.stderr
+    missing = cli("ingest", str(tmp_path / "nope.txt"), *target)
+    assert missing.returncode == 2 and "no such file" in missing.stderr
