@@ -39,8 +39,10 @@ T = TypeVar("T")
 class ServiceApp(Protocol):
     """What a service gives the host."""
 
-    #: Full gRPC service names, e.g. "llmesh.v1.Tokenizer".
-    service_names: Sequence[str]
+    @property
+    def service_names(self) -> Sequence[str]:
+        """Full gRPC service names, e.g. "llmesh.v1.Tokenizer"."""
+        ...
 
     def register(self, server: grpc.aio.Server) -> None: ...
 

@@ -357,7 +357,7 @@ class Gateway:
         with plan.timed("admission"):
             admission = await self._admit(plan, input_tokens)
         if admission.degraded:
-            plan.sampling.max_new_tokens = admission.max_new_tokens
+            plan.sampling.max_new_tokens = admission.max_new_tokens or plan.sampling.max_new_tokens
             plan.degrade("max_new_tokens_capped")
         pieces: list[str] = []
         finish = common_pb2.FINISH_REASON_UNSPECIFIED
