@@ -385,7 +385,7 @@ class Gateway:
             degradations=plan.degradations,
         )
         # A capped answer is not the answer to the request as asked: do not cache it.
-        if plan.use_cache and not admission.degraded and finish in CACHEABLE_FINISH:
+        if plan.use_cache and not admission.degraded and finish in CACHEABLE_FINISH and text:
             with plan.timed("cache_store"):
                 await self._store(plan, scope, response, deadline)
         yield Final(response, plan.timings)

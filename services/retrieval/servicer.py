@@ -25,9 +25,7 @@ DEFAULT_UPSERT_SECONDS = 600.0
 class TokenizerChunker:
     """`Chunker` backed by the tokenizer service's Chunk RPC."""
 
-    def __init__(
-        self, target: str, max_message_bytes: int, credentials: grpc.ChannelCredentials | None = None
-    ) -> None:
+    def __init__(self, target: str, max_message_bytes: int, credentials: grpc.ChannelCredentials | None = None) -> None:
         self.channel = peer_channel(target, max_message_bytes, credentials)
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self.channel)
 

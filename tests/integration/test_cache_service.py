@@ -164,10 +164,10 @@ async def test_near_hit_guard_rejects_changed_meaning(
 
 async def test_ttl_expiry_in_both_tiers(cache: cache_pb2_grpc.CacheStub) -> None:
     sc = scope(_tenant())
-    await store(cache, "How do I center a div in CSS?", sc, "flexbox", ttl=1)
+    await store(cache, "How do I center a div in CSS?", sc, "flexbox", ttl=2)
     assert (await lookup(cache, "How do I center a div in CSS?", sc)).hit
     assert (await lookup(cache, "What's the way to center a div with CSS?", sc)).hit
-    await asyncio.sleep(1.3)
+    await asyncio.sleep(2.2)
     assert not (await lookup(cache, "How do I center a div in CSS?", sc)).hit
     assert not (await lookup(cache, "What's the way to center a div with CSS?", sc)).hit
 
