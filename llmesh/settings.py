@@ -410,7 +410,8 @@ DECLARED: tuple[Setting, ...] = (
     Setting(
         "LLMESH_SEMANTIC_THRESHOLD",
         "0.87",
-        "Cosine similarity in [0, 1] a cached question needs for a semantic hit; higher is stricter (0.87: chosen by bench.cache_eval).",
+        "Cosine similarity in [0, 1] a cached question needs for a semantic hit; higher is stricter "
+        "(0.87 was chosen by bench.cache_eval).",
         ("cache",),
         _unit_float,
     ),
