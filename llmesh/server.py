@@ -34,6 +34,7 @@ log = logging.getLogger("llmesh.server")
 lifecycle = logging.getLogger("llmesh.lifecycle")
 lifecycle.setLevel(logging.INFO)
 T = TypeVar("T")
+HEALTH_DETAIL_INTERVAL_S = 1.0
 
 
 class ServiceApp(Protocol):
@@ -216,6 +217,7 @@ class ServiceHost:
             maximum_concurrent_rpcs=None,
         )
         self.port = 0
+        self._details_task: asyncio.Task[None] | None = None
 
     async def start(self, on_listening: Callable[[int], None] | None = None) -> int:
         self.app.register(self.server)
@@ -236,7 +238,19 @@ class ServiceHost:
             on_listening(self.port)
         await self.app.start()
         await self.set_serving(True)
+        if hasattr(self.app, "health_details"):
+            self._details_task = asyncio.create_task(self._watch_details())
         return self.port
+
+    async def _watch_details(self) -> None:
+        """Publishes the app's optional component health (e.g. the cache's Redis) as health entries
+        named `<service>/<component>`: the service keeps SERVING while a part it can do without is down."""
+        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        while True:
+            for component, ok in self.app.health_details().items():  # type: ignore[attr-defined]
+                for name in self.app.service_names:
+                    await self.health.set(f"{name}/{component}", serving if ok else not_serving)
+            await asyncio.sleep(HEALTH_DETAIL_INTERVAL_S)
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -245,6 +259,8 @@ class ServiceHost:
 
     async def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING first (load balancers stop sending), then drain in-flight calls."""
+        if self._details_task is not None:
+            self._details_task.cancel()
         await self.set_serving(False)
         await self.server.stop(self.settings.grace_seconds if grace is None else grace)
         await self.app.stop()

@@ -132,6 +132,11 @@ class CacheApp:
         await core.start()
         self.core.set(core)
 
+    def health_details(self) -> dict[str, bool]:
+        """`llmesh.v1.Cache/redis` in the health service: NOT_SERVING while Redis is unreachable
+        (the cache itself stays SERVING, answering miss)."""
+        return {"redis": self.core.ready and not self.core.get().degraded}
+
     async def stop(self) -> None:
         if self.core.ready:
             await self.core.get().close()

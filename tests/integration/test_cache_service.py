@@ -344,3 +344,29 @@ async def test_redis_acl_credentials_come_from_the_url(models_dir: Path, tmp_pat
         await admin.acl_deluser(user)
         await _drop_prefix(REDIS_URL, prefix)
         await admin.aclose()
+
+
+async def test_health_shows_redis_degradation_while_the_cache_keeps_serving(models_dir: Path, tmp_path: Path) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from llmesh.testing import hosted
+
+    env = _env(models_dir, tmp_path, redis_url="redis://127.0.0.1:1/0")
+    async with hosted("cache", lambda s: CacheApp(s, semantic=False), env) as host:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{host.port}") as channel:
+            await cache_pb2_grpc.CacheStub(channel).Lookup(
+                cache_pb2.CacheLookupRequest(prompt="anything", scope=scope("t")), timeout=2
+            )
+            health = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    redis_health = await health.Check(
+                        health_pb2.HealthCheckRequest(service="llmesh.v1.Cache/redis"), timeout=2
+                    )
+                    if redis_health.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                        break
+                await asyncio.sleep(0.2)
+            assert redis_health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            overall = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+            assert overall.status == health_pb2.HealthCheckResponse.SERVING
