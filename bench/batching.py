@@ -107,47 +107,62 @@ def build_prompts(model_dir: Path) -> list[list[int]]:
 # --------------------------------------------------------------------------- transformers baselines
 
 
-def hf_baselines(model_dir: Path, prompts: list[list[int]], with_cb: bool) -> dict[str, float]:
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+class Baselines:
+    """transformers' generate on the same weights, in this process."""
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, use_safetensors=True, dtype=torch.float32).eval()
-    pad = int(model.config.pad_token_id or 0)
-    greedy = {"do_sample": False, "max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "pad_token_id": pad}
-    results: dict[str, float] = {}
-    with torch.inference_mode():
-        # Warm-up (first-call allocations), not timed.
-        model.generate(torch.tensor([prompts[0]]), do_sample=False, max_new_tokens=4, pad_token_id=pad)
+    def __init__(self, model_dir: Path, prompts: list[list[int]]) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
 
+        self.torch = torch
+        self.prompts = prompts
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, use_safetensors=True, dtype=torch.float32).eval()
+        self.pad = int(self.model.config.pad_token_id or 0)
+        self.greedy = {
+            "do_sample": False,
+            "max_new_tokens": NEW_TOKENS,
+            "min_new_tokens": NEW_TOKENS,
+            "pad_token_id": self.pad,
+        }
+        with torch.inference_mode():  # first-call allocations, not timed
+            self.model.generate(torch.tensor([prompts[0]]), do_sample=False, max_new_tokens=4, pad_token_id=self.pad)
+
+    def sequential(self) -> float:
+        torch = self.torch
         started = time.perf_counter()
         produced = 0
-        for ids in prompts[:SEQUENTIAL_REQUESTS]:
-            out = model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), **greedy
-            )
-            produced += out.shape[1] - len(ids)
-        results["sequential_tok_s"] = produced / (time.perf_counter() - started)
+        with torch.inference_mode():
+            for ids in self.prompts[:SEQUENTIAL_REQUESTS]:
+                mask = torch.ones(1, len(ids), dtype=torch.long)
+                out = self.model.generate(torch.tensor([ids]), attention_mask=mask, **self.greedy)
+                produced += out.shape[1] - len(ids)
+        return produced / (time.perf_counter() - started)
 
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    def offline_batch(self) -> float:
+        torch = self.torch
+        width = max(len(p) for p in self.prompts)
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in self.prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in self.prompts])
         started = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, **greedy)
-        elapsed = time.perf_counter() - started
-        results["offline_batch_tok_s"] = (out.shape[1] - width) * len(prompts) / elapsed
-        results["offline_batch_seconds"] = elapsed
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=mask, **self.greedy)
+        return (out.shape[1] - width) * len(self.prompts) / (time.perf_counter() - started)
 
-    if with_cb:
+    def continuous_batching(self) -> float:
+        """transformers' own continuous-batching manager (switches the model's attention
+        implementation: run it last)."""
+        from transformers import GenerationConfig
+
         config = GenerationConfig(
-            max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=pad
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=-1,
+            pad_token_id=self.pad,
         )
         started = time.perf_counter()
-        outputs = model.generate_batch(prompts, generation_config=config)
-        elapsed = time.perf_counter() - started
-        results["hf_continuous_batching_tok_s"] = sum(len(o.generated_tokens) for o in outputs.values()) / elapsed
-    del model
-    gc.collect()
-    return results
+        outputs = self.model.generate_batch(self.prompts, generation_config=config)
+        return sum(len(o.generated_tokens) for o in outputs.values()) / (time.perf_counter() - started)
 
 
 # --------------------------------------------------------------------------- the mesh
@@ -169,10 +184,17 @@ def request_for(ids: list[int], max_new: int) -> inference_pb2.InferenceRequest:
 
 
 async def one(
-    stub: inference_pb2_grpc.InferenceStub, ids: list[int], max_new: int, decoding: asyncio.Event | None = None
+    stub: inference_pb2_grpc.InferenceStub,
+    ids: list[int],
+    max_new: int,
+    decoding: asyncio.Event | None = None,
+    records: list[Record] | None = None,
 ) -> Record:
-    """One streamed request; `decoding` is set once its second token arrived."""
+    """One streamed request; `decoding` is set once its second token arrived. The record is
+    appended to `records` at once, so a request still running when measuring stops counts."""
     record = Record(time.perf_counter())
+    if records is not None:
+        records.append(record)
     async for message in stub.Generate(request_for(ids, max_new), timeout=600):
         now = time.perf_counter()
         if message.token_ids:
@@ -207,10 +229,10 @@ async def closed_loop(
         rng = random.Random(i)
         if i:
             await decoding[i - 1].wait()
-        records.append(await one(stub, prompts[i], max_new(rng), decoding[i]))
+        await one(stub, prompts[i], max_new(rng), decoding[i], records)
         first_done[i].set()
         while time.perf_counter() < stop_at[0]:
-            records.append(await one(stub, prompts[i], max_new(rng)))
+            await one(stub, prompts[i], max_new(rng), None, records)
 
     tasks = [asyncio.create_task(client(i)) for i in range(len(prompts))]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first_done)), warmup_limit_s)
@@ -259,7 +281,7 @@ async def mesh_phase(target: str, prompts: list[list[int]], args: argparse.Names
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--measure", type=float, default=30.0, help="measured seconds of each closed loop")
+    parser.add_argument("--measure", type=float, default=40.0, help="measured seconds of each closed loop")
     parser.add_argument("--no-hf-cb", action="store_true", help="skip transformers' continuous batching column")
     args = parser.parse_args(argv)
 
@@ -275,12 +297,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
 
     result: dict[str, Any] = {"prompts": len(prompts), "new_tokens": NEW_TOKENS}
-    result.update(hf_baselines(model_dir, prompts, with_cb=not args.no_hf_cb))
-    print_table({k: v for k, v in result.items() if k.endswith("tok_s")}, "transformers baselines")
-
     env = {"LLMESH_MODELS_DIR": str(models), "LLMESH_INFERENCE_MODEL": "smollm2", "LLMESH_MAX_BATCH_SIZE": str(CLIENTS)}
+    # The service idles (no CPU) while the baselines run. The baselines run before and after
+    # the service's measurements and are averaged: on a shared machine the load drifts.
     with Mesh(services=("inference",), env=env) as mesh:
+        baselines = Baselines(model_dir, prompts)
+        before = {"sequential_tok_s": baselines.sequential(), "offline_batch_tok_s": baselines.offline_batch()}
+        print_table(before, "transformers baselines (before)")
         result.update(asyncio.run(mesh_phase(mesh.target("inference"), prompts, args)))
+        after = {"sequential_tok_s": baselines.sequential(), "offline_batch_tok_s": baselines.offline_batch()}
+        print_table(after, "transformers baselines (after)")
+    for key in before:
+        result[key] = (before[key] + after[key]) / 2
+        result[f"{key}_runs"] = [round(before[key], 2), round(after[key], 2)]
+    if not args.no_hf_cb:
+        result["hf_continuous_batching_tok_s"] = baselines.continuous_batching()
+    del baselines
+    gc.collect()
 
     result["mesh_vs_offline"] = result["mesh_tok_s"] / result["offline_batch_tok_s"]
     result["mesh_vs_sequential"] = result["mesh_tok_s"] / result["sequential_tok_s"]

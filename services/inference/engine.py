@@ -12,10 +12,10 @@ Domain code only (no gRPC). One `Engine` serves one loaded model version:
 * The KV cache is a transformers `DynamicCache`; its per-layer `keys`/`values` tensors
   ([batch, kv_heads, time, head_dim]) are edited directly: a prefilled group is left-padded
   to the running length and concatenated along the batch axis, finished rows are dropped
-  with index_select, and leading columns that are padding in every row are trimmed. The
-  layers (`BatchKVLayer`, a DynamicLayer) keep spare time columns so that a decode step
-  writes its one new column in place instead of copying the whole cache, as
-  `DynamicLayer.update` does; each surgery copies the cache once.
+  (index_select; the last live rows move into the holes), and leading columns that are padding
+  in every row are trimmed. The layers (`BatchKVLayer`, a DynamicLayer) keep spare rows and
+  time columns, so a decode step writes its one new column in place instead of copying the
+  whole cache as `DynamicLayer.update` does, and surgery copies only the rows that move.
   A 2-D attention mask hides the padding and explicit per-row `position_ids` count real
   tokens only, so a row yields the same tokens in any batch as alone.
 * Results go back to the event loop with one `call_soon_threadsafe` per iteration.
@@ -205,76 +205,108 @@ class LoadedModel:
 
 class BatchKVLayer(DynamicLayer):
     """One layer of a batch's KV cache. `keys`/`values` ([batch, kv_heads, time, head_dim], as
-    in DynamicLayer) are views of buffers with spare time columns: a decode step writes its
-    column in place, where DynamicLayer.update concatenates, i.e. copies the whole cache, on
-    every step. Surgery (merge, drop rows, trim) makes new buffers with one copy."""
+    in DynamicLayer) are views `buffer[:rows, :, start:end]` of buffers with spare rows and
+    spare time columns, so that:
+
+    * a decode step writes its one column in place (DynamicLayer.update concatenates, i.e.
+      copies the whole cache, on every step);
+    * dropping rows moves the last live rows into the holes (copies only the moved rows);
+    * joining rows writes them after the live rows, right-aligned, zero-padded on the left
+      (copies only the new rows), extending the live columns to the left when they are longer;
+    * trimming leading columns moves `start`.
+
+    A buffer is reallocated (one copy of the live region) when rows or columns run out."""
 
     def __init__(self) -> None:
         super().__init__()
         self._kb: torch.Tensor | None = None
         self._vb: torch.Tensor | None = None
+        self._rows = 0
         self._start = 0
         self._end = 0
 
-    def assign(self, kb: torch.Tensor, vb: torch.Tensor, start: int, end: int) -> None:
-        self._kb, self._vb, self._start, self._end = kb, vb, start, end
+    @property
+    def length(self) -> int:
+        return self._end - self._start
+
+    def _set(self, kb: torch.Tensor, vb: torch.Tensor, rows: int, start: int, end: int) -> None:
+        self._kb, self._vb, self._rows, self._start, self._end = kb, vb, rows, start, end
         self.dtype, self.device = kb.dtype, kb.device
         self.is_initialized = True
-        self.keys = kb[:, :, start:end]
-        self.values = vb[:, :, start:end]
+        self._view()
+
+    def _view(self) -> None:
+        assert self._kb is not None and self._vb is not None
+        self.keys = self._kb[: self._rows, :, self._start : self._end]
+        self.values = self._vb[: self._rows, :, self._start : self._end]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        n = key_states.shape[-2]
-        if self._kb is None or self._vb is None:
-            batch, heads, _, dim = key_states.shape
-            shape = (batch, heads, n + KV_SPARE_COLUMNS, dim)
-            self.assign(key_states.new_empty(shape), value_states.new_empty(shape), 0, 0)
+        rows, heads, n, dim = key_states.shape
+        if self._kb is None:
+            shape = (rows, heads, n + KV_SPARE_COLUMNS, dim)
+            self._set(key_states.new_empty(shape), value_states.new_empty(shape), rows, 0, 0)
         elif self._end + n > self._kb.shape[2]:
-            self._reallocate(n + KV_SPARE_COLUMNS)
-        assert self._kb is not None and self._vb is not None
-        self._kb[:, :, self._end : self._end + n] = key_states
-        self._vb[:, :, self._end : self._end + n] = value_states
-        self.assign(self._kb, self._vb, self._start, self._end + n)
+            self._reallocate(self._kb.shape[0], self.length + n + KV_SPARE_COLUMNS, 0)
+        assert self._kb is not None and self._vb is not None and rows == self._rows
+        self._kb[:rows, :, self._end : self._end + n] = key_states
+        self._vb[:rows, :, self._end : self._end + n] = value_states
+        self._end += n
+        self._view()
         return self.keys, self.values
 
-    def _reallocate(self, extra: int) -> None:
+    def _reallocate(self, capacity_rows: int, width: int, left: int) -> None:
+        """New buffers of capacity_rows x width columns; the live columns land at [left, left + length)."""
         batch, heads, length, dim = self.keys.shape
-        kb = self.keys.new_empty((batch, heads, length + extra, dim))
-        vb = self.values.new_empty((batch, heads, length + extra, dim))
-        kb[:, :, :length] = self.keys
-        vb[:, :, :length] = self.values
-        self.assign(kb, vb, 0, length)
+        kb = self.keys.new_empty((capacity_rows, heads, width, dim))
+        vb = self.values.new_empty((capacity_rows, heads, width, dim))
+        kb[:batch, :, left : left + length] = self.keys
+        vb[:batch, :, left : left + length] = self.values
+        self._set(kb, vb, batch, left, left + length)
 
-    def select_rows(self, index: torch.Tensor, drop_leading: int) -> None:
-        """Keeps the rows in `index` and drops `drop_leading` leading time columns."""
+    def remove_rows(self, holes: torch.Tensor, movers: torch.Tensor, remaining: int, drop_leading: int) -> None:
+        """Rows `movers` (all at or past `remaining`) move into rows `holes` (all before it);
+        then only `remaining` rows and the columns after `drop_leading` stay live."""
         assert self._kb is not None and self._vb is not None
-        self.assign(
-            self._kb.index_select(0, index), self._vb.index_select(0, index), self._start + drop_leading, self._end
-        )
+        if holes.numel():
+            live = slice(self._start, self._end)
+            self._kb[holes, :, live] = self._kb[movers, :, live]
+            self._vb[holes, :, live] = self._vb[movers, :, live]
+        self._rows = remaining
+        self._start += drop_leading
+        self._view()
+
+    def append_rows(self, other: BatchKVLayer, max_rows: int) -> None:
+        """Adds the rows of `other` after the live rows, both sides left-padded with zeros to
+        the longer of the two lengths."""
+        assert self._kb is not None and other._kb is not None
+        rows, extra = self._rows, other._rows
+        own, theirs = self.length, other.length
+        width = max(own, theirs)
+        capacity = self._kb.shape[0]
+        if rows + extra > capacity or self._start < width - own:
+            if rows + extra > capacity:
+                capacity = min(max(rows + extra, 2 * capacity), max(max_rows, rows + extra))
+            self._reallocate(capacity, width + KV_SPARE_COLUMNS, width - own)
+            start = 0
+        else:
+            start = self._start - (width - own)
+        assert self._kb is not None and self._vb is not None
+        for buf in (self._kb, self._vb):
+            buf[:rows, :, start : self._start].zero_()  # running rows, if the new ones are longer
+            buf[rows : rows + extra, :, start : self._end - theirs].zero_()
+        self._kb[rows : rows + extra, :, self._end - theirs : self._end] = other.keys
+        self._vb[rows : rows + extra, :, self._end - theirs : self._end] = other.values
+        self._rows = rows + extra
+        self._start = start
+        self._view()
 
     def truncate(self, length: int) -> None:
         """Forgets columns past `length` (a step that failed half-way)."""
-        if self._kb is not None and self._vb is not None and self._end - self._start > length:
-            self.assign(self._kb, self._vb, self._start, self._start + length)
-
-    @classmethod
-    def merge(cls, first: BatchKVLayer, second: BatchKVLayer) -> BatchKVLayer:
-        """The rows of both, left-padded with zeros to a common length (one copy)."""
-        merged = cls()
-        (b1, heads, t1, dim), (b2, _, t2, _) = first.keys.shape, second.keys.shape
-        width = max(t1, t2)
-        buffers = []
-        for a, b in ((first.keys, second.keys), (first.values, second.values)):
-            buf = a.new_empty((b1 + b2, heads, width + KV_SPARE_COLUMNS, dim))
-            buf[:b1, :, : width - t1].zero_()
-            buf[:b1, :, width - t1 : width] = a
-            buf[b1:, :, : width - t2].zero_()
-            buf[b1:, :, width - t2 : width] = b
-            buffers.append(buf)
-        merged.assign(buffers[0], buffers[1], 0, width)
-        return merged
+        if self._kb is not None and self.length > length:
+            self._end = self._start + length
+            self._view()
 
 
 def new_batch_cache(config: Any) -> DynamicCache:
@@ -457,13 +489,38 @@ class Engine:
 
     @classmethod
     def load(cls, verified: VerifiedModel, config: EngineConfig, device: str = "auto") -> Engine:
-        """Loads, warms up and starts an engine (blocking; call via asyncio.to_thread)."""
-        engine = cls(LoadedModel(verified, device), config)
-        engine.warm_up()
-        engine.start()
+        """Loads, warms up and starts an engine; returns once it serves (blocking).
+
+        Loading, warm-up and serving all run on the engine's own worker thread: torch's CPU
+        kernels keep one OpenMP thread pool per calling thread, and a second pool (say, the
+        warm-up's on an executor thread) makes OpenMP see more threads than cores and put its
+        workers to sleep between kernels, which costs about a fifth of the decode speed on a
+        small machine."""
+        box: dict[str, Any] = {}
+        ready = threading.Event()
+
+        def boot() -> None:
+            try:
+                engine = cls(LoadedModel(verified, device), config)
+                engine.warm_up()
+                engine._thread = threading.current_thread()
+                box["engine"] = engine
+            except BaseException as exc:
+                box["error"] = exc
+                return
+            finally:
+                ready.set()
+            engine._run()
+
+        threading.Thread(target=boot, name=f"inference-{verified.version}", daemon=True).start()
+        ready.wait()
+        if "error" in box:
+            raise box["error"]
+        engine: Engine = box["engine"]
         return engine
 
     def start(self) -> None:
+        """Starts the worker thread of an engine built directly (tests)."""
         self._thread = threading.Thread(target=self._run, name=f"inference-{self.tag}", daemon=True)
         self._thread.start()
 
@@ -751,30 +808,38 @@ class Engine:
             self._remove_rows(gone)
 
     def _remove_rows(self, rows: Sequence[int]) -> None:
-        """Drops rows from the batch (index_select) and trims columns that became padding in
-        every remaining row."""
+        """Drops rows from the batch (the last live rows move into the holes) and trims
+        columns that became padding in every remaining row."""
         drop = set(rows)
-        keep = [i for i in range(len(self._running)) if i not in drop]
+        total = len(self._running)
+        remaining = total - len(drop)
         for i in drop:
             self._reserved -= self._running[i].reserved_tokens
         metrics.BATCH_SIZE.dec(len(drop))
         self._membership_changed = True
-        if not keep:
+        if not remaining:
             self._running = []
             self._cache = self._mask = self._pos = self._last = None
             self._reserved = 0
             return
         assert self._mask is not None and self._pos is not None and self._last is not None
+        holes = [r for r in sorted(drop) if r < remaining]
+        movers = [r for r in range(remaining, total) if r not in drop]
+        order = list(range(remaining))
+        for hole, mover in zip(holes, movers, strict=True):
+            order[hole] = mover
         device = self._mask.device
-        index = torch.tensor(keep, device=device)
+        index = torch.tensor(order, device=device)
         mask = self._mask.index_select(0, index)
         first = int(mask.any(dim=0).int().argmax())  # first column holding a real token somewhere
         self._mask = mask[:, first:] if first else mask
+        holes_t = torch.tensor(holes, dtype=torch.long, device=device)
+        movers_t = torch.tensor(movers, dtype=torch.long, device=device)
         for layer in self._cache.layers:
-            layer.select_rows(index, first)
+            layer.remove_rows(holes_t, movers_t, remaining, first)
         self._pos = self._pos.index_select(0, index)
         self._last = self._last.index_select(0, index)
-        self._running = [self._running[i] for i in keep]
+        self._running = [self._running[i] for i in order]
 
     def _join(
         self, group: list[Sequence_], cache: Any, mask: torch.Tensor, pos: torch.Tensor, last: torch.Tensor
@@ -787,9 +852,9 @@ class Engine:
             assert self._mask is not None and self._pos is not None and self._last is not None
             t_run, t_new = self._mask.shape[1], mask.shape[1]
             width = max(t_run, t_new)
-            layers = [BatchKVLayer.merge(old, new) for old, new in zip(self._cache.layers, cache.layers, strict=True)]
             joined_mask = torch.cat([F.pad(self._mask, (width - t_run, 0)), F.pad(mask, (width - t_new, 0))])
-            self._cache.layers = layers
+            for layer, joining in zip(self._cache.layers, cache.layers, strict=True):
+                layer.append_rows(joining, self.config.max_batch_size)
             self._mask = joined_mask
             self._pos = torch.cat([self._pos, pos])
             self._last = torch.cat([self._last, last])
@@ -845,6 +910,7 @@ class Engine:
         self._new_segment()
         self._trace_prefill(group, started_ns, sum(lengths), width * len(group))
         self._accept(tokens.tolist(), start, now)
+        self._flush()  # first tokens go out now, not after this iteration's decode step
 
     def _decode(self) -> None:
         assert self._mask is not None and self._pos is not None and self._last is not None

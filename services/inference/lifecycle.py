@@ -14,6 +14,8 @@ import logging
 import re
 from pathlib import Path
 
+import torch
+
 from llmesh import errors
 from llmesh.models import ModelError, point_current, resolve, verify
 from services.inference.decoding import SamplingParams
@@ -87,6 +89,10 @@ class ModelManager:
                     f"inference: model version {version} failed to load or warm up: {exc}", reason="MODEL_LOAD_FAILED"
                 ) from exc
             self._engine = new  # the switch: new requests go to the new engine from here on
+            self._draining.add(old)
+            task = asyncio.create_task(self._retire(old))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
             log.info(
                 "switched to %s %s (%s); draining %s",
                 verified.model_id,
@@ -94,11 +100,11 @@ class ModelManager:
                 verified.digest[:12],
                 old.description.version,
             )
-            await asyncio.to_thread(point_current, self.root, version)
-            self._draining.add(old)
-            task = asyncio.create_task(self._retire(old))
-            self._retiring.add(task)
-            task.add_done_callback(self._retiring.discard)
+            try:
+                await asyncio.to_thread(point_current, self.root, version)
+            except OSError:
+                # Serving has switched; only a restart would go back to the old version.
+                log.exception("switched to %s but could not repoint %s/current", version, self.root)
             return new.description
 
     async def _retire(self, engine: Engine) -> None:
@@ -110,6 +116,8 @@ class ModelManager:
         log.info("released model version %s", engine.description.version)
         del engine
         gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # hand the old weights' memory back to the device
 
     @property
     def draining(self) -> int:

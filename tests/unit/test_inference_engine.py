@@ -101,8 +101,9 @@ async def test_concurrent_batch_matches_alone(engine: Engine) -> None:
     alone = [(await run(engine, ids))[0] for ids in ps]
     together = await asyncio.gather(*(run(engine, ids) for ids in ps))
     assert [t[0] for t in together] == alone
-    # All four were prefilled together (same segment at join) when submitted at once.
-    assert len({t[2].batch_id for t in together}) == 1
+    # Submitted at once into an idle engine, they share a prefill (LLMESH_BATCH_WAIT_MS gathers
+    # them); a thread switch in the middle of the submissions may split them once.
+    assert len({t[2].batch_id for t in together}) <= 2
 
 
 async def test_rows_leave_at_once_and_padding_columns_are_trimmed(engine: Engine) -> None:
