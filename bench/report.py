@@ -41,17 +41,18 @@ HEADLINES: dict[str, tuple[str, ...]] = {
     "retrieval": ("ingest_chunks_s", "raw_embed_chunks_s", "search_p50_ms", "chunks"),
     "tracing": ("hit_p50_ms_on", "hit_p50_ms_off", "overhead_ratio", "generate_overhead_ratio"),
     "reliability": (
-        "requests",
-        "ok",
-        "shed",
-        "other_errors",
-        "lost",
-        "latency_p50_ms",
-        "latency_p99_ms",
-        "shed_reply_p99_ms",
-        "bad_inputs_tried",
-        "crashes",
-        "unexpected_codes",
+        "model",
+        "load.requests",
+        "load.ok",
+        "load.shed",
+        "load.other_errors",
+        "load.lost",
+        "load.p50_s",
+        "load.p99_s",
+        "load.shed_p99_s",
+        "bad_input.bad_inputs_tried",
+        "bad_input.crashes",
+        "bad_input.unexpected_codes",
     ),
 }
 
@@ -61,12 +62,13 @@ def load() -> dict[str, dict[str, Any]]:
 
 
 def _find(result: dict[str, Any], key: str) -> Any:
-    if key in result:
-        return result[key]
-    for value in result.values():  # one level down (e.g. reliability's "load" section)
-        if isinstance(value, dict) and key in value and not isinstance(value[key], dict | list):
-            return value[key]
-    return None
+    """A top-level figure, or a nested one named with dots (`load.requests`)."""
+    value: Any = result
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return None if isinstance(value, dict | list) else value
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
