@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--generations", type=int, default=12)
     parser.add_argument("--model", default="smollm2")
     args = parser.parse_args(argv)
-    receiver = OtlpReceiver()
+    receiver = OtlpReceiver(keep_spans=False)  # stands in for Jaeger: receives, counts, keeps nothing
     common = {"LLMESH_INFERENCE_MODEL": args.model}
     traced = {
         **common,
@@ -84,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         **p50,
         "overhead_ratio": p50["hit_p50_ms_on"] / p50["hit_p50_ms_off"],
         "generate_overhead_ratio": p50["generate_p50_ms_on"] / p50["generate_p50_ms_off"],
-        "spans_received": len(receiver.spans),
+        "spans_received": receiver.count,
         "model": args.model,
     }
     result["passes"] = {"overhead_ratio<=1.10": result["overhead_ratio"] <= 1.10}

@@ -86,7 +86,9 @@ class OtlpReceiver:
     """A real OTLP/gRPC trace receiver on loopback (what Jaeger v2 listens for on 4317),
     keeping every span it is sent, for trace assertions across processes."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_spans: bool = True) -> None:
+        """keep_spans=False only counts spans (cheap: a benchmark's receiver must not compete
+        with the load it measures)."""
         import threading
         from concurrent import futures
 
@@ -94,6 +96,8 @@ class OtlpReceiver:
         from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
         receiver = self
+        self.keep_spans = keep_spans
+        self.count = 0
         self.spans: list[dict[str, object]] = []
         self._lock = threading.Lock()
 
@@ -114,6 +118,11 @@ class OtlpReceiver:
     def _collect(self, request) -> None:  # type: ignore[no-untyped-def]
         from google.protobuf.json_format import MessageToDict
 
+        if not self.keep_spans:
+            n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+            with self._lock:
+                self.count += n
+            return
         found = []
         for resource_spans in request.resource_spans:
             resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
@@ -136,6 +145,7 @@ class OtlpReceiver:
                     )
         with self._lock:
             self.spans.extend(found)
+            self.count += len(found)
 
     def trace(self, trace_id: str) -> list[dict[str, object]]:
         with self._lock:
