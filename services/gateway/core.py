@@ -319,6 +319,10 @@ class Gateway:
         span.set_attribute("gen_ai.request.temperature", plan.sampling.temperature)
         if self.config.log_prompts:
             span.set_attribute("llmesh.prompt", plan.prompt)
+        if not plan.use_cache:
+            # No cache hit is possible: shed before any downstream call.
+            with plan.timed("admission"):
+                self._precheck(plan)
         with plan.timed("model"):
             model = await self.model_key(deadline)
         with plan.timed("retrieval"):
@@ -344,8 +348,10 @@ class Gateway:
                     plan.timings,
                 )
                 return
-        with plan.timed("admission"):
-            self._precheck(plan)
+            # Missed: shed before the expensive hops (retrieval search, tokenizer) when even a
+            # lower bound of the weight does not fit.
+            with plan.timed("admission"):
+                self._precheck(plan)
         with plan.timed("retrieval"):
             sources = await self._retrieve(plan, collection, deadline)
         with plan.timed("tokenizer"):
