@@ -384,6 +384,22 @@ DECLARED: tuple[Setting, ...] = (
         _positive_int,
     ),
     Setting(
+        "LLMESH_MAX_BATCH_TOTAL_TOKENS",
+        "0",
+        "KV-cache tokens (prompt + max_new_tokens per sequence) the running batch may reserve; 0 derives it "
+        "(CUDA: 70% of the memory free after loading; CPU: max batch size x (max prompt + max new tokens)).",
+        ("inference",),
+        _non_negative_int,
+    ),
+    Setting(
+        "LLMESH_MAX_PREFILL_TOKENS",
+        "0",
+        "Most padded prompt tokens in one prefill (while a batch decodes, about one decode step's worth); "
+        "0: 2048 on CPU, 8192 on CUDA.",
+        ("inference",),
+        _non_negative_int,
+    ),
+    Setting(
         "LLMESH_ADMIN_TOKEN", "", "Bearer token for the inference admin RPC (empty: admin disabled).", ("inference",)
     ),
     # Cache.

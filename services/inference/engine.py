@@ -89,9 +89,8 @@ FINISH_LENGTH = "length"
 FINISH_STOP_SEQUENCE = "stop_sequence"
 FINISH_CANCELLED = "cancelled"
 
-_OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
-    {getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)} - {None}
-)
+# torch.cuda.OutOfMemoryError is this class too.
+_OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
 
 
 # --------------------------------------------------------------------------- configuration
@@ -175,7 +174,7 @@ class LoadedModel:
         model = AutoModelForCausalLM.from_pretrained(
             verified.path, use_safetensors=True, dtype=self.dtype, trust_remote_code=False, local_files_only=True
         )
-        self.model = model.to(self.device).eval()
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self.config = model.config
         self.tokenizer = Tokenizer.from_file(str(verified.path / "tokenizer.json"))
         eos: Any = self.config.eos_token_id
@@ -235,10 +234,12 @@ class BatchKVLayer(DynamicLayer):
         self.is_initialized = True
         self._view()
 
-    def _view(self) -> None:
+    def _view(self) -> tuple[torch.Tensor, torch.Tensor]:
         assert self._kb is not None and self._vb is not None
-        self.keys = self._kb[: self._rows, :, self._start : self._end]
-        self.values = self._vb[: self._rows, :, self._start : self._end]
+        keys = self._kb[: self._rows, :, self._start : self._end]
+        values = self._vb[: self._rows, :, self._start : self._end]
+        self.keys, self.values = keys, values
+        return keys, values
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -253,16 +254,16 @@ class BatchKVLayer(DynamicLayer):
         self._kb[:rows, :, self._end : self._end + n] = key_states
         self._vb[:rows, :, self._end : self._end + n] = value_states
         self._end += n
-        self._view()
-        return self.keys, self.values
+        return self._view()
 
     def _reallocate(self, capacity_rows: int, width: int, left: int) -> None:
         """New buffers of capacity_rows x width columns; the live columns land at [left, left + length)."""
-        batch, heads, length, dim = self.keys.shape
-        kb = self.keys.new_empty((capacity_rows, heads, width, dim))
-        vb = self.values.new_empty((capacity_rows, heads, width, dim))
-        kb[:batch, :, left : left + length] = self.keys
-        vb[:batch, :, left : left + length] = self.values
+        keys, values = self._view()
+        batch, heads, length, dim = keys.shape
+        kb = keys.new_empty((capacity_rows, heads, width, dim))
+        vb = values.new_empty((capacity_rows, heads, width, dim))
+        kb[:batch, :, left : left + length] = keys
+        vb[:batch, :, left : left + length] = values
         self._set(kb, vb, batch, left, left + length)
 
     def remove_rows(self, holes: torch.Tensor, movers: torch.Tensor, remaining: int, drop_leading: int) -> None:
@@ -296,8 +297,9 @@ class BatchKVLayer(DynamicLayer):
         for buf in (self._kb, self._vb):
             buf[:rows, :, start : self._start].zero_()  # running rows, if the new ones are longer
             buf[rows : rows + extra, :, start : self._end - theirs].zero_()
-        self._kb[rows : rows + extra, :, self._end - theirs : self._end] = other.keys
-        self._vb[rows : rows + extra, :, self._end - theirs : self._end] = other.values
+        their_keys, their_values = other._view()
+        self._kb[rows : rows + extra, :, self._end - theirs : self._end] = their_keys
+        self._vb[rows : rows + extra, :, self._end - theirs : self._end] = their_values
         self._rows = rows + extra
         self._start = start
         self._view()
@@ -350,7 +352,7 @@ _seq_ids = itertools.count(1)
 
 
 @dataclass(eq=False)
-class Sequence_:
+class SequenceState:
     """State of one request inside the engine (touched by the worker thread only, except
     `cancelled`, a flag the event loop sets)."""
 
@@ -391,7 +393,7 @@ class RequestStream:
     """Async iterator over one request's GenerationEvents. Stopping early (aclose, a cancelled
     task, a dropped RPC) must call cancel(): the engine then frees the row within one step."""
 
-    def __init__(self, engine: Engine, seq: Sequence_) -> None:
+    def __init__(self, engine: Engine, seq: SequenceState) -> None:
         self._engine = engine
         self._seq = seq
         self._done = False
@@ -458,20 +460,20 @@ class Engine:
             max_batch_size=config.max_batch_size,
         )
         self._cond = threading.Condition()
-        self._waiting: collections.deque[Sequence_] = collections.deque()
+        self._waiting: collections.deque[SequenceState] = collections.deque()
         self._closing = False
         self._closed = False
         self._thread: threading.Thread | None = None
         self._idle = threading.Event()
         self._idle.set()
         # Running batch (worker thread only).
-        self._running: list[Sequence_] = []
+        self._running: list[SequenceState] = []
         self._cache: Any = None
         self._mask: torch.Tensor | None = None  # [B, T] 1 = real token, over the cached columns
         self._pos: torch.Tensor | None = None  # [B] position id of each row's next input
         self._last: torch.Tensor | None = None  # [B] each row's next input token
         self._reserved = 0
-        self._outbox: list[tuple[Sequence_, GenerationEvent | BaseException]] = []
+        self._outbox: list[tuple[SequenceState, GenerationEvent | BaseException]] = []
         self._segment_span: trace.Span | None = None
         self._segment_id = ""
         self._segment_steps = 0
@@ -634,7 +636,7 @@ class Engine:
         request_id: str,
         loop: asyncio.AbstractEventLoop | None,
         internal: bool,
-    ) -> Sequence_:
+    ) -> SequenceState:
         resolved = resolve_params(params, prompt_ids, self.limits)
         generator = None
         if not resolved.greedy:
@@ -644,7 +646,7 @@ class Engine:
             else:
                 generator.manual_seed(resolved.seed)
         now = time.monotonic()
-        return Sequence_(
+        return SequenceState(
             prompt_ids=prompt_ids,
             params=resolved,
             request_id=request_id,
@@ -657,7 +659,7 @@ class Engine:
             internal=internal,
         )
 
-    def _start_request_span(self, seq: Sequence_) -> None:
+    def _start_request_span(self, seq: SequenceState) -> None:
         p = seq.params
         span = tracer.start_span(
             "inference.generate",
@@ -677,7 +679,7 @@ class Engine:
         seq.span = span
         seq.span_ctx = trace.set_span_in_context(span)
 
-    def _cancel(self, seq: Sequence_) -> None:
+    def _cancel(self, seq: SequenceState) -> None:
         seq.cancelled = True
         with self._cond:
             self._cond.notify()
@@ -696,7 +698,7 @@ class Engine:
             log.exception("inference worker crashed")
             raise
 
-    def _next_work(self) -> list[Sequence_] | None:
+    def _next_work(self) -> list[SequenceState] | None:
         """Blocks until there is something to do; returns the group to prefill (maybe empty),
         or None when the engine closes."""
         with self._cond:
@@ -723,7 +725,7 @@ class Engine:
         if not self._waiting:
             return
         timeout = self.config.queue_timeout_s
-        keep: collections.deque[Sequence_] = collections.deque()
+        keep: collections.deque[SequenceState] = collections.deque()
         for seq in self._waiting:
             if seq.cancelled:
                 metrics.QUEUE_SIZE.dec()
@@ -740,9 +742,9 @@ class Engine:
                 keep.append(seq)
         self._waiting = keep
 
-    def _admit(self) -> list[Sequence_]:
+    def _admit(self) -> list[SequenceState]:
         """FIFO admission within batch slots, the batch token budget and the prefill budget."""
-        group: list[Sequence_] = []
+        group: list[SequenceState] = []
         reserved = self._reserved
         longest = 0
         budget = self.prefill_budget()
@@ -772,7 +774,7 @@ class Engine:
         stall = int(self._prefill_tok_s * self._step_s * PREFILL_STALL_STEPS)
         return max(1, min(self.max_prefill_tokens, stall))
 
-    def _iteration(self, group: list[Sequence_]) -> None:
+    def _iteration(self, group: list[SequenceState]) -> None:
         try:
             self._drop_cancelled()
             if group:
@@ -842,7 +844,7 @@ class Engine:
         self._running = [self._running[i] for i in order]
 
     def _join(
-        self, group: list[Sequence_], cache: Any, mask: torch.Tensor, pos: torch.Tensor, last: torch.Tensor
+        self, group: list[SequenceState], cache: Any, mask: torch.Tensor, pos: torch.Tensor, last: torch.Tensor
     ) -> None:
         """Merges a prefilled group into the running batch: left-pad to a common length, then
         concatenate along the batch axis."""
@@ -871,7 +873,7 @@ class Engine:
         out = self.model.model(**inputs, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :]
 
-    def _prefill(self, group: list[Sequence_]) -> None:
+    def _prefill(self, group: list[SequenceState]) -> None:
         started_ns = time.time_ns()
         started = time.perf_counter()
         while True:
@@ -942,7 +944,7 @@ class Engine:
         self._segment_steps += 1
         self._accept(ids, 0, time.monotonic())
 
-    def _sample(self, seqs: list[Sequence_], logits: torch.Tensor) -> torch.Tensor:
+    def _sample(self, seqs: list[SequenceState], logits: torch.Tensor) -> torch.Tensor:
         """Greedy for temperature 0 (one argmax for the whole batch); otherwise temperature and
         nucleus sampling by inverse CDF with one uniform draw per row from the request's own
         generator, so a seeded request gets the same tokens in any batch."""
@@ -1011,13 +1013,13 @@ class Engine:
             self._remove_rows(done)
 
     @staticmethod
-    def _tail(seq: Sequence_) -> str:
+    def _tail(seq: SequenceState) -> str:
         text, stopped = seq.stopper.push(seq.decoder.flush())
         return text if stopped else text + seq.stopper.flush()
 
     def _finish(
         self,
-        seq: Sequence_,
+        seq: SequenceState,
         reason: str | None,
         *,
         token_ids: list[int] | None = None,
@@ -1090,7 +1092,7 @@ class Engine:
 
     # ----------------------------------------------------------------- OOM handling
 
-    def _requeue_front(self, seqs: list[Sequence_]) -> None:
+    def _requeue_front(self, seqs: list[SequenceState]) -> None:
         now = time.monotonic()
         for seq in seqs:
             seq.queued_since = now
@@ -1098,7 +1100,7 @@ class Engine:
             self._waiting.extendleft(reversed(seqs))
             metrics.QUEUE_SIZE.inc(len(seqs))
 
-    def _on_prefill_oom(self, group: list[Sequence_]) -> list[Sequence_]:
+    def _on_prefill_oom(self, group: list[SequenceState]) -> list[SequenceState]:
         metrics.OOM_RETRIES.inc()
         self._empty_device_cache()
         if len(group) > 1:
@@ -1187,7 +1189,7 @@ class Engine:
             span.end()
         self._segment_span = None
 
-    def _trace_prefill(self, group: list[Sequence_], started_ns: int, tokens: int, padded: int) -> None:
+    def _trace_prefill(self, group: list[SequenceState], started_ns: int, tokens: int, padded: int) -> None:
         """Queue and prefill child spans of each request span, and the link to its batch."""
         batch_id, batch_size = self._segment_id, len(self._running)
         segment_ctx = self._segment_span.get_span_context() if self._segment_span is not None else None
