@@ -1,4 +1,4 @@
-"""Client channels to peer services: tracing interceptor, retries on UNAVAILABLE for
+"""Client channels to peer services: client spans (llmesh.rpc_tracing), retries on UNAVAILABLE for
 idempotent methods (with a retry budget), and deadlines derived from the caller's."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from opentelemetry.instrumentation.grpc import aio_client_interceptors
+
+from llmesh.rpc_tracing import TracedChannel
 
 # Methods safe to retry: they change nothing, or setting the same value twice is harmless.
 IDEMPOTENT_METHODS: dict[str, tuple[str, ...]] = {
@@ -67,12 +68,12 @@ def peer_credentials(settings: Any) -> grpc.ChannelCredentials | None:
 
 def peer_channel(
     target: str, max_message_bytes: int = 8 * 1024 * 1024, credentials: grpc.ChannelCredentials | None = None
-) -> grpc.aio.Channel:
+) -> TracedChannel:
     """A traced channel to a peer; round-robin over every address the target resolves to."""
     options = channel_options(max_message_bytes)
     if credentials is not None:
-        return grpc.aio.secure_channel(target, credentials, options=options, interceptors=aio_client_interceptors())
-    return grpc.aio.insecure_channel(target, options=options, interceptors=aio_client_interceptors())
+        return TracedChannel(grpc.aio.secure_channel(target, credentials, options=options))
+    return TracedChannel(grpc.aio.insecure_channel(target, options=options))
 
 
 def remaining_seconds(context: grpc.aio.ServicerContext | None, default: float) -> float:

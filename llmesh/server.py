@@ -22,9 +22,8 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
-from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
-from llmesh import errors, telemetry
+from llmesh import errors, rpc_tracing, telemetry
 from llmesh.metrics import GRPC_HANDLED, GRPC_HANDLING, GRPC_STARTED, MetricsEndpoint
 from llmesh.settings import Settings, load_or_exit
 
@@ -83,11 +82,6 @@ def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
     )
 
 
-def _split_method(full: str) -> tuple[str, str]:
-    _, service, method = full.split("/", 2) if full.count("/") >= 2 else ("", "", full)
-    return service, method
-
-
 async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
     if isinstance(exc, errors.LlmeshError):
         if exc.code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
@@ -98,79 +92,104 @@ async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, meth
 
 
 class RuntimeInterceptor(grpc.aio.ServerInterceptor):
-    """Maps domain errors to statuses (one place) and records the gRPC server metrics."""
+    """The one server interceptor: the RPC's span, domain errors mapped to statuses (one place)
+    and the gRPC server metrics. Each method's wrapped handler is built once, not per call."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
         full = handler_call_details.method
-        service, method = _split_method(full)
+        wrapped = self._handlers.get(full)
+        if wrapped is None:
+            handler = await continuation(handler_call_details)
+            if handler is None:
+                return handler
+            wrapped = self._handlers[full] = _wrap(full, handler)
+        return wrapped
 
-        def finish(kind: str, started: float, context: grpc.aio.ServicerContext, code: grpc.StatusCode) -> None:
-            GRPC_HANDLED.labels(kind, service, method, code.name).inc()
-            GRPC_HANDLING.labels(kind, service, method).observe(time.perf_counter() - started)
 
-        def code_of(context: grpc.aio.ServicerContext, exc: BaseException | None) -> grpc.StatusCode:
-            if isinstance(exc, asyncio.CancelledError):
-                return grpc.StatusCode.CANCELLED
-            code = context.code()
-            if isinstance(code, grpc.StatusCode):
-                return code
-            if isinstance(exc, errors.LlmeshError):
-                return exc.code
-            return grpc.StatusCode.INTERNAL if exc is not None else grpc.StatusCode.OK
+def _code_of(context: grpc.aio.ServicerContext, exc: BaseException | None) -> grpc.StatusCode:
+    if isinstance(exc, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if isinstance(exc, errors.LlmeshError):
+        return exc.code
+    return grpc.StatusCode.INTERNAL if exc is not None else grpc.StatusCode.OK
 
-        if handler.unary_unary:
-            inner_uu = handler.unary_unary
-            kind = "unary"
 
-            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                GRPC_STARTED.labels(kind, service, method).inc()
-                started = time.perf_counter()
-                exc: BaseException | None = None
-                try:
-                    _refuse_unparsable(request)
-                    return await inner_uu(request, context)
-                except BaseException as caught:
-                    exc = caught
-                    if isinstance(caught, Exception) and not _is_abort(caught):
-                        await _abort_for(caught, context, full)
-                    raise
-                finally:
-                    finish(kind, started, context, code_of(context, exc))
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, _tolerant(handler.request_deserializer), handler.response_serializer
-            )
-        if handler.unary_stream:
-            inner_us = handler.unary_stream
-            kind = "server_stream"
-
-            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                GRPC_STARTED.labels(kind, service, method).inc()
-                started = time.perf_counter()
-                exc: BaseException | None = None
-                try:
-                    _refuse_unparsable(request)
-                    async for item in inner_us(request, context):
-                        yield item
-                except BaseException as caught:
-                    exc = caught
-                    if isinstance(caught, Exception) and not _is_abort(caught):
-                        await _abort_for(caught, context, full)
-                    raise
-                finally:
-                    finish(kind, started, context, code_of(context, exc))
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, _tolerant(handler.request_deserializer), handler.response_serializer
-            )
+def _wrap(full: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    service, method = rpc_tracing.split_method(full)
+    with_span = rpc_tracing.traced(full)
+    kind = "unary" if handler.unary_unary else "server_stream" if handler.unary_stream else ""
+    if not kind:
         return handler
+    started_total = GRPC_STARTED.labels(kind, service, method)
+    handling = GRPC_HANDLING.labels(kind, service, method)
+    handled: dict[grpc.StatusCode, Any] = {}
+
+    def begin(context: grpc.aio.ServicerContext) -> rpc_tracing.ServerSpan | None:
+        started_total.inc()
+        return rpc_tracing.ServerSpan(full, context) if with_span else None
+
+    def finish(started: float, context: Any, span: rpc_tracing.ServerSpan | None, exc: BaseException | None) -> None:
+        code = _code_of(context, exc)
+        counter = handled.get(code)
+        if counter is None:
+            counter = handled[code] = GRPC_HANDLED.labels(kind, service, method, code.name)
+        counter.inc()
+        handling.observe(time.perf_counter() - started)
+        if span is not None:
+            span.finish(code, exc)
+
+    if handler.unary_unary:
+        inner_uu = handler.unary_unary
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            started = time.perf_counter()
+            span = begin(context)
+            exc: BaseException | None = None
+            try:
+                _refuse_unparsable(request)
+                return await inner_uu(request, context)
+            except BaseException as caught:
+                exc = caught
+                if isinstance(caught, Exception) and not _is_abort(caught):
+                    await _abort_for(caught, context, full)
+                raise
+            finally:
+                finish(started, context, span, exc)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary_unary, _tolerant(handler.request_deserializer), handler.response_serializer
+        )
+    inner_us = handler.unary_stream
+
+    async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        started = time.perf_counter()
+        span = begin(context)
+        exc: BaseException | None = None
+        try:
+            _refuse_unparsable(request)
+            async for item in inner_us(request, context):
+                yield item
+        except BaseException as caught:
+            exc = caught
+            if isinstance(caught, Exception) and not _is_abort(caught):
+                await _abort_for(caught, context, full)
+            raise
+        finally:
+            finish(started, context, span, exc)
+
+    return grpc.unary_stream_rpc_method_handler(
+        unary_stream, _tolerant(handler.request_deserializer), handler.response_serializer
+    )
 
 
 class _Unparsable:
@@ -212,7 +231,7 @@ class ServiceHost:
         self.settings = settings
         self.health = health_aio.HealthServicer()
         self.server = grpc.aio.server(
-            interceptors=[aio_server_interceptor(), RuntimeInterceptor()],
+            interceptors=[RuntimeInterceptor()],
             options=server_options(settings),
             maximum_concurrent_rpcs=None,
         )

@@ -411,7 +411,7 @@ DECLARED: tuple[Setting, ...] = (
     ),
     Setting(
         "LLMESH_REDIS_TIMEOUT_SECONDS",
-        "0.25",
+        "0.5",
         "Redis socket timeout; past it the cache answers miss.",
         ("cache",),
         _positive_float,

@@ -58,6 +58,9 @@ REJECTIONS = Counter(
     "llmesh_cache_semantic_rejections_total", "Semantic candidates refused by the near-hit guard.", ["reason"]
 )
 STORES = Counter("llmesh_cache_stores_total", "Answers stored in the cache.")
+SLOW_REPLIES = Counter(
+    "llmesh_cache_redis_slow_replies_total", "Redis replies past the timeout, answered as a miss without degrading."
+)
 DEGRADED = Gauge("llmesh_cache_degraded", "1 while Redis is unreachable and the cache answers miss.")
 LOOKUP_SECONDS = Histogram("llmesh_cache_lookup_duration_seconds", "Cache lookup latency.", buckets=LATENCY_BUCKETS)
 for _tier in ("exact", "semantic"):
@@ -150,6 +153,7 @@ class CacheCore:
         self.collection = f"llmesh_cache_d{embedder.dimension}" if embedder is not None else ""
         self.degraded = False
         self._probe: asyncio.Task[None] | None = None
+        self._confirming: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self.counts = Stats()
@@ -167,7 +171,7 @@ class CacheCore:
             log.warning("redis unreachable at start: the cache starts degraded (every lookup a miss)")
 
     async def close(self) -> None:
-        for task in (self._probe, self._sweeper, *self._background):
+        for task in (self._probe, self._confirming, self._sweeper, *self._background):
             if task is not None:
                 task.cancel()
         await self.redis.aclose()
@@ -198,9 +202,30 @@ class CacheCore:
             raise RedisDown()
         try:
             return await asyncio.wait_for(op(), timeout=self.timeout * 4)
-        except (redis_errors.ConnectionError, redis_errors.TimeoutError, TimeoutError, OSError) as exc:
+        except (redis_errors.TimeoutError, TimeoutError) as exc:
+            # One slow reply (a busy event loop, a long GC) answers this call with a miss but does
+            # not take the cache down: that would turn every hit into a generation. Only a ping
+            # that fails too marks Redis down.
+            self._confirm_down(exc)
+            raise RedisDown() from exc
+        except (redis_errors.ConnectionError, OSError) as exc:
             self._mark_down(exc)
             raise RedisDown() from exc
+
+    def _confirm_down(self, exc: BaseException) -> None:
+        if self._confirming is not None and not self._confirming.done():
+            return
+        SLOW_REPLIES.inc()
+
+        async def confirm() -> None:
+            try:
+                await asyncio.wait_for(self.redis.ping(), timeout=self.timeout * 4)
+            except (redis_errors.RedisError, TimeoutError, OSError) as ping_exc:
+                self._mark_down(ping_exc)
+            else:
+                log.warning("slow redis reply (%s); a ping answered, so the cache stays up", type(exc).__name__)
+
+        self._confirming = asyncio.create_task(confirm())
 
     def _mark_down(self, exc: BaseException) -> None:
         if not self.degraded:

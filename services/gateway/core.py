@@ -33,7 +33,6 @@ from services.gateway.peers import BREAKER_FAILURE_CODES, Deadline, PeerCallErro
 DOWNSTREAM_ERRORS = (PeerCallError, BreakerOpen)
 
 log = logging.getLogger("llmesh.gateway")
-tracer = trace.get_tracer("llmesh.gateway")
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MAX_TOP_K = 20
@@ -230,45 +229,46 @@ class Gateway:
     async def _lookup(
         self, plan: Plan, scope: cache_pb2.CacheScope, deadline: Deadline
     ) -> cache_pb2.CacheLookupResponse | None:
-        with tracer.start_as_current_span("gateway.cache_lookup") as span:
-            try:
-                found = await self.peers.cache_lookup(
-                    cache_pb2.CacheLookupRequest(prompt=plan.prompt, scope=scope, allow_semantic=True), deadline
-                )
-            except DOWNSTREAM_ERRORS as exc:
-                log.warning("cache unavailable: %s", exc.message)
-                plan.degrade("cache_unavailable")
-                return None
-            if found.degraded:
-                plan.degrade("cache_unavailable")
-            span.set_attribute("llmesh.cache.hit", found.hit)
-            if found.hit:
-                span.set_attribute("llmesh.cache.tier", common_pb2.CacheTier.Name(found.tier))
-                span.set_attribute("llmesh.cache.similarity", found.similarity)
-            return found if found.hit else None
+        # Attributes go on the request span: the client span of the RPC already times the hop.
+        span = trace.get_current_span()
+        try:
+            found = await self.peers.cache_lookup(
+                cache_pb2.CacheLookupRequest(prompt=plan.prompt, scope=scope, allow_semantic=True), deadline
+            )
+        except DOWNSTREAM_ERRORS as exc:
+            log.warning("cache unavailable: %s", exc.message)
+            plan.degrade("cache_unavailable")
+            return None
+        if found.degraded:
+            plan.degrade("cache_unavailable")
+        span.set_attribute("llmesh.cache.hit", found.hit)
+        if found.hit:
+            span.set_attribute("llmesh.cache.tier", common_pb2.CacheTier.Name(found.tier))
+            span.set_attribute("llmesh.cache.similarity", found.similarity)
+        return found if found.hit else None
 
     async def _retrieve(self, plan: Plan, collection: str, deadline: Deadline) -> list[common_pb2.ScoredChunk]:
         if not collection:
             return []
-        with tracer.start_as_current_span("gateway.retrieve") as span:
-            try:
-                found = await self.peers.search(
-                    retrieval_pb2.RetrievalSearchRequest(
-                        query=plan.prompt,
-                        collection=collection,
-                        tenant=plan.tenant,
-                        top_k=plan.top_k,
-                        score_threshold=self.config.min_context_score,
-                    ),
-                    deadline,
-                )
-            except DOWNSTREAM_ERRORS as exc:
-                log.warning("retrieval search failed, answering without context: %s", exc.message)
-                plan.degrade("retrieval_unavailable")
-                return []
-            span.set_attribute("llmesh.retrieval.document_ids", [c.document_id for c in found.results])
-            span.set_attribute("llmesh.retrieval.scores", [round(c.score, 4) for c in found.results])
-            return list(found.results)
+        span = trace.get_current_span()
+        try:
+            found = await self.peers.search(
+                retrieval_pb2.RetrievalSearchRequest(
+                    query=plan.prompt,
+                    collection=collection,
+                    tenant=plan.tenant,
+                    top_k=plan.top_k,
+                    score_threshold=self.config.min_context_score,
+                ),
+                deadline,
+            )
+        except DOWNSTREAM_ERRORS as exc:
+            log.warning("retrieval search failed, answering without context: %s", exc.message)
+            plan.degrade("retrieval_unavailable")
+            return []
+        span.set_attribute("llmesh.retrieval.document_ids", [c.document_id for c in found.results])
+        span.set_attribute("llmesh.retrieval.scores", [round(c.score, 4) for c in found.results])
+        return list(found.results)
 
     async def generate(self, request: gateway_pb2.GenerateRequest, deadline: Deadline) -> AsyncIterator[Delta | Final]:
         """Streams text deltas, then one Final with the whole response; records the outcome."""
@@ -369,7 +369,7 @@ class Gateway:
         finish = common_pb2.FINISH_REASON_UNSPECIFIED
         usage = common_pb2.Usage(input_tokens=input_tokens)
         request_id = uuid.uuid4().hex
-        with tracer.start_as_current_span("gateway.inference"), plan.timed("inference"):
+        with plan.timed("inference"):
             async for message in self.peers.generate(prompt, plan.sampling, request_id, deadline):
                 if message.text:
                     pieces.append(message.text)
@@ -461,19 +461,18 @@ class Gateway:
     async def _store(
         self, plan: Plan, scope: cache_pb2.CacheScope, response: gateway_pb2.GenerateResponse, deadline: Deadline
     ) -> None:
-        with tracer.start_as_current_span("gateway.cache_store"):
-            answer = cache_pb2.CachedAnswer(
-                text=response.text,
-                finish_reason=response.finish_reason,
-                usage=response.usage,
-                sources=response.sources,
+        answer = cache_pb2.CachedAnswer(
+            text=response.text,
+            finish_reason=response.finish_reason,
+            usage=response.usage,
+            sources=response.sources,
+        )
+        try:
+            await self.peers.cache_store(
+                cache_pb2.CacheStoreRequest(prompt=plan.prompt, scope=scope, answer=answer), deadline
             )
-            try:
-                await self.peers.cache_store(
-                    cache_pb2.CacheStoreRequest(prompt=plan.prompt, scope=scope, answer=answer), deadline
-                )
-            except DOWNSTREAM_ERRORS as exc:
-                log.warning("cache store failed: %s", exc.message)
+        except DOWNSTREAM_ERRORS as exc:
+            log.warning("cache store failed: %s", exc.message)
 
     async def ingest(self, request: gateway_pb2.IngestRequest, deadline: Deadline) -> gateway_pb2.IngestResponse:
         upsert = retrieval_pb2.UpsertRequest(

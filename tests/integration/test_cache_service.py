@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -24,6 +25,7 @@ from llmesh import telemetry
 from llmesh.errors import status_details, unpack_details
 from llmesh.testing import hosted
 from llmesh.v1 import cache_pb2, cache_pb2_grpc, common_pb2
+from services.cache.core import CacheCore, RedisDown, redis_client
 from services.cache.servicer import CacheApp
 
 REDIS_URL = os.environ.get("LLMESH_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
@@ -321,6 +323,51 @@ async def test_cache_recovers_when_redis_comes_back(models_dir: Path, tmp_path: 
             await store(stub, "How do I reset my password?", sc, "link")
             assert (await lookup(stub, "How do I reset my password?", sc)).hit
     finally:
+        server.kill()
+        server.wait(5)
+
+
+async def test_one_slow_redis_reply_is_a_miss_not_an_outage() -> None:
+    """Under load a reply can miss the timeout while Redis is fine: that call answers miss, a ping
+    confirms Redis is up, and the cache stays up (degrading would turn every hit into a generation)."""
+    core = CacheCore(
+        redis_client(REDIS_URL, 0.05), embedder=None, qdrant=None, threshold=0.9, default_ttl=60, timeout=0.05
+    )
+    try:
+        with pytest.raises(RedisDown):
+            await core._redis(lambda: asyncio.sleep(5))
+        assert core._confirming is not None
+        await core._confirming
+        assert not core.degraded
+        assert await core._redis(lambda: core.redis.ping())
+    finally:
+        await core.close()
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs the redis-server binary")
+async def test_a_hung_redis_is_confirmed_down_then_recovers(models_dir: Path, tmp_path: Path) -> None:
+    port = _free_port()
+    server = _redis_server(port)
+    try:
+        async with cache_service(_env(models_dir, tmp_path, redis_url=f"redis://127.0.0.1:{port}/0"), "p:") as stub:
+            sc = scope("t")
+            await store(stub, "How do I reset my password?", sc, "link")
+            server.send_signal(signal.SIGSTOP)  # accepts connections, answers nothing
+            started = time.perf_counter()
+            reply = await lookup(stub, "How do I reset my password?", sc)
+            assert not reply.hit and reply.degraded
+            assert time.perf_counter() - started < 2.0
+            deadline = time.monotonic() + 10
+            while not (await stub.Stats(cache_pb2.CacheStatsRequest())).degraded:
+                assert time.monotonic() < deadline, "a hung Redis was never marked down"
+                await asyncio.sleep(0.1)
+            server.send_signal(signal.SIGCONT)
+            while (await stub.Stats(cache_pb2.CacheStatsRequest())).degraded:
+                assert time.monotonic() < deadline, "cache did not recover"
+                await asyncio.sleep(0.2)
+            assert (await lookup(stub, "How do I reset my password?", sc)).hit
+    finally:
+        server.send_signal(signal.SIGCONT)
         server.kill()
         server.wait(5)
 
