@@ -151,6 +151,26 @@ class Admission:
     admitted: bool = True
 
 
+class Hold:
+    """The lower-bound weight of a request that passed `precheck` and is on its way to `plan`
+    (retrieval, tokenizer). Later prechecks count it, so a burst that arrives together is shed
+    at once instead of each request paying for its hops before finding the window full."""
+
+    __slots__ = ("_window", "released", "tenant", "weight")
+
+    def __init__(self, window: WeightWindow, tenant: str, weight: int) -> None:
+        self._window = window
+        self.tenant = tenant
+        self.weight = weight
+        self.released = False
+
+    def release(self) -> None:
+        """Idempotent; called before the exact admission and when the request ends."""
+        if not self.released:
+            self.released = True
+            self._window._unhold(self)
+
+
 class RequestTooHeavy(ResourceExhausted):
     """The request exceeds the whole budget it is subject to: it can never be admitted, so no retry
     pushback is sent. The gateway may map it to INVALID_ARGUMENT instead."""
@@ -214,7 +234,7 @@ def _refusal(
     reason = REASON_TENANT if scope == "tenant" else REASON_BUDGET
     what = f"tenant {req.tenant!r}" if scope == "tenant" else f"lane {req.lane!r}"
     return ResourceExhausted(
-        f"{what}: weight {weight} + {_num(occupancy)} admitted in the last {config.window_seconds:g}s "
+        f"{what}: weight {weight} + {_num(occupancy)} admitted in the last {config.window_seconds:g}s or on its way "
         f"exceeds {_num(limit)}; retry in {retry_after:.3f}s",
         retry_after=retry_after,
         reason=reason,
@@ -268,6 +288,8 @@ class WeightWindow:
         self.clock = clock
         self._all = _Series()
         self._tenants: dict[str, _Series] = {}
+        self._held = 0
+        self._held_by_tenant: dict[str, int] = {}
         self._lock = threading.Lock()
         self.source = SOURCE_LOCAL
 
@@ -299,14 +321,39 @@ class WeightWindow:
         unit, want = max(1, int(input_tokens)), max(1, int(max_new_tokens))
         return self._take(_request(self.config, tenant, unit, want, lane, degrade, planned=True))
 
-    def precheck(self, tenant: str, input_tokens: int, max_new_tokens: int, lane: str = INTERACTIVE) -> None:
-        """Raises what `plan` would raise for a request of at least this size, recording nothing.
+    def precheck(
+        self, tenant: str, input_tokens: int, max_new_tokens: int, lane: str = INTERACTIVE, hold: bool = False
+    ) -> Hold | None:
+        """Raises what `plan` would raise for a request of at least this size, counting the holds
+        of requests still on their way to `plan`; records nothing in the window.
 
         The gateway calls it with a lower bound of the request's weight before its expensive hops
         (retrieval search, tokenizer), so an overloaded gateway sheds in milliseconds; a request
-        that passes is still admitted exactly by `plan` once its true size is known."""
+        that passes is still admitted exactly by `plan` once its true size is known. With
+        `hold=True` a passing request's lower bound is held until the returned Hold is released."""
         unit, want = max(1, int(input_tokens)), max(1, int(max_new_tokens))
-        self._take(_request(self.config, tenant, unit, want, lane, self.config.degrade, planned=True), record=False)
+        req = _request(self.config, tenant, unit, want, lane, self.config.degrade, planned=True)
+        self._take(req, record=False, with_holds=True)
+        if not hold:
+            return None
+        held = Hold(self, tenant, unit * req.least)
+        with self._lock:
+            self._held += held.weight
+            self._held_by_tenant[tenant] = self._held_by_tenant.get(tenant, 0) + held.weight
+        return held
+
+    def held(self, tenant: str | None = None) -> int:
+        with self._lock:
+            return self._held if tenant is None else self._held_by_tenant.get(tenant, 0)
+
+    def _unhold(self, hold: Hold) -> None:
+        with self._lock:
+            self._held -= hold.weight
+            left = self._held_by_tenant.get(hold.tenant, 0) - hold.weight
+            if left > 0:
+                self._held_by_tenant[hold.tenant] = left
+            else:
+                self._held_by_tenant.pop(hold.tenant, None)
 
     def record(self, tenant: str, weight: int, lane: str = INTERACTIVE) -> None:
         """Adds weight without checking (mirrors what a cluster window admitted)."""
@@ -333,7 +380,7 @@ class WeightWindow:
                 return None
         return series
 
-    def _take(self, req: _Request, record: bool = True) -> Admission:
+    def _take(self, req: _Request, record: bool = True, with_holds: bool = False) -> Admission:
         config = self.config
         lane_limit, tenant_limit = config.lane_limit(req.lane), config.tenant_limit(req.tenant)
         with self._lock:
@@ -341,7 +388,9 @@ class WeightWindow:
             cutoff = now - config.window_seconds
             self._all.trim(cutoff)
             series = self._tenant(req.tenant, cutoff) or _Series()
-            room = min(lane_limit - self._all.total, tenant_limit - series.total)
+            held = self._held if with_holds else 0
+            tenant_held = self._held_by_tenant.get(req.tenant, 0) if with_holds else 0
+            room = min(lane_limit - self._all.total - held, tenant_limit - series.total - tenant_held)
             n = req.want if req.unit * req.want <= room else math.floor(room / req.unit)
             if n >= req.least:
                 weight = req.unit * n
@@ -363,12 +412,17 @@ class WeightWindow:
                 )
             weight = req.unit * req.least
             worst: tuple[float, str, float] = (-1.0, "", 0.0)
-            for scope, s, limit in (("global", self._all, lane_limit), ("tenant", series, tenant_limit)):
-                if s.total + weight > limit:
-                    ts = s.leaves_at(s.total + weight - limit)
+            for scope, s, limit, ahead in (
+                ("global", self._all, lane_limit, held),
+                ("tenant", series, tenant_limit, tenant_held),
+            ):
+                # Held weight will be admitted soon and stay a whole window: only entries already
+                # in the window can leave before it.
+                if s.total + ahead + weight > limit:
+                    ts = s.leaves_at(s.total + ahead + weight - limit)
                     retry = config.window_seconds if ts is None else ts + config.window_seconds - now
                     if retry > worst[0]:  # ties: report the global scope
-                        worst = (retry, scope, s.total)
+                        worst = (retry, scope, s.total + ahead)
         raise _refusal(config, req, worst[1], worst[2], worst[0])
 
 
@@ -544,10 +598,12 @@ class RedisWeightWindow:
         req = _request(self.config, tenant, unit, want, lane, degrade, planned=True)
         return await self._take(req, lambda: self.fallback.plan(tenant, input_tokens, max_new_tokens, lane, degrade))
 
-    def precheck(self, tenant: str, input_tokens: int, max_new_tokens: int, lane: str = INTERACTIVE) -> None:
+    def precheck(
+        self, tenant: str, input_tokens: int, max_new_tokens: int, lane: str = INTERACTIVE, hold: bool = False
+    ) -> Hold | None:
         """Like WeightWindow.precheck, against this replica's own recent admissions (mirrored
-        locally): a lower bound of the shared occupancy, so it never refuses what Redis would admit."""
-        self.fallback.precheck(tenant, input_tokens, max_new_tokens, lane)
+        locally) and its own holds: a lower bound of the shared occupancy."""
+        return self.fallback.precheck(tenant, input_tokens, max_new_tokens, lane, hold)
 
     async def occupancy(self, tenant: str | None = None) -> float:
         try:

@@ -25,7 +25,14 @@ from llmesh.metrics import trace_exemplar
 from llmesh.telemetry import current_trace_id
 from llmesh.v1 import cache_pb2, common_pb2, gateway_pb2, retrieval_pb2
 from services.gateway import metrics
-from services.gateway.admission import INTERACTIVE, Admission, RedisWeightWindow, RequestTooHeavy, WeightWindow
+from services.gateway.admission import (
+    INTERACTIVE,
+    Admission,
+    Hold,
+    RedisWeightWindow,
+    RequestTooHeavy,
+    WeightWindow,
+)
 from services.gateway.breaker import BreakerOpen
 from services.gateway.peers import BREAKER_FAILURE_CODES, Deadline, PeerCallError, Peers
 
@@ -77,6 +84,8 @@ class Plan:
     tenant: str
     lane: str = INTERACTIVE
     degradations: list[str] = field(default_factory=list)
+    # The lower-bound weight held from the precheck until the exact admission.
+    hold: Hold | None = None
     # Milliseconds spent per hop, returned to the caller as `server-timing` metadata.
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -311,6 +320,14 @@ class Gateway:
 
     async def _generate(self, request: gateway_pb2.GenerateRequest, deadline: Deadline) -> AsyncIterator[Delta | Final]:
         plan = validate(request, self.config)
+        try:
+            async for event in self._pipeline(plan, deadline):
+                yield event
+        finally:
+            if plan.hold is not None:
+                plan.hold.release()
+
+    async def _pipeline(self, plan: Plan, deadline: Deadline) -> AsyncIterator[Delta | Final]:
         if plan.lane not in self.window.lanes:
             raise InvalidArgument([("lane", f"must be one of {', '.join(self.window.lanes)}")])
         span = trace.get_current_span()
@@ -418,7 +435,7 @@ class Gateway:
         not fit now (a token is at most ~8 bytes of text, so bytes/8 never overestimates)."""
         floor_tokens = max(1, (len(plan.prompt.encode()) + len(plan.system_prompt.encode())) // 8)
         try:
-            self.window.precheck(plan.tenant, floor_tokens, plan.sampling.max_new_tokens, plan.lane)
+            plan.hold = self.window.precheck(plan.tenant, floor_tokens, plan.sampling.max_new_tokens, plan.lane, True)
         except RequestTooHeavy:
             pass  # decided exactly by _admit once the true token count is known
         except ResourceExhausted as exc:
@@ -434,6 +451,8 @@ class Gateway:
 
     async def _admit(self, plan: Plan, input_tokens: int) -> Admission:
         span = trace.get_current_span()
+        if plan.hold is not None:
+            plan.hold.release()  # the exact weight replaces the lower bound held so far
         try:
             decision = self.window.plan(plan.tenant, input_tokens, plan.sampling.max_new_tokens, plan.lane)
             admission = await decision if asyncio.iscoroutine(decision) else decision

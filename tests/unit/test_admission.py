@@ -375,3 +375,34 @@ def test_precheck_refuses_like_plan_but_records_nothing() -> None:
     assert w.occupancy() == 60
     w.precheck("t", 4, 10)  # 40 still fits exactly
     assert w.occupancy() == 60
+
+
+def test_held_prechecks_shed_a_burst_before_its_hops() -> None:
+    clock = FakeClock()
+    w = window(clock, budget=100, degrade=False)
+    first = w.precheck("t", 4, 10, hold=True)  # 40 on its way to plan
+    second = w.precheck("t", 4, 10, hold=True)  # 80
+    assert first is not None and second is not None and w.held() == 80
+    assert w.occupancy() == 0  # holds are not admissions
+    err = refused(w.precheck, "t", 4, 10, hold=True)  # 80 held + 40 > 100: shed now
+    assert err.reason == REASON_BUDGET
+    assert err.retry_after == pytest.approx(10.0)  # held weight stays a whole window once admitted
+    assert w.plan("t", 4, 10).weight == 40  # a precheck never refuses plan itself
+    first.release()
+    first.release()  # idempotent
+    assert w.held() == 40 and w.held("t") == 40
+    second.release()
+    assert w.held() == 0 and w.held("t") == 0
+    w.precheck("t", 6, 10)  # 40 admitted + 60 fits exactly once nothing is held
+
+
+def test_holds_count_per_tenant_share() -> None:
+    clock = FakeClock()
+    w = window(clock, budget=100, degrade=False, tenant_share=0.5)
+    held = w.precheck("a", 5, 10, hold=True)  # tenant a holds its whole 50
+    err = refused(w.precheck, "a", 1, 10)
+    assert err.reason == REASON_TENANT
+    assert w.precheck("b", 5, 10) is None  # other tenants are not held back by a's holds
+    assert held is not None
+    held.release()
+    w.precheck("a", 5, 10)
