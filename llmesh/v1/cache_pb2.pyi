@@ -59,6 +59,18 @@ class CacheLookupResponse(_message.Message):
     degraded: bool
     def __init__(self, hit: _Optional[bool] = ..., tier: _Optional[_Union[_common_pb2.CacheTier, str]] = ..., similarity: _Optional[float] = ..., answer: _Optional[_Union[CachedAnswer, _Mapping]] = ..., key: _Optional[str] = ..., degraded: _Optional[bool] = ...) -> None: ...
 
+class CacheLookupBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[CacheLookupRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[CacheLookupRequest, _Mapping]]] = ...) -> None: ...
+
+class CacheLookupBatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[CacheLookupResponse]
+    def __init__(self, results: _Optional[_Iterable[_Union[CacheLookupResponse, _Mapping]]] = ...) -> None: ...
+
 class CacheStoreRequest(_message.Message):
     __slots__ = ("prompt", "scope", "answer", "ttl_seconds")
     PROMPT_FIELD_NUMBER: _ClassVar[int]

@@ -40,6 +40,11 @@ class CacheStub:
                 request_serializer=llmesh_dot_v1_dot_cache__pb2.CacheLookupRequest.SerializeToString,
                 response_deserializer=llmesh_dot_v1_dot_cache__pb2.CacheLookupResponse.FromString,
                 _registered_method=True)
+        self.LookupBatch = channel.unary_unary(
+                '/llmesh.v1.Cache/LookupBatch',
+                request_serializer=llmesh_dot_v1_dot_cache__pb2.CacheLookupBatchRequest.SerializeToString,
+                response_deserializer=llmesh_dot_v1_dot_cache__pb2.CacheLookupBatchResponse.FromString,
+                _registered_method=True)
         self.Store = channel.unary_unary(
                 '/llmesh.v1.Cache/Store',
                 request_serializer=llmesh_dot_v1_dot_cache__pb2.CacheStoreRequest.SerializeToString,
@@ -63,6 +68,14 @@ class CacheServicer:
 
     def Lookup(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LookupBatch(self, request, context):
+        """Several lookups in one call (one Redis round trip for their exact tier): what a gateway
+        sends when lookups queue up behind one in flight. Results come in request order.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -93,6 +106,11 @@ def add_CacheServicer_to_server(servicer, server):
                     servicer.Lookup,
                     request_deserializer=llmesh_dot_v1_dot_cache__pb2.CacheLookupRequest.FromString,
                     response_serializer=llmesh_dot_v1_dot_cache__pb2.CacheLookupResponse.SerializeToString,
+            ),
+            'LookupBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.LookupBatch,
+                    request_deserializer=llmesh_dot_v1_dot_cache__pb2.CacheLookupBatchRequest.FromString,
+                    response_serializer=llmesh_dot_v1_dot_cache__pb2.CacheLookupBatchResponse.SerializeToString,
             ),
             'Store': grpc.unary_unary_rpc_method_handler(
                     servicer.Store,
@@ -138,6 +156,33 @@ class Cache:
             '/llmesh.v1.Cache/Lookup',
             llmesh_dot_v1_dot_cache__pb2.CacheLookupRequest.SerializeToString,
             llmesh_dot_v1_dot_cache__pb2.CacheLookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmesh.v1.Cache/LookupBatch',
+            llmesh_dot_v1_dot_cache__pb2.CacheLookupBatchRequest.SerializeToString,
+            llmesh_dot_v1_dot_cache__pb2.CacheLookupBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,11 +14,12 @@ from llmesh.errors import InvalidArgument
 from llmesh.server import Readiness
 from llmesh.settings import Settings
 from llmesh.v1 import cache_pb2, cache_pb2_grpc, common_pb2
-from services.cache.core import DEFAULT_PREFIX, CacheCore, redis_client
+from services.cache.core import DEFAULT_PREFIX, CacheCore, LookupQuery, LookupResult, redis_client
 from services.cache.keys import Sampling, Scope
 
 log = logging.getLogger("llmesh.cache")
 
+MAX_BATCH = 256
 TIERS = {"exact": common_pb2.CACHE_TIER_EXACT, "semantic": common_pb2.CACHE_TIER_SEMANTIC}
 
 
@@ -50,6 +51,18 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
 
     async def Lookup(self, request, context):  # type: ignore[no-untyped-def]
         result = await self.core.lookup(request.prompt, scope_of(request.scope), request.allow_semantic)
+        return self._response(result)
+
+    async def LookupBatch(self, request, context):  # type: ignore[no-untyped-def]
+        if not request.requests:
+            raise InvalidArgument([("requests", "at least one lookup")])
+        if len(request.requests) > MAX_BATCH:
+            raise InvalidArgument([("requests", f"at most {MAX_BATCH} lookups")])
+        queries = [LookupQuery(r.prompt, scope_of(r.scope), r.allow_semantic) for r in request.requests]
+        results = await self.core.lookup_many(queries)
+        return cache_pb2.CacheLookupBatchResponse(results=[self._response(r) for r in results])
+
+    def _response(self, result: LookupResult) -> cache_pb2.CacheLookupResponse:
         response = cache_pb2.CacheLookupResponse(
             hit=result.hit,
             tier=TIERS.get(result.tier, common_pb2.CACHE_TIER_UNSPECIFIED),

@@ -3,12 +3,16 @@ request's remaining deadline, errors turned into domain errors naming the peer."
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from llmesh.channels import peer_channel
 from llmesh.errors import LlmeshError, from_rpc_error
@@ -28,6 +32,10 @@ from services.gateway.breaker import BreakerConfig, CircuitBreaker, TransitionLi
 T = TypeVar("T")
 # Cache and metadata lookups are cheap; past this the gateway goes on without them.
 CACHE_TIMEOUT_S = 2.0
+# Lookups that queue behind these many in flight go together in one LookupBatch call.
+LOOKUPS_IN_FLIGHT = 2
+MAX_LOOKUP_BATCH = 64
+tracer = trace.get_tracer("llmesh.gateway")
 
 
 @dataclass
@@ -88,6 +96,106 @@ async def _stream(breaker: CircuitBreaker, start: Callable[[], Any]) -> AsyncIte
             call.cancel()
 
 
+LookupRequest = cache_pb2.CacheLookupRequest
+LookupResponse = cache_pb2.CacheLookupResponse
+LookupBatchResponse = cache_pb2.CacheLookupBatchResponse
+
+
+@dataclass
+class _QueuedLookup:
+    request: cache_pb2.CacheLookupRequest
+    deadline: Deadline
+    future: asyncio.Future[cache_pb2.CacheLookupResponse]
+    context: otel_context.Context
+
+
+class LookupCoalescer:
+    """Cache lookups without a gRPC call each under load ("smart batching", no timer).
+
+    A lookup goes out at once while fewer than `in_flight` calls are out; lookups that arrive
+    meanwhile queue, and each returning call sends the whole queue (up to `max_batch`) as one
+    LookupBatch. One client at a time sees plain Lookup calls and no added latency; 64 clients
+    share a handful of calls and one Redis round trip per batch. A batch's span is a child of
+    its first request and is linked from every request it carried."""
+
+    def __init__(
+        self,
+        lookup: Callable[[cache_pb2.CacheLookupRequest, float], Awaitable[cache_pb2.CacheLookupResponse]],
+        lookup_batch: Callable[
+            [cache_pb2.CacheLookupBatchRequest, float], Awaitable[cache_pb2.CacheLookupBatchResponse]
+        ],
+        in_flight: int = LOOKUPS_IN_FLIGHT,
+        max_batch: int = MAX_LOOKUP_BATCH,
+    ) -> None:
+        self._lookup = lookup
+        self._lookup_batch = lookup_batch
+        self.max_in_flight = in_flight
+        self.max_batch = max_batch
+        self.in_flight = 0
+        self._queue: list[_QueuedLookup] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def lookup(self, request: cache_pb2.CacheLookupRequest, deadline: Deadline) -> cache_pb2.CacheLookupResponse:
+        if self.in_flight < self.max_in_flight and not self._queue:
+            self.in_flight += 1
+            try:
+                return await self._lookup(request, min(deadline.remaining(), CACHE_TIMEOUT_S))
+            finally:
+                self.in_flight -= 1
+                self._flush()
+        queued = _QueuedLookup(
+            request, deadline, asyncio.get_running_loop().create_future(), otel_context.get_current()
+        )
+        self._queue.append(queued)
+        return await queued.future
+
+    def _flush(self) -> None:
+        while self._queue and self.in_flight < self.max_in_flight:
+            batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
+            batch = [q for q in batch if not q.future.done()]  # callers that gave up
+            if not batch:
+                continue
+            self.in_flight += 1
+            # The batch runs in its first request's trace context, not in whichever request's
+            # finally happened to flush it.
+            task = asyncio.get_running_loop().create_task(self._send(batch), context=_context_copy(batch[0].context))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, batch: list[_QueuedLookup]) -> None:
+        try:
+            timeout = min(CACHE_TIMEOUT_S, *(q.deadline.remaining() for q in batch))
+            if len(batch) == 1:
+                results = [await self._lookup(batch[0].request, timeout)]
+            else:
+                with tracer.start_as_current_span(
+                    "gateway.cache_lookup_batch",
+                    attributes={"llmesh.cache.batch_size": len(batch)},
+                ) as span:
+                    for q in batch:
+                        trace.get_current_span(q.context).add_link(span.get_span_context())
+                    request = cache_pb2.CacheLookupBatchRequest(requests=[q.request for q in batch])
+                    results = list((await self._lookup_batch(request, timeout)).results)
+            for q, result in zip(batch, results, strict=True):
+                if not q.future.done():
+                    q.future.set_result(result)
+        except Exception as exc:
+            for q in batch:
+                if not q.future.done():
+                    q.future.set_exception(exc)
+        finally:
+            self.in_flight -= 1
+            self._flush()
+
+
+def _context_copy(otel: otel_context.Context) -> contextvars.Context:
+    token = otel_context.attach(otel)
+    try:
+        return contextvars.copy_context()
+    finally:
+        otel_context.detach(token)
+
+
 PEERS = ("tokenizer", "inference", "cache", "retrieval")
 
 
@@ -116,6 +224,7 @@ class Peers:
         self.inference = inference_pb2_grpc.InferenceStub(self.channels["inference"])
         self.cache = cache_pb2_grpc.CacheStub(self.channels["cache"])
         self.retrieval = retrieval_pb2_grpc.RetrievalStub(self.channels["retrieval"])
+        self.lookups = LookupCoalescer(self._cache_lookup, self._cache_lookup_batch)
 
     async def close(self) -> None:
         for channel in self.channels.values():
@@ -152,10 +261,17 @@ class Peers:
     async def cache_lookup(
         self, request: cache_pb2.CacheLookupRequest, deadline: Deadline
     ) -> cache_pb2.CacheLookupResponse:
-        return await _unary(
-            self.breakers["cache"],
-            lambda: self.cache.Lookup(request, timeout=min(deadline.remaining(), CACHE_TIMEOUT_S)),
-        )
+        return await self.lookups.lookup(request, deadline)
+
+    async def _cache_lookup(
+        self, request: cache_pb2.CacheLookupRequest, timeout: float
+    ) -> cache_pb2.CacheLookupResponse:
+        return await _unary(self.breakers["cache"], lambda: self.cache.Lookup(request, timeout=timeout))
+
+    async def _cache_lookup_batch(
+        self, request: cache_pb2.CacheLookupBatchRequest, timeout: float
+    ) -> cache_pb2.CacheLookupBatchResponse:
+        return await _unary(self.breakers["cache"], lambda: self.cache.LookupBatch(request, timeout=timeout))
 
     async def cache_store(
         self, request: cache_pb2.CacheStoreRequest, deadline: Deadline

@@ -111,6 +111,35 @@ async def test_exact_hit_after_normalization(cache: cache_pb2_grpc.CacheStub) ->
     assert not reply.degraded
 
 
+async def test_lookup_batch_answers_in_order_with_one_round_trip(cache: cache_pb2_grpc.CacheStub) -> None:
+    sc = scope(_tenant())
+    await store(cache, "What is the capital of France?", sc, "Paris.")
+    await store(cache, "What is the capital of Italy?", sc, "Rome.")
+    asks = ["What is the capital of Italy?", "What is the capital of Spain?", "what is the capital of france"]
+    reply = await cache.LookupBatch(
+        cache_pb2.CacheLookupBatchRequest(
+            requests=[cache_pb2.CacheLookupRequest(prompt=p, scope=sc, allow_semantic=False) for p in asks]
+        ),
+        timeout=5,
+    )
+    assert [(r.hit, r.answer.text) for r in reply.results] == [(True, "Rome."), (False, ""), (True, "Paris.")]
+    assert all(r.tier == common_pb2.CACHE_TIER_EXACT for r in reply.results if r.hit)
+
+
+async def test_lookup_batch_names_the_bad_item(cache: cache_pb2_grpc.CacheStub) -> None:
+    good = cache_pb2.CacheLookupRequest(prompt="fine", scope=scope("t"))
+    bad = cache_pb2.CacheLookupRequest(prompt="  ", scope=scope("t"))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await cache.LookupBatch(cache_pb2.CacheLookupBatchRequest(requests=[good, bad]), timeout=5)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = unpack_details(status_details(caught.value.trailing_metadata()))
+    fields = [v.field for v in details["bad_request"].field_violations]  # type: ignore[attr-defined]
+    assert fields == ["requests[1].prompt"]
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await cache.LookupBatch(cache_pb2.CacheLookupBatchRequest(requests=[good] * 257), timeout=5)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 async def test_greedy_and_sampled_answers_never_cross(cache: cache_pb2_grpc.CacheStub) -> None:
     tenant = _tenant()
     await store(cache, "Write a haiku about autumn leaves", scope(tenant, GREEDY), "greedy haiku")
