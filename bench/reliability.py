@@ -1158,7 +1158,7 @@ class Reliability:
 
         async def one(item: BadInput) -> None:
             async with semaphore:
-                code, details = await send_raw(channel, item, self.args.fault_deadline)
+                code, details = await send_raw(channel, item, self.args.bad_input_deadline)
             if code == "RESOURCE_EXHAUSTED" and "metadata size exceeds" in details:
                 # Not a shed: the client dropped an error status too large for its metadata limit.
                 code = "RESOURCE_EXHAUSTED_STATUS_TOO_LARGE"
@@ -1252,6 +1252,7 @@ class Reliability:
             "fault_clients": args.fault_clients,
             "fault_seconds": args.fault_seconds,
             "fault_deadline_s": args.fault_deadline,
+            "bad_input_deadline_s": args.bad_input_deadline,
             "down_seconds": args.down_seconds,
             "stall_seconds": args.stall_seconds,
             "long_streams": args.long_streams,
@@ -1388,6 +1389,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.fault_seconds = 12.0 if args.quick else 20.0
     args.fault_warmup = 2.0 if args.quick else 3.0
     args.fault_deadline = 10.0 if tiny else 60.0
+    # A mutation can be a valid request for 512 new tokens at temperature 2: it must get its
+    # answer, not a client-side DEADLINE_EXCEEDED, so bad inputs get a generous deadline.
+    args.bad_input_deadline = 60.0
     args.down_seconds = 2.0
     args.stall_seconds = 4.0
     args.long_streams = 8
