@@ -33,3 +33,16 @@ def dev_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("certs")
     subprocess.run([str(REPO_ROOT / "scripts" / "dev-certs.sh"), str(out)], check=True, capture_output=True)
     return out
+
+
+@pytest.fixture(scope="module", params=["embedded", "server"])
+def qdrant_env(request: pytest.FixtureRequest) -> dict[str, str]:
+    """The Qdrant settings for a service under test: embedded (local mode) always, and a Qdrant
+    server too when LLMESH_TEST_QDRANT_URL names one (QDRANT_URL's code path), so the same tests
+    run against both."""
+    if request.param == "embedded":
+        return {"QDRANT_URL": "", "QDRANT_API_KEY": ""}
+    url = os.environ.get("LLMESH_TEST_QDRANT_URL", "")
+    if not url:
+        pytest.skip("no Qdrant server: set LLMESH_TEST_QDRANT_URL (and LLMESH_TEST_QDRANT_API_KEY) to run these on one")
+    return {"QDRANT_URL": url, "QDRANT_API_KEY": os.environ.get("LLMESH_TEST_QDRANT_API_KEY", "")}

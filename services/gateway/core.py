@@ -192,6 +192,49 @@ def build_messages(plan: Plan, sources: list[common_pb2.ScoredChunk]) -> list[co
     ]
 
 
+class InputTokenPredictor:
+    """Predicts a request's input tokens before retrieval and the tokenizer have run, from what
+    earlier requests turned out to be: tokens per byte of prompt text (chat template included)
+    and, per collection, the tokens its retrieved context adds. Never below bytes / 8, a bound no
+    BPE tokenizer undercuts; until it has seen requests it predicts just that bound."""
+
+    ALPHA = 0.1
+    MAX_COLLECTIONS = 1024
+
+    def __init__(self) -> None:
+        self.tokens_per_byte = 0.0
+        self.context_tokens: dict[str, float] = {}
+
+    @staticmethod
+    def text_bytes(plan: Plan) -> int:
+        return len(plan.prompt.encode()) + len((plan.system_prompt or DEFAULT_SYSTEM_PROMPT).encode())
+
+    def predict(self, plan: Plan) -> int:
+        size = self.text_bytes(plan)
+        floor = max(1, size // 8)
+        if not self.tokens_per_byte:
+            return floor
+        context = self.context_tokens.get(plan.collection, 0.0) if plan.use_retrieval else 0.0
+        guess = size * self.tokens_per_byte + context
+        return max(floor, int(guess))
+
+    def observe(self, plan: Plan, input_tokens: int, with_context: bool) -> None:
+        size = max(1, self.text_bytes(plan))
+        if not with_context:
+            rate = input_tokens / size
+            self.tokens_per_byte = rate if not self.tokens_per_byte else _ema(self.tokens_per_byte, rate, self.ALPHA)
+        elif self.tokens_per_byte:
+            added = max(0.0, input_tokens - size * self.tokens_per_byte)
+            known = self.context_tokens.get(plan.collection)
+            if known is None and len(self.context_tokens) >= self.MAX_COLLECTIONS:
+                self.context_tokens.pop(next(iter(self.context_tokens)))
+            self.context_tokens[plan.collection] = added if known is None else _ema(known, added, self.ALPHA)
+
+
+def _ema(old: float, new: float, alpha: float) -> float:
+    return old + alpha * (new - old)
+
+
 class Gateway:
     def __init__(self, peers: Peers, config: GatewayConfig, window: WeightWindow | RedisWeightWindow) -> None:
         self.peers = peers
@@ -199,6 +242,7 @@ class Gateway:
         self.window = window
         metrics.ADMISSION_BUDGET.set(window.config.budget)
         self._model: tuple[float, str] | None = None
+        self.predictor = InputTokenPredictor()
         self._background: set[asyncio.Task[None]] = set()
 
     async def model_key(self, deadline: Deadline) -> str:
@@ -373,6 +417,8 @@ class Gateway:
             sources = await self._retrieve(plan, collection, deadline)
         with plan.timed("tokenizer"):
             prompt, input_tokens = await self._render(plan, sources, deadline)
+        if "tokenizer_estimate" not in plan.degradations:
+            self.predictor.observe(plan, input_tokens, with_context=bool(sources))
         if input_tokens > self.config.max_prompt_tokens:
             raise InvalidArgument(
                 [("prompt", f"{input_tokens} tokens with context; the limit is {self.config.max_prompt_tokens}")]
@@ -431,14 +477,16 @@ class Gateway:
             return text, estimate_tokens(text)
 
     def _precheck(self, plan: Plan) -> None:
-        """Sheds before the expensive hops when even a lower bound of the request's weight does
-        not fit now (a token is at most ~8 bytes of text, so bytes/8 never overestimates)."""
-        floor_tokens = max(1, (len(plan.prompt.encode()) + len(plan.system_prompt.encode())) // 8)
+        """Sheds before the expensive hops (retrieval search, tokenizer) when the request's
+        predicted weight does not fit next to what is admitted and what earlier requests on their
+        way hold. A request that passes holds its prediction until its exact weight is admitted."""
+        predicted = self.predictor.predict(plan)
         try:
-            plan.hold = self.window.precheck(plan.tenant, floor_tokens, plan.sampling.max_new_tokens, plan.lane, True)
+            plan.hold = self.window.precheck(plan.tenant, predicted, plan.sampling.max_new_tokens, plan.lane, True)
         except RequestTooHeavy:
             pass  # decided exactly by _admit once the true token count is known
         except ResourceExhausted as exc:
+            trace.get_current_span().set_attribute("llmesh.admission.predicted_input_tokens", predicted)
             self._shed(exc, "shed_early")
             raise
 

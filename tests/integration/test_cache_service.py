@@ -64,9 +64,11 @@ async def _drop_prefix(url: str, prefix: str) -> None:
 
 
 @pytest.fixture(scope="module")
-async def cache(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[cache_pb2_grpc.CacheStub]:
+async def cache(
+    models_dir: Path, tmp_path_factory: pytest.TempPathFactory, qdrant_env: dict[str, str]
+) -> AsyncIterator[cache_pb2_grpc.CacheStub]:
     prefix = f"llmesh-test:{uuid.uuid4().hex[:12]}:"
-    env = _env(models_dir, tmp_path_factory.mktemp("cache-data"))
+    env = {**_env(models_dir, tmp_path_factory.mktemp("cache-data")), **qdrant_env}
     try:
         async with cache_service(env, prefix) as stub:
             yield stub

@@ -41,8 +41,10 @@ HANDBOOK = {
 
 
 @contextlib.asynccontextmanager
-async def retrieval_service(models_dir: Path, data_dir: Path) -> AsyncIterator[retrieval_pb2_grpc.RetrievalStub]:
-    env = {"LLMESH_MODELS_DIR": str(models_dir), "LLMESH_DATA_DIR": str(data_dir), "QDRANT_URL": ""}
+async def retrieval_service(
+    models_dir: Path, data_dir: Path, qdrant: dict[str, str] | None = None
+) -> AsyncIterator[retrieval_pb2_grpc.RetrievalStub]:
+    env = {"LLMESH_MODELS_DIR": str(models_dir), "LLMESH_DATA_DIR": str(data_dir), "QDRANT_URL": "", **(qdrant or {})}
     async with hosted("tokenizer", TokenizerApp, env) as tok:
         env = {
             **env,
@@ -56,9 +58,9 @@ async def retrieval_service(models_dir: Path, data_dir: Path) -> AsyncIterator[r
 
 @pytest.fixture(scope="module")
 async def rag(
-    models_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    models_dir: Path, tmp_path_factory: pytest.TempPathFactory, qdrant_env: dict[str, str]
 ) -> AsyncIterator[retrieval_pb2_grpc.RetrievalStub]:
-    async with retrieval_service(models_dir, tmp_path_factory.mktemp("retrieval-data")) as stub:
+    async with retrieval_service(models_dir, tmp_path_factory.mktemp("retrieval-data"), qdrant_env) as stub:
         yield stub
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from llmesh.errors import InvalidArgument
 from llmesh.v1 import common_pb2, gateway_pb2
-from services.gateway.core import GatewayConfig, build_messages, validate
+from services.gateway.core import GatewayConfig, InputTokenPredictor, build_messages, validate
 
 CONFIG = GatewayConfig(
     default_collection="docs",
@@ -78,3 +78,21 @@ def test_context_goes_into_the_system_message() -> None:
     assert [m.role for m in messages] == ["system", "user"]
     assert "[1] Zorblax is a teapot." in messages[0].content
     assert messages[1].content == "Who is Zorblax?"
+
+
+def test_input_token_prediction_learns_tokens_per_byte_and_context_per_collection() -> None:
+    predictor = InputTokenPredictor()
+    plain = validate(gateway_pb2.GenerateRequest(prompt="x" * 80, use_retrieval=False), CONFIG)
+    rag = validate(gateway_pb2.GenerateRequest(prompt="x" * 80, collection="handbook"), CONFIG)
+    size = InputTokenPredictor.text_bytes(plain)
+    assert predictor.predict(plain) == predictor.predict(rag) == size // 8  # nothing seen yet: the bound
+    predictor.observe(plain, size // 4, with_context=False)  # this tokenizer: 4 bytes a token
+    assert predictor.predict(plain) == size // 4
+    assert predictor.predict(rag) == size // 4  # no context seen for this collection yet
+    predictor.observe(rag, size // 4 + 300, with_context=True)
+    assert predictor.predict(rag) == size // 4 + 300
+    other = validate(gateway_pb2.GenerateRequest(prompt="x" * 80, collection="other"), CONFIG)
+    assert predictor.predict(other) == size // 4  # context is learned per collection
+    for _ in range(60):
+        predictor.observe(plain, size // 100, with_context=False)  # learns, but never predicts below bytes / 8
+    assert predictor.predict(plain) == size // 8
