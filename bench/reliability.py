@@ -552,6 +552,7 @@ class Load:
             retry_after = None
             if retry is not None:
                 retry_after = retry.retry_delay.seconds + retry.retry_delay.nanos / 1e9  # type: ignore[attr-defined]
+            shed_timing = [str(v) for k, v in (err.trailing_metadata() or ()) if k == "server-timing"]
             return Outcome(
                 kind,
                 err.code().name,
@@ -560,6 +561,7 @@ class Load:
                 retry_info=retry is not None,
                 retry_after=retry_after,
                 detail=(err.details() or "")[:200],
+                timings=parse_server_timing(shed_timing[0]) if shed_timing else {},
             )
         ended = now()
         if reply is None:
@@ -648,6 +650,7 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
         mine = [o for o in outcomes if o.kind == kind]
         done = [o.latency for o in mine if o.ok]
         kind_shed = [o.latency for o in mine if o.shed]
+        kind_in_gateway = [o.timings["total"] / 1000 for o in mine if o.shed and "total" in o.timings]
         pre = [sum(o.timings.get(h, 0.0) for h in PRE_ADMISSION_HOPS) for o in mine if o.ok and o.timings]
         by_kind[kind] = {
             "requests": len(mine),
@@ -657,6 +660,7 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
             "p99_s": round(percentile(done, 0.99), 4),
             "shed_p50_s": round(percentile(kind_shed, 0.5), 4),
             "shed_p99_s": round(percentile(kind_shed, 0.99), 4),
+            "shed_in_gateway_p99_s": round(percentile(kind_in_gateway, 0.99), 4),
             "pre_admission_p50_ms": round(percentile(pre, 0.5), 1),
             "pre_admission_p99_ms": round(percentile(pre, 0.99), 1),
         }
@@ -664,6 +668,9 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
     by_kind["rag"]["grounded"] = sum(o.sources > 0 for o in outcomes if o.kind == "rag" and o.ok)
     latencies = [o.latency for o in ok]
     shed_times = [o.latency for o in shed]
+    # The gateway's own time before each refusal (its server-timing `total`): the rest of a shed
+    # reply's latency is spent before the handler runs (queues, a busy event loop) or in transit.
+    shed_in_gateway = [o.timings["total"] / 1000 for o in shed if "total" in o.timings]
     return {
         "requests": len(outcomes),
         "ok": len(ok),
@@ -676,6 +683,8 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
         "p99_s": round(percentile(latencies, 0.99), 4),
         "shed_p50_s": round(percentile(shed_times, 0.5), 4),
         "shed_p99_s": round(percentile(shed_times, 0.99), 4),
+        "shed_in_gateway_p50_s": round(percentile(shed_in_gateway, 0.5), 4),
+        "shed_in_gateway_p99_s": round(percentile(shed_in_gateway, 0.99), 4),
         "shed_without_retry_info": sum(not o.retry_info for o in shed),
         "capped": sum("max_new_tokens_capped" in o.degradations for o in ok),
         "degradations": dict(Counter(d for o in ok for d in o.degradations)),
@@ -808,6 +817,7 @@ class Reliability:
             "LLMESH_ADMISSION_WINDOW_SECONDS": str(ADMISSION_WINDOW_S),
             "LLMESH_ADMISSION_TENANT_SHARE": "1",
             "LLMESH_ADMISSION_REDIS_URL": "",
+            "LLMESH_LOG_LEVEL": os.environ.get("LLMESH_LOG_LEVEL", "WARNING"),
             "OTEL_EXPORTER_OTLP_ENDPOINT": "",
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "",
         }

@@ -27,6 +27,8 @@ class LlmeshError(Exception):
         self.message = message
         self.reason = reason
         self.metadata = dict(metadata or {})
+        # More trailing metadata for the caller (the gateway adds `server-timing` to sheds).
+        self.extra_trailing: list[tuple[str, str]] = []
 
     def details(self) -> list[any_pb2.Any]:
         if not self.reason:
@@ -36,7 +38,7 @@ class LlmeshError(Exception):
 
     def trailing_metadata(self) -> list[tuple[str, str | bytes]]:
         status = status_pb2.Status(code=self.code.value[0], message=self.message, details=self.details())
-        return [(STATUS_DETAILS_KEY, status.SerializeToString())]
+        return [(STATUS_DETAILS_KEY, status.SerializeToString()), *self.extra_trailing]
 
 
 # Bounds on what one error carries: a request with thousands of bad items must still get a

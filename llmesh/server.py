@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -288,6 +289,8 @@ class ServiceHost:
 def run_service(service: str, factory: Callable[[Settings], ServiceApp]) -> None:
     """Entry point of `python -m services.<name>`."""
     settings = load_or_exit(service)
+    if settings.nice:
+        os.nice(settings.nice)
     telemetry.setup_logging(service, settings.log_level)
     telemetry.setup_tracing(service)
     try:

@@ -42,6 +42,13 @@ def _positive_int(raw: str) -> int:
     return value
 
 
+def _niceness(raw: str) -> int:
+    value = int(raw)
+    if not 0 <= value <= 19:
+        raise ValueError("must be 0..19 (a service can only lower its own priority)")
+    return value
+
+
 def _non_negative_int(raw: str) -> int:
     value = int(raw)
     if value < 0:
@@ -217,6 +224,15 @@ DECLARED: tuple[Setting, ...] = (
     Setting("LLMESH_MODELS_DIR", "", "Prepared models folder (default: $LLMESH_DATA_DIR/models).", ALL),
     Setting("LLMESH_GRACE_SECONDS", "10", "Drain time for in-flight calls on SIGTERM.", ALL, _positive_float),
     Setting("LLMESH_LOG_LEVEL", "INFO", "Log level.", ALL, _choice("DEBUG", "INFO", "WARNING", "ERROR")),
+    Setting(
+        "LLMESH_NICE",
+        "0",
+        "CPU niceness the service adds to itself at start (0..19). Model compute runs below the "
+        "gateway, so on shared cores the gateway keeps answering (and shedding) in milliseconds.",
+        ALL,
+        _niceness,
+        per_service_default={"inference": "5", "retrieval": "5"},
+    ),
     Setting("LLMESH_LOG_PROMPTS", "false", "Put prompt and answer text in logs and spans (opt-in).", ALL, _bool),
     Setting(
         "LLMESH_MAX_MESSAGE_BYTES", str(8 * 1024 * 1024), "Max gRPC message size, both directions.", ALL, _positive_int
@@ -524,6 +540,8 @@ def markdown_table() -> str:
     for s in DECLARED:
         if s.per_service_default:
             default = ", ".join(f"{k}: `{v}`" for k, v in s.per_service_default.items())
+            if set(s.services) - set(s.per_service_default):
+                default = f"`{s.default}`; {default}"
         else:
             default = f"`{s.default}`" if s.default else "(empty)"
         services = "all" if s.services == ALL else ", ".join(s.services)

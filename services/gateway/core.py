@@ -364,9 +364,15 @@ class Gateway:
 
     async def _generate(self, request: gateway_pb2.GenerateRequest, deadline: Deadline) -> AsyncIterator[Delta | Final]:
         plan = validate(request, self.config)
+        started = time.perf_counter()
         try:
             async for event in self._pipeline(plan, deadline):
                 yield event
+        except ResourceExhausted as exc:
+            # A shed caller sees where the time went before the refusal, as a served one does.
+            total = (time.perf_counter() - started) * 1000
+            exc.extra_trailing.append(("server-timing", server_timing({**plan.timings, "total": total})))
+            raise
         finally:
             if plan.hold is not None:
                 plan.hold.release()

@@ -140,6 +140,10 @@ async def test_over_budget_is_shed_at_once_with_retry_info(models_dir: Path, tin
     assert 0 < delay.seconds + delay.nanos / 1e9 <= 10
     assert details["error_info"].reason == "WEIGHT_BUDGET_EXCEEDED"  # type: ignore[attr-defined]
     assert elapsed < 1.0
+    # The refusal says where the gateway's time went, like a served reply's server-timing.
+    timing = dict(shed.value.trailing_metadata())["server-timing"]
+    hops = dict(part.split(";dur=") for part in str(timing).split(", "))
+    assert "admission" in hops and float(hops["total"]) < elapsed * 1000
 
 
 async def test_cancelled_stream_frees_the_inference_slot(models_dir: Path, tiny_model: Path) -> None:
