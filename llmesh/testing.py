@@ -48,6 +48,9 @@ def build_tiny_model(models_dir: Path, name: str = "tiny", version: str = "v1", 
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=2,
+        # Larger than Llama's 0.02: with tiny weights attention is nearly uniform and every prompt
+        # yields the same repeated token, which would hide batching bugs (positions, KV rows).
+        initializer_range=0.1,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()

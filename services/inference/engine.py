@@ -960,18 +960,19 @@ class Engine:
             index = torch.tensor(rows, device=logits.device)
             temps = torch.tensor([seqs[i].params.temperature for i in rows], device=logits.device)
             probs = torch.softmax(logits.index_select(0, index).float() / temps[:, None], dim=-1)
-            order = None
             if use_top_p:
                 top_p = torch.tensor([seqs[i].params.top_p for i in rows], device=logits.device)
-                probs, order = probs.sort(dim=-1, descending=True)
-                before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
-                probs = probs.masked_fill(before >= top_p[:, None], 0.0)
+                ranked, order = probs.sort(dim=-1, descending=True)
+                before = ranked.cumsum(dim=-1) - ranked  # mass of the more likely tokens
+                keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, order, before < top_p[:, None])
+                probs = probs.masked_fill(~keep, 0.0)
+            # The CDF runs in vocabulary order, not in probability order: the last-bit differences
+            # that batching makes in the logits then move its steps by as little, so the same draw
+            # picks the same token, where a re-sorted order would reshuffle near-equal tokens.
             cdf = probs.cumsum(dim=-1)
             draws = torch.cat([torch.rand(1, generator=seqs[i].generator) for i in rows]).to(logits.device)
             picked = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True)
             picked = picked.clamp_(max=cdf.shape[1] - 1)
-            if order is not None:
-                picked = order.gather(1, picked)
             chosen[index] = picked[:, 0]
         return chosen
 

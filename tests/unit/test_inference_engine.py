@@ -162,7 +162,8 @@ async def test_stream_deltas_concatenate_to_the_full_decode(engine: Engine) -> N
         ids += event.token_ids
     full = engine.model.decode(ids)
     assert "".join(deltas) == full
-    assert all("\ufffd" not in d for d in deltas[:-1])
+    if "\ufffd" not in full:  # a random model can emit byte tokens that are invalid UTF-8 in any split
+        assert all("\ufffd" not in d for d in deltas[:-1])
 
 
 async def test_stop_string_ends_the_text_before_it(engine: Engine) -> None:
