@@ -821,7 +821,10 @@ class Reliability:
             "OTEL_EXPORTER_OTLP_ENDPOINT": "",
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "",
         }
-        self.mesh = Mesh(env=env)
+        # The gateway is the front door: on shared cores it runs above everything else, as a
+        # deployment gives it cores of its own (a CPU request, a cpuset); raising priority needs
+        # CAP_SYS_NICE, so without it the gateway warns and runs at the default niceness.
+        self.mesh = Mesh(env=env, service_env={"gateway": {"LLMESH_NICE": str(args.gateway_nice)}})
         self.load: Load | None = None
 
     # -- processes
@@ -876,6 +879,14 @@ class Reliability:
 
     def crashed(self) -> list[str]:
         return [n for n in SERVICES if n in self.mesh.procs and self.mesh.procs[n].proc.poll() is not None]
+
+    def gateway_niceness(self) -> int | None:
+        """The niceness the gateway process runs at (the 19th field of /proc/<pid>/stat)."""
+        try:
+            stat = Path(f"/proc/{self.mesh.procs['gateway'].proc.pid}/stat").read_text()
+        except (KeyError, OSError):
+            return None
+        return int(stat.rpartition(")")[2].split()[16])
 
     def gateway_target(self) -> str:
         return self.mesh.target("gateway")
@@ -1229,6 +1240,7 @@ class Reliability:
                 "admission_budget": budget,
                 "client_loop_lag_p50_s": round(percentile(lags, 0.5), 4),
                 "client_loop_lag_p99_s": round(percentile(lags, 0.99), 4),
+                "gateway_niceness": self.gateway_niceness(),
             }
         )
         await self.restart_gateway()  # the faults run with the default admission budget
@@ -1266,6 +1278,7 @@ class Reliability:
             "down_seconds": args.down_seconds,
             "stall_seconds": args.stall_seconds,
             "long_streams": args.long_streams,
+            "gateway_nice": args.gateway_nice,
             "breaker_wait_s": BREAKER_WAIT_S,
             "grace_s": GRACE_S,
             "admission_window_s": ADMISSION_WINDOW_S,
@@ -1385,6 +1398,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--only", default="load,faults,bad_input", help="phases: load, faults (or fault names), bad_input"
     )
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here instead of bench/results")
+    parser.add_argument(
+        "--gateway-nice",
+        type=int,
+        default=-10,
+        help="LLMESH_NICE of the gateway (default -10: above the model's compute and the load generator)",
+    )
     args = parser.parse_args(argv)
     only = {p.strip() for p in args.only.split(",") if p.strip()}
     args.faults = [f for f in FAULTS if "faults" in only or f in only]

@@ -13,15 +13,18 @@ W3C trace context (`traceparent`) through the global propagator.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
 import grpc
 from grpc._cython import cygrpc
+from opentelemetry import baggage, propagate, trace
 from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
+from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 tracer = trace.get_tracer("llmesh.rpc")
 
@@ -40,6 +43,8 @@ SERVER_ERROR_CODES = frozenset(
     }
 )
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+# A server span without a caller's trace starts a new trace, whatever context the handler runs in.
+_ROOT = otel_context.Context()
 
 
 def split_method(full: str) -> tuple[str, str]:
@@ -56,6 +61,64 @@ def _peer_attributes(peer: str | None) -> dict[str, Any]:
     return {"net.peer.ip": host.strip("[]"), "net.peer.port": int(port)} if port.isdigit() else {}
 
 
+# --- W3C trace context on the hot path --------------------------------------------------------
+# With the default propagators (tracecontext, baggage) a plain `traceparent` is read and written
+# here directly; anything else (tracestate, baggage, other versions or propagators) goes through
+# the global propagator as before.
+
+_default_textmap: tuple[Any, bool] = (None, False)
+_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+
+
+def _is_default_textmap() -> bool:
+    global _default_textmap
+    textmap = propagate.get_global_textmap()
+    if textmap is not _default_textmap[0]:
+        kinds = [type(p) for p in getattr(textmap, "_propagators", ())]
+        _default_textmap = (textmap, kinds == [TraceContextTextMapPropagator, W3CBaggagePropagator])
+    return _default_textmap[1]
+
+
+def _parent_context(metadata: Sequence[tuple[str, Any]] | None) -> otel_context.Context | None:
+    """The caller's trace context from the call's metadata (None: no parent)."""
+    traceparent = None
+    for key, value in metadata or ():
+        if key == "traceparent":
+            traceparent = value
+        elif key in ("tracestate", "baggage"):
+            traceparent = None
+            break
+    else:
+        if traceparent is None:
+            return None if _is_default_textmap() else propagate.extract(_carrier(metadata))
+        match = _TRACEPARENT.fullmatch(traceparent) if isinstance(traceparent, str) else None
+        if match is not None and _is_default_textmap():
+            trace_id, span_id, flags = match.groups()
+            parent = SpanContext(int(trace_id, 16), int(span_id, 16), True, TraceFlags(int(flags, 16)))
+            if parent.is_valid:
+                return trace.set_span_in_context(NonRecordingSpan(parent))
+    return propagate.extract(_carrier(metadata))
+
+
+def _carrier(metadata: Sequence[tuple[str, Any]] | None) -> dict[str, str]:
+    return {key: value for key, value in metadata or () if isinstance(value, str)}
+
+
+def _trace_headers(span: Span) -> list[tuple[str, str]]:
+    """The metadata that carries `span` as the parent of the callee's spans."""
+    if _is_default_textmap() and not baggage.get_all():
+        ctx = span.get_span_context()
+        if not ctx.is_valid:
+            return []
+        headers = [("traceparent", f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}")]
+        if ctx.trace_state:
+            headers.append(("tracestate", ctx.trace_state.to_header()))
+        return headers
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    return list(carrier.items())
+
+
 class ServerSpan:
     """The span of one served RPC, current while the handler runs."""
 
@@ -63,15 +126,18 @@ class ServerSpan:
 
     def __init__(self, full_method: str, context: grpc.aio.ServicerContext) -> None:
         service, method = split_method(full_method)
-        carrier = {key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)}
         attributes: dict[str, Any] = {
             "rpc.system": "grpc",
             "rpc.service": service,
             "rpc.method": method,
             **_peer_attributes(context.peer()),
         }
+        parent = _parent_context(context.invocation_metadata())
         self.span: Span = tracer.start_span(
-            f"{service}/{method}", context=propagate.extract(carrier), kind=SpanKind.SERVER, attributes=attributes
+            f"{service}/{method}",
+            context=parent if parent is not None else _ROOT,
+            kind=SpanKind.SERVER,
+            attributes=attributes,
         )
         self._token = otel_context.attach(trace.set_span_in_context(self.span))
 
@@ -117,9 +183,7 @@ class _TracedMultiCallable:
 
     def __call__(self, request: Any, *, metadata: Sequence[tuple[str, Any]] | None = None, **kwargs: Any) -> Any:
         span = tracer.start_span(self._name, kind=SpanKind.CLIENT, attributes=self._attributes)
-        carrier: dict[str, str] = {}
-        propagate.inject(carrier, context=trace.set_span_in_context(span))
-        call = self._inner(request, metadata=(*(metadata or ()), *carrier.items()), **kwargs)
+        call = self._inner(request, metadata=(*(metadata or ()), *_trace_headers(span)), **kwargs)
         call.add_done_callback(partial(_end_client_span, span))
         return call
 

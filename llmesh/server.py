@@ -289,9 +289,12 @@ class ServiceHost:
 def run_service(service: str, factory: Callable[[Settings], ServiceApp]) -> None:
     """Entry point of `python -m services.<name>`."""
     settings = load_or_exit(service)
-    if settings.nice:
-        os.nice(settings.nice)
     telemetry.setup_logging(service, settings.log_level)
+    if settings.nice:
+        try:
+            os.nice(settings.nice)
+        except PermissionError:  # raising priority needs CAP_SYS_NICE
+            log.warning("LLMESH_NICE=%d needs CAP_SYS_NICE; keeping niceness %d", settings.nice, os.nice(0))
     telemetry.setup_tracing(service)
     try:
         asyncio.run(_serve(service, factory, settings))

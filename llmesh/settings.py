@@ -44,8 +44,8 @@ def _positive_int(raw: str) -> int:
 
 def _niceness(raw: str) -> int:
     value = int(raw)
-    if not 0 <= value <= 19:
-        raise ValueError("must be 0..19 (a service can only lower its own priority)")
+    if not -20 <= value <= 19:
+        raise ValueError("must be -20..19")
     return value
 
 
@@ -227,8 +227,9 @@ DECLARED: tuple[Setting, ...] = (
     Setting(
         "LLMESH_NICE",
         "0",
-        "CPU niceness the service adds to itself at start (0..19). Model compute runs below the "
-        "gateway, so on shared cores the gateway keeps answering (and shedding) in milliseconds.",
+        "CPU niceness the service adds to itself at start (-20..19). Model compute runs below the "
+        "gateway, so on shared cores the gateway keeps answering (and shedding) in milliseconds. "
+        "Below 0 needs CAP_SYS_NICE; without it the service logs a warning and keeps its niceness.",
         ALL,
         _niceness,
         per_service_default={"inference": "5", "retrieval": "5"},

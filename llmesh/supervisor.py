@@ -100,8 +100,11 @@ class Mesh:
         services: tuple[str, ...] = START_ORDER,
         echo_logs: bool = False,
         cwd: Path | None = None,
+        service_env: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         self.base_env = {**os.environ, **(env or {})}
+        # Settings for one service only (e.g. the gateway's LLMESH_NICE), under extra_env.
+        self.service_env = {name: dict(values) for name, values in (service_env or {}).items()}
         self.ports = dict(ports or {})
         self.services = services
         self.echo_logs = echo_logs
@@ -121,6 +124,7 @@ class Mesh:
             if peer in self.procs:
                 env[var] = self.procs[peer].target
         env["OTEL_SERVICE_NAME"] = f"llmesh-{name}"
+        env.update(self.service_env.get(name, {}))
         env.update(extra_env or {})
         proc = subprocess.Popen(
             [sys.executable, "-m", f"services.{name}"],

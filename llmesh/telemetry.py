@@ -15,6 +15,8 @@ from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
+from llmesh.spans import LeanTracerProvider
+
 _provider: TracerProvider | None = None
 
 
@@ -68,7 +70,7 @@ def setup_tracing(service: str, exporter: SpanExporter | None = None) -> TracerP
             _provider.add_span_processor(BatchSpanProcessor(exporter))
         return _provider
     name = os.environ.get("OTEL_SERVICE_NAME") or f"llmesh-{service}"
-    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name, "llmesh.service": service}))
+    provider = LeanTracerProvider(resource=Resource.create({SERVICE_NAME: name, "llmesh.service": service}))
     if exporter is None and _otlp_configured():
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 

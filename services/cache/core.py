@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import numpy as np
 import redis.asyncio as aioredis
 from opentelemetry import trace
+from opentelemetry.trace import StatusCode
 from prometheus_client import Counter, Gauge, Histogram
 from qdrant_client import models as qm
 from redis import exceptions as redis_errors
@@ -313,8 +314,9 @@ class CacheCore:
     async def _lookup_many(self, queries: Sequence[LookupQuery]) -> list[LookupResult]:
         normalized = [normalize_prompt(q.prompt) for q in queries]
         keys = [entry_key(n, q.scope) for n, q in zip(normalized, queries, strict=True)]
-        with tracer.start_as_current_span("cache.redis.get") as span:
-            span.set_attribute("llmesh.cache.tier", "exact")
+        # Not made current: nothing runs inside it, and every exact hit pays for this span.
+        span = tracer.start_span("cache.redis.get", attributes={"llmesh.cache.tier": "exact"})
+        try:
             if len(queries) > 1:
                 span.set_attribute("llmesh.cache.batch_size", len(queries))
             try:
@@ -325,11 +327,14 @@ class CacheCore:
                 return [LookupResult(degraded=True) for _ in queries]
             except redis_errors.RedisError as exc:
                 log.error("redis lookup failed: %s", exc)
+                span.set_status(StatusCode.ERROR, type(exc).__name__)
                 LOOKUPS.labels("exact", "miss").inc(len(queries))
                 return [LookupResult() for _ in queries]
             hits = sum(answer is not None for answer in answers)
             if hits == len(queries):
                 span.set_attribute("llmesh.cache.similarity", 1.0)
+        finally:
+            span.end()
         if hits:
             LOOKUPS.labels("exact", "hit").inc(hits)
         if hits < len(queries):

@@ -152,9 +152,9 @@ class Admission:
 
 
 class Hold:
-    """The lower-bound weight of a request that passed `precheck` and is on its way to `plan`
-    (retrieval, tokenizer). Later prechecks count it, so a burst that arrives together is shed
-    at once instead of each request paying for its hops before finding the window full."""
+    """The predicted weight of a request that passed `precheck` and is on its way to `plan`
+    (retrieval, tokenizer). Later prechecks and plans count it, so a burst that arrives together
+    is shed at once instead of each request paying for its hops before finding the window full."""
 
     __slots__ = ("_window", "released", "tenant", "weight")
 
@@ -314,12 +314,20 @@ class WeightWindow:
         max_new_tokens: int,
         lane: str = INTERACTIVE,
         allow_degrade: bool | None = None,
+        hold: Hold | None = None,
     ) -> Admission:
         """Admits the request, capping max_new_tokens (not below min_new_tokens) when the full weight
-        does not fit and degrading is allowed (default: config.degrade); else raises."""
+        does not fit and degrading is allowed (default: config.degrade); else raises. `hold` is the
+        request's own reservation from `precheck`: it is released, and the others' are counted."""
         degrade = self.config.degrade if allow_degrade is None else allow_degrade
         unit, want = max(1, int(input_tokens)), max(1, int(max_new_tokens))
-        return self._take(_request(self.config, tenant, unit, want, lane, degrade, planned=True))
+        req = _request(self.config, tenant, unit, want, lane, degrade, planned=True)
+        if hold is None:
+            return self._take(req)
+        # The request's own reservation turns into its admission; the reservations of requests
+        # still on their way are counted, so this one cannot take the room they were promised.
+        hold.release()
+        return self._take(req, with_holds=True)
 
     def precheck(
         self, tenant: str, input_tokens: int, max_new_tokens: int, lane: str = INTERACTIVE, hold: bool = False
@@ -327,16 +335,19 @@ class WeightWindow:
         """Raises what `plan` would raise for a request of at least this size, counting the holds
         of requests still on their way to `plan`; records nothing in the window.
 
-        The gateway calls it with a lower bound of the request's weight before its expensive hops
+        The gateway calls it with a prediction of the request's weight before its expensive hops
         (retrieval search, tokenizer), so an overloaded gateway sheds in milliseconds; a request
         that passes is still admitted exactly by `plan` once its true size is known. With
-        `hold=True` a passing request's lower bound is held until the returned Hold is released."""
+        `hold=True` a passing request reserves the weight it would be admitted with now (capped
+        as `plan` would cap it) until the returned Hold is released or passed to `plan`: later
+        prechecks and plans count it, so the request is not refused after its hops unless its
+        true size outgrows the prediction by more than capping absorbs."""
         unit, want = max(1, int(input_tokens)), max(1, int(max_new_tokens))
         req = _request(self.config, tenant, unit, want, lane, self.config.degrade, planned=True)
-        self._take(req, record=False, with_holds=True)
+        fits = self._take(req, record=False, with_holds=True)
         if not hold:
             return None
-        held = Hold(self, tenant, unit * req.least)
+        held = Hold(self, tenant, fits.weight)
         with self._lock:
             self._held += held.weight
             self._held_by_tenant[tenant] = self._held_by_tenant.get(tenant, 0) + held.weight
@@ -592,11 +603,16 @@ class RedisWeightWindow:
         max_new_tokens: int,
         lane: str = INTERACTIVE,
         allow_degrade: bool | None = None,
+        hold: Hold | None = None,
     ) -> Admission:
         degrade = self.config.degrade if allow_degrade is None else allow_degrade
         unit, want = max(1, int(input_tokens)), max(1, int(max_new_tokens))
         req = _request(self.config, tenant, unit, want, lane, degrade, planned=True)
-        return await self._take(req, lambda: self.fallback.plan(tenant, input_tokens, max_new_tokens, lane, degrade))
+        if hold is not None:
+            hold.release()  # holds are this replica's own: the shared window in Redis has none
+        return await self._take(
+            req, lambda: self.fallback.plan(tenant, input_tokens, max_new_tokens, lane, degrade, hold)
+        )
 
     def precheck(
         self, tenant: str, input_tokens: int, max_new_tokens: int, lane: str = INTERACTIVE, hold: bool = False

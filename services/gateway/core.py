@@ -84,7 +84,7 @@ class Plan:
     tenant: str
     lane: str = INTERACTIVE
     degradations: list[str] = field(default_factory=list)
-    # The lower-bound weight held from the precheck until the exact admission.
+    # The predicted weight reserved from the precheck until the exact admission.
     hold: Hold | None = None
     # Milliseconds spent per hop, returned to the caller as `server-timing` metadata.
     timings: dict[str, float] = field(default_factory=dict)
@@ -415,8 +415,8 @@ class Gateway:
                     plan.timings,
                 )
                 return
-            # Missed: shed before the expensive hops (retrieval search, tokenizer) when even a
-            # lower bound of the weight does not fit.
+            # Missed: shed before the expensive hops (retrieval search, tokenizer) when the predicted
+            # weight does not fit.
             with plan.timed("admission"):
                 self._precheck(plan)
         with plan.timed("retrieval"):
@@ -505,10 +505,11 @@ class Gateway:
 
     async def _admit(self, plan: Plan, input_tokens: int) -> Admission:
         span = trace.get_current_span()
-        if plan.hold is not None:
-            plan.hold.release()  # the exact weight replaces the lower bound held so far
         try:
-            decision = self.window.plan(plan.tenant, input_tokens, plan.sampling.max_new_tokens, plan.lane)
+            # The exact weight replaces the prediction this request has held since its precheck.
+            decision = self.window.plan(
+                plan.tenant, input_tokens, plan.sampling.max_new_tokens, plan.lane, hold=plan.hold
+            )
             admission = await decision if asyncio.iscoroutine(decision) else decision
         except RequestTooHeavy as exc:
             self._shed(exc, "refused_too_heavy")

@@ -406,3 +406,31 @@ def test_holds_count_per_tenant_share() -> None:
     assert held is not None
     held.release()
     w.precheck("a", 5, 10)
+
+
+def test_a_hold_reserves_room_for_its_own_plan() -> None:
+    clock = FakeClock()
+    w = window(clock, budget=100, degrade=True, min_new_tokens=5)
+    mine = w.precheck("t", 5, 10, hold=True)  # reserves its full predicted 50, not 5 x least
+    other = w.precheck("t", 6, 10, hold=True)  # 60 does not fit beside 50: reserves 6 x 8 = 48
+    assert mine is not None and other is not None
+    assert (mine.weight, other.weight, w.held()) == (50, 48, 98)
+    err = refused(w.precheck, "t", 1, 10, hold=True)  # 2 left < 1 x least 5: shed before its hops
+    assert err.reason == REASON_BUDGET
+    admitted = w.plan("t", 5, 10, hold=mine)
+    assert (admitted.weight, admitted.degraded, w.held()) == (50, False, 48)
+    # The other's true size outgrew its prediction (7 > 6 tokens): capping absorbs it, no late shed.
+    late = w.plan("t", 7, 10, hold=other)
+    assert (late.weight, late.max_new_tokens, late.degraded, w.held()) == (49, 7, True, 0)
+
+
+def test_a_plan_with_a_hold_cannot_take_room_promised_to_others() -> None:
+    clock = FakeClock()
+    w = window(clock, budget=100, degrade=False)
+    first = w.precheck("t", 4, 10, hold=True)
+    second = w.precheck("t", 4, 10, hold=True)
+    assert first is not None and second is not None
+    # The first's true size is 7 tokens: 70 does not fit beside the 40 the second holds.
+    err = refused(w.plan, "t", 7, 10, hold=first)
+    assert err.reason == REASON_BUDGET and first.released
+    assert w.plan("t", 4, 10, hold=second).weight == 40
