@@ -26,7 +26,7 @@ from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-tracer = trace.get_tracer("llmesh.rpc")
+from llmesh.spans import LeanTracer
 
 # Health checks and reflection are polled by orchestrators: no span for them.
 UNTRACED_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"})
@@ -79,8 +79,9 @@ def _is_default_textmap() -> bool:
     return _default_textmap[1]
 
 
-def _parent_context(metadata: Sequence[tuple[str, Any]] | None) -> otel_context.Context | None:
-    """The caller's trace context from the call's metadata (None: no parent)."""
+def _parent(metadata: Sequence[tuple[str, Any]] | None) -> tuple[SpanContext | None, otel_context.Context | None]:
+    """The caller's span context read from a plain `traceparent`, or else the whole context the
+    global propagator extracts (tracestate, baggage, other propagators); (None, None): no parent."""
     traceparent = None
     for key, value in metadata or ():
         if key == "traceparent":
@@ -90,14 +91,33 @@ def _parent_context(metadata: Sequence[tuple[str, Any]] | None) -> otel_context.
             break
     else:
         if traceparent is None:
-            return None if _is_default_textmap() else propagate.extract(_carrier(metadata))
+            return (None, None) if _is_default_textmap() else (None, propagate.extract(_carrier(metadata)))
         match = _TRACEPARENT.fullmatch(traceparent) if isinstance(traceparent, str) else None
         if match is not None and _is_default_textmap():
             trace_id, span_id, flags = match.groups()
             parent = SpanContext(int(trace_id, 16), int(span_id, 16), True, TraceFlags(int(flags, 16)))
-            if parent.is_valid:
-                return trace.set_span_in_context(NonRecordingSpan(parent))
-    return propagate.extract(_carrier(metadata))
+            return (parent, None) if parent.is_valid else (None, None)
+    return None, propagate.extract(_carrier(metadata))
+
+
+def _parent_context(metadata: Sequence[tuple[str, Any]] | None) -> otel_context.Context | None:
+    """The caller's trace context from the call's metadata (None: no parent)."""
+    parent, context = _parent(metadata)
+    if parent is not None:
+        return trace.set_span_in_context(NonRecordingSpan(parent))
+    return context
+
+
+_resolved: tuple[object, trace.Tracer] | None = None
+
+
+def _tracer() -> trace.Tracer:
+    """The RPC tracer of the installed provider, resolved once (not through a ProxyTracer)."""
+    global _resolved
+    provider = trace.get_tracer_provider()
+    if _resolved is None or _resolved[0] is not provider:
+        _resolved = (provider, provider.get_tracer("llmesh.rpc"))
+    return _resolved[1]
 
 
 def _carrier(metadata: Sequence[tuple[str, Any]] | None) -> dict[str, str]:
@@ -119,27 +139,52 @@ def _trace_headers(span: Span) -> list[tuple[str, str]]:
     return list(carrier.items())
 
 
+_peers: dict[str, dict[str, Any]] = {}
+MAX_REMEMBERED_PEERS = 4096
+
+
+def _peer_attributes_of(peer: str | None) -> dict[str, Any]:
+    """`_peer_attributes`, remembered per peer address (a handful of long-lived channels)."""
+    if peer is None:
+        return {}
+    attributes = _peers.get(peer)
+    if attributes is None:
+        attributes = _peer_attributes(peer)
+        if len(_peers) < MAX_REMEMBERED_PEERS:
+            _peers[peer] = attributes
+    return attributes
+
+
+class ServerMethod:
+    """Span name and RPC attributes of one served method, computed once per method."""
+
+    __slots__ = ("attributes", "name")
+
+    def __init__(self, full_method: str) -> None:
+        service, method = split_method(full_method)
+        self.name = f"{service}/{method}"
+        self.attributes: dict[str, Any] = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
+
+
 class ServerSpan:
     """The span of one served RPC, current while the handler runs."""
 
     __slots__ = ("_token", "span")
 
-    def __init__(self, full_method: str, context: grpc.aio.ServicerContext) -> None:
-        service, method = split_method(full_method)
-        attributes: dict[str, Any] = {
-            "rpc.system": "grpc",
-            "rpc.service": service,
-            "rpc.method": method,
-            **_peer_attributes(context.peer()),
-        }
-        parent = _parent_context(context.invocation_metadata())
-        self.span: Span = tracer.start_span(
-            f"{service}/{method}",
-            context=parent if parent is not None else _ROOT,
-            kind=SpanKind.SERVER,
-            attributes=attributes,
-        )
-        self._token = otel_context.attach(trace.set_span_in_context(self.span))
+    def __init__(self, method: ServerMethod | str, context: grpc.aio.ServicerContext) -> None:
+        if isinstance(method, str):
+            method = ServerMethod(method)
+        attributes = {**method.attributes, **_peer_attributes_of(context.peer())}
+        parent, extracted = _parent(context.invocation_metadata())
+        tracer = _tracer()
+        if extracted is None and isinstance(tracer, LeanTracer):
+            self.span: Span = tracer.start_child(method.name, parent, SpanKind.SERVER, attributes)
+        else:
+            if extracted is None:
+                extracted = _ROOT if parent is None else trace.set_span_in_context(NonRecordingSpan(parent))
+            self.span = tracer.start_span(method.name, context=extracted, kind=SpanKind.SERVER, attributes=attributes)
+        # The caller's baggage, when it sent some, stays with the handler.
+        self._token = otel_context.attach(trace.set_span_in_context(self.span, extracted))
 
     def finish(self, code: grpc.StatusCode, exc: BaseException | None = None) -> None:
         self.span.set_attribute("rpc.grpc.status_code", code.value[0])
@@ -182,7 +227,7 @@ class _TracedMultiCallable:
         self._attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
 
     def __call__(self, request: Any, *, metadata: Sequence[tuple[str, Any]] | None = None, **kwargs: Any) -> Any:
-        span = tracer.start_span(self._name, kind=SpanKind.CLIENT, attributes=self._attributes)
+        span = _tracer().start_span(self._name, kind=SpanKind.CLIENT, attributes=self._attributes)
         call = self._inner(request, metadata=(*(metadata or ()), *_trace_headers(span)), **kwargs)
         call.add_done_callback(partial(_end_client_span, span))
         return call

@@ -127,7 +127,7 @@ def _code_of(context: grpc.aio.ServicerContext, exc: BaseException | None) -> gr
 
 def _wrap(full: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     service, method = rpc_tracing.split_method(full)
-    with_span = rpc_tracing.traced(full)
+    traced_method = rpc_tracing.ServerMethod(full) if rpc_tracing.traced(full) else None
     kind = "unary" if handler.unary_unary else "server_stream" if handler.unary_stream else ""
     if not kind:
         return handler
@@ -137,7 +137,7 @@ def _wrap(full: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
     def begin(context: grpc.aio.ServicerContext) -> rpc_tracing.ServerSpan | None:
         started_total.inc()
-        return rpc_tracing.ServerSpan(full, context) if with_span else None
+        return rpc_tracing.ServerSpan(traced_method, context) if traced_method is not None else None
 
     def finish(started: float, context: Any, span: rpc_tracing.ServerSpan | None, exc: BaseException | None) -> None:
         code = _code_of(context, exc)

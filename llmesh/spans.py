@@ -26,12 +26,14 @@ from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import Event, ReadableSpan, TracerProvider, sampling
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace.propagation import _SPAN_KEY  # where the API keeps the current span
 from opentelemetry.util import types
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,9 @@ MAX_QUEUED = 8192
 MAX_EVENTS = 128
 MAX_LINKS = 128
 
+_UNSET = Status(StatusCode.UNSET)
+# Attribute values that need no cleaning (string keys are the callers' side of the contract).
+_PLAIN = frozenset({str, int, float, bool})
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 
@@ -87,9 +92,9 @@ class LeanSpan(trace.Span):
         self.parent = parent
         self.kind = kind
         self.attributes = attributes
-        self.links: list[Link] = list(links[:MAX_LINKS])
+        self.links: list[Link] = list(links[:MAX_LINKS]) if links else []
         self.events: list[tuple[str, types.Attributes, int]] = []
-        self.status = Status(StatusCode.UNSET)
+        self.status = _UNSET
         self.start_time = start_time or time.time_ns()
         self.end_time: int | None = None
 
@@ -167,8 +172,22 @@ class LeanTracer(trace.Tracer):
         record_exception: bool = True,
         set_status_on_exception: bool = True,
     ) -> trace.Span:
+        current = (context if context is not None else otel_context.get_current()).get(_SPAN_KEY)
+        parent = current.get_span_context() if isinstance(current, trace.Span) else None
+        return self.start_child(name, parent, kind, attributes, links, start_time, context)
+
+    def start_child(
+        self,
+        name: str,
+        parent: SpanContext | None,
+        kind: SpanKind = SpanKind.INTERNAL,
+        attributes: types.Attributes = None,
+        links: Sequence[Link] | None = None,
+        start_time: int | None = None,
+        context: Context | None = None,
+    ) -> trace.Span:
+        """`start_span` with the parent given directly (e.g. read from a request's traceparent)."""
         provider = self._provider
-        parent: SpanContext | None = trace.get_current_span(context).get_span_context()
         if parent is not None and parent.is_valid:
             trace_id = parent.trace_id
         else:
@@ -194,7 +213,8 @@ class LeanTracer(trace.Tracer):
             trace_flags=_SAMPLED if sample else _NOT_SAMPLED,
             trace_state=trace_state,
         )
-        if not record:
+        if not record or not provider.has_processors:
+            # Nothing would receive it (no exporter configured): the ids still propagate.
             return trace.NonRecordingSpan(span_context)
         return LeanSpan(provider, self._scope, name, span_context, parent, kind, recorded, links, start_time)
 
@@ -259,17 +279,25 @@ class LeanTracerProvider(TracerProvider):
 
     def _readable(self, span: LeanSpan) -> ReadableSpan:
         limits = self._span_limits
-        attributes = span.attributes
-        if any(value is None for value in attributes.values()):  # invalid: the SDK drops them too
-            attributes = {key: value for key, value in attributes.items() if value is not None}
+        attributes: Mapping[str, Any] = span.attributes
+        if (
+            len(attributes) > (limits.max_span_attributes or len(attributes))
+            or limits.max_span_attribute_length is not None
+            or not all(type(value) in _PLAIN for value in attributes.values())
+        ):
+            # Cleaned and bounded as the SDK does (None and other invalid values are dropped).
+            attributes = BoundedAttributes(
+                limits.max_span_attributes,
+                {key: value for key, value in attributes.items() if value is not None},
+                immutable=True,
+                max_value_len=limits.max_span_attribute_length,
+            )
         return ReadableSpan(
             name=span.name,
             context=span.get_span_context(),
             parent=span.parent,
             resource=self.resource,
-            attributes=BoundedAttributes(
-                limits.max_span_attributes, attributes, immutable=True, max_value_len=limits.max_span_attribute_length
-            ),
+            attributes=attributes,
             events=tuple(
                 Event(
                     name,
@@ -306,6 +334,10 @@ class LeanTracerProvider(TracerProvider):
             self._wake.wait(FLUSH_INTERVAL_S)
             self._wake.clear()
             self._drain()
+
+    @property
+    def has_processors(self) -> bool:
+        return bool(getattr(self._active_span_processor, "_span_processors", True))
 
     def add_span_processor(self, span_processor: Any) -> None:
         # Spans that ended before the processor was added are not its business.

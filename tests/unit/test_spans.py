@@ -85,7 +85,14 @@ def test_sampling_follows_the_configured_sampler() -> None:
         provider.shutdown()
 
 
+def test_without_processors_spans_only_carry_ids(provider: LeanTracerProvider) -> None:
+    span = provider.get_tracer("unit.test").start_span("nobody listens")
+    assert not span.is_recording()
+    assert span.get_span_context().is_valid and span.get_span_context().trace_flags.sampled
+
+
 def test_a_sampled_remote_parent_is_continued(provider: LeanTracerProvider) -> None:
+    exported(provider)
     remote = trace.SpanContext(
         0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, is_remote=True, trace_flags=trace.TraceFlags(1)
     )
@@ -118,6 +125,7 @@ def test_a_processor_sees_only_spans_ended_after_it_was_added(provider: LeanTrac
 
 
 def test_a_full_queue_drops_and_counts(provider: LeanTracerProvider, monkeypatch: pytest.MonkeyPatch) -> None:
+    exported(provider)
     monkeypatch.setattr(spans, "MAX_QUEUED", 0)
     provider.get_tracer("unit.test").start_span("dropped").end()
     assert provider.dropped_spans == 1
