@@ -83,13 +83,20 @@ def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
     )
 
 
-async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
+def _set_status_for(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
+    """The one mapping of errors to statuses. The status goes out with the call's final batch
+    when the handler returns: cheaper than `context.abort`, which sends it from inside the
+    handler and unwinds with another exception (a shed is a status, and sheds come in floods)."""
     if isinstance(exc, errors.LlmeshError):
         if exc.code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
             log.error("%s failed: %s", method, exc.message)
-        await context.abort(exc.code, exc.message, trailing_metadata=tuple(exc.trailing_metadata()))
+        context.set_code(exc.code)
+        context.set_details(exc.message)
+        context.set_trailing_metadata(tuple(exc.trailing_metadata()))
+        return
     log.exception("unhandled error in %s", method, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+    context.set_code(grpc.StatusCode.INTERNAL)
+    context.set_details("internal error")
 
 
 class RuntimeInterceptor(grpc.aio.ServerInterceptor):
@@ -162,7 +169,8 @@ def _wrap(full: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
             except BaseException as caught:
                 exc = caught
                 if isinstance(caught, Exception) and not _is_abort(caught):
-                    await _abort_for(caught, context, full)
+                    _set_status_for(caught, context, full)
+                    return None
                 raise
             finally:
                 finish(started, context, span, exc)
@@ -183,7 +191,8 @@ def _wrap(full: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         except BaseException as caught:
             exc = caught
             if isinstance(caught, Exception) and not _is_abort(caught):
-                await _abort_for(caught, context, full)
+                _set_status_for(caught, context, full)
+                return
             raise
         finally:
             finish(started, context, span, exc)
@@ -286,15 +295,23 @@ class ServiceHost:
         await self.app.stop()
 
 
+def apply_niceness(increment: int) -> int:
+    """Adds LLMESH_NICE to this process's niceness (before any thread starts, so every thread
+    inherits it) and returns the niceness it runs at. Raising priority (a negative increment)
+    needs CAP_SYS_NICE: without it the service warns and keeps its niceness."""
+    if increment:
+        try:
+            return os.nice(increment)
+        except PermissionError:
+            log.warning("LLMESH_NICE=%d needs CAP_SYS_NICE; keeping niceness %d", increment, os.nice(0))
+    return os.nice(0)
+
+
 def run_service(service: str, factory: Callable[[Settings], ServiceApp]) -> None:
     """Entry point of `python -m services.<name>`."""
     settings = load_or_exit(service)
     telemetry.setup_logging(service, settings.log_level)
-    if settings.nice:
-        try:
-            os.nice(settings.nice)
-        except PermissionError:  # raising priority needs CAP_SYS_NICE
-            log.warning("LLMESH_NICE=%d needs CAP_SYS_NICE; keeping niceness %d", settings.nice, os.nice(0))
+    apply_niceness(settings.nice)
     telemetry.setup_tracing(service)
     try:
         asyncio.run(_serve(service, factory, settings))

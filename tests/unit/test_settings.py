@@ -50,3 +50,32 @@ def test_readme_lists_every_setting() -> None:
     readme = (settings.Path(__file__).resolve().parents[2] / "README.md").read_text()
     missing = [s.env for s in settings.DECLARED if f"`{s.env}`" not in readme]
     assert not missing, f"README settings table is missing {missing}; paste `python -m llmesh.settings`"
+
+
+def test_niceness_may_raise_priority_within_the_kernel_range() -> None:
+    assert load("gateway", {"LLMESH_NICE": "-10"}).nice == -10
+    assert load("inference", {}).nice == 5
+    for bad in ("-21", "20", "high"):
+        with pytest.raises(SettingsError, match="LLMESH_NICE"):
+            load("gateway", {"LLMESH_NICE": bad})
+
+
+def test_raising_priority_without_the_capability_warns_and_keeps_going(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import os
+
+    from llmesh import server
+
+    real_nice = os.nice
+
+    def nice(increment: int) -> int:
+        if increment < 0:
+            raise PermissionError(1, "Operation not permitted")
+        return real_nice(increment)
+
+    monkeypatch.setattr(os, "nice", nice)
+    before = real_nice(0)
+    assert server.apply_niceness(-10) == before
+    assert "CAP_SYS_NICE" in caplog.text
+    assert server.apply_niceness(0) == before
