@@ -674,6 +674,8 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
         done = [o.latency for o in mine if o.ok]
         kind_shed = [o.latency for o in mine if o.shed]
         kind_in_gateway = [o.timings["total"] / 1000 for o in mine if o.shed and "total" in o.timings]
+        # Refused downstream (the inference queue) rather than by the gateway's admission.
+        kind_downstream = [o.latency for o in mine if o.shed and "total" not in o.timings]
         pre = [sum(o.timings.get(h, 0.0) for h in PRE_ADMISSION_HOPS) for o in mine if o.ok and o.timings]
         by_kind[kind] = {
             "requests": len(mine),
@@ -684,6 +686,8 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
             "shed_p50_s": round(percentile(kind_shed, 0.5), 4),
             "shed_p99_s": round(percentile(kind_shed, 0.99), 4),
             "shed_in_gateway_p99_s": round(percentile(kind_in_gateway, 0.99), 4),
+            "shed_downstream": len(kind_downstream),
+            "shed_downstream_p50_s": round(percentile(kind_downstream, 0.5), 4),
             "pre_admission_p50_ms": round(percentile(pre, 0.5), 1),
             "pre_admission_p99_ms": round(percentile(pre, 0.99), 1),
         }

@@ -10,6 +10,7 @@ logging, the metrics endpoint and a graceful SIGTERM drain.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -338,6 +339,11 @@ async def _serve(service: str, factory: Callable[[Settings], ServiceApp], settin
     done, _ = await asyncio.wait({startup, waiter}, return_when=asyncio.FIRST_COMPLETED)
     if startup in done:
         startup.result()
+        # Everything loaded so far (modules, models, descriptors) lives as long as the process:
+        # out of the collector's sight, a full collection scans only what requests left behind,
+        # which keeps its pause (20-30 ms in the gateway under load) off the latency tail.
+        gc.collect()
+        gc.freeze()
         # One machine-readable line: supervisors and tests read the bound ports from it.
         lifecycle.info(
             "serving",
