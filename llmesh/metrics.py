@@ -3,7 +3,7 @@ exports (names after go-grpc-prometheus so existing dashboards work)."""
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 
 from llmesh.telemetry import current_trace_id
 
@@ -22,6 +22,15 @@ GRPC_HANDLING = Histogram(
     "Response latency of RPCs handled by the server.",
     ["grpc_type", "grpc_service", "grpc_method"],
     buckets=LATENCY_BUCKETS,
+)
+# What the health service says, as metrics, so alerts need no gRPC probe.
+SERVING = Gauge(
+    "llmesh_serving", "1 while the service reports SERVING on its health service, 0 while warming up or draining."
+)
+DEPENDENCY_UP = Gauge(
+    "llmesh_dependency_up",
+    "1 while a backing store the service uses answers, 0 while it is unreachable (the service's health details).",
+    ["dependency"],
 )
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from qdrant_client import QdrantClient
+from qdrant_client.http.exceptions import ResponseHandlingException
 
 from llmesh.settings import Settings
 
@@ -34,6 +35,8 @@ class QdrantHandle:
         self._executor = executor
         #: Folder of the embedded store; None for a Qdrant server.
         self.local_path = local_path
+        #: False from a call that got no reply (refused, timed out) until a call gets one.
+        self.reachable = True
 
     @property
     def local(self) -> bool:
@@ -41,7 +44,13 @@ class QdrantHandle:
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+        try:
+            result = await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+        except ResponseHandlingException:  # the client's wrapper for "no reply from the server"
+            self.reachable = False
+            raise
+        self.reachable = True
+        return result
 
     def close(self) -> None:
         try:

@@ -26,7 +26,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from llmesh import errors, rpc_tracing, telemetry
-from llmesh.metrics import GRPC_HANDLED, GRPC_HANDLING, GRPC_STARTED, MetricsEndpoint
+from llmesh.metrics import DEPENDENCY_UP, GRPC_HANDLED, GRPC_HANDLING, GRPC_STARTED, SERVING, MetricsEndpoint
 from llmesh.settings import Settings, load_or_exit
 
 log = logging.getLogger("llmesh.server")
@@ -247,6 +247,8 @@ class ServiceHost:
             maximum_concurrent_rpcs=None,
         )
         self.port = 0
+        self.health_port = 0
+        self._health_server: grpc.aio.Server | None = None
         self._details_task: asyncio.Task[None] | None = None
 
     async def start(self, on_listening: Callable[[int], None] | None = None) -> int:
@@ -264,6 +266,8 @@ class ServiceHost:
         if self.port == 0:
             raise RuntimeError(f"could not bind {self.settings.listen}")
         await self.server.start()
+        if self.settings.health_listen:
+            await self._start_health_listener(self.settings.health_listen)
         if on_listening is not None:
             on_listening(self.port)
         await self.app.start()
@@ -272,12 +276,23 @@ class ServiceHost:
             self._details_task = asyncio.create_task(self._watch_details())
         return self.port
 
+    async def _start_health_listener(self, address: str) -> None:
+        """Health only, in plaintext, on its own server: probes that cannot present a client
+        certificate (the kubelet's) read the status without opening the service's own port."""
+        self._health_server = grpc.aio.server(options=server_options(self.settings))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        self.health_port = self._health_server.add_insecure_port(address)
+        if self.health_port == 0:
+            raise RuntimeError(f"could not bind {address}")
+        await self._health_server.start()
+
     async def _watch_details(self) -> None:
         """Publishes the app's optional component health (e.g. the cache's Redis) as health entries
         named `<service>/<component>`: the service keeps SERVING while a part it can do without is down."""
         serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
         while True:
             for component, ok in self.app.health_details().items():  # type: ignore[attr-defined]
+                DEPENDENCY_UP.labels(component).set(1 if ok else 0)
                 for name in self.app.service_names:
                     await self.health.set(f"{name}/{component}", serving if ok else not_serving)
             await asyncio.sleep(HEALTH_DETAIL_INTERVAL_S)
@@ -286,6 +301,7 @@ class ServiceHost:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *self.app.service_names):
             await self.health.set(name, status)
+        SERVING.set(1 if serving else 0)
 
     async def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING first (load balancers stop sending), then drain in-flight calls."""
@@ -293,6 +309,8 @@ class ServiceHost:
             self._details_task.cancel()
         await self.set_serving(False)
         await self.server.stop(self.settings.grace_seconds if grace is None else grace)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
         await self.app.stop()
 
 

@@ -77,6 +77,10 @@ def _address(raw: str) -> str:
     return raw
 
 
+def _optional_address(raw: str) -> str:
+    return _address(raw) if raw else raw
+
+
 def _target(raw: str) -> str:
     # Accepts host:port or a gRPC URI such as dns:///inference.llmesh.svc:50053.
     if "://" in raw or raw.startswith(("dns:", "unix:", "ipv4:", "ipv6:")):
@@ -251,6 +255,14 @@ DECLARED: tuple[Setting, ...] = (
         _optional_file,
     ),
     Setting("LLMESH_TLS_CA", "", "CA bundle to verify peers with (enables TLS to peers).", ALL, _optional_file),
+    Setting(
+        "LLMESH_HEALTH_LISTEN",
+        "",
+        "Extra plaintext listener serving only grpc.health.v1.Health (host:port; empty: none). For "
+        "probes that cannot speak mutual TLS, e.g. the kubelet's gRPC probes.",
+        ALL,
+        _optional_address,
+    ),
     # Peers (who dials whom).
     Setting(
         "LLMESH_TOKENIZER_TARGET", "127.0.0.1:50052", "Tokenizer service address.", ("gateway", "retrieval"), _target

@@ -147,8 +147,12 @@ class CacheApp:
 
     def health_details(self) -> dict[str, bool]:
         """`llmesh.v1.Cache/redis` in the health service: NOT_SERVING while Redis is unreachable
-        (the cache itself stays SERVING, answering miss)."""
-        return {"redis": self.core.ready and not self.core.get().degraded}
+        (the cache itself stays SERVING, answering miss); `llmesh.v1.Cache/qdrant` likewise for
+        the semantic tier's Qdrant, as seen by its last call."""
+        details = {"redis": self.core.ready and not self.core.get().degraded}
+        if self._qdrant is not None:
+            details["qdrant"] = self._qdrant.reachable
+        return details
 
     async def stop(self) -> None:
         if self.core.ready:

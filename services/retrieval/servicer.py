@@ -129,6 +129,11 @@ class RetrievalApp:
         await core.start()
         self.core.set(core)
 
+    def health_details(self) -> dict[str, bool]:
+        """`llmesh.v1.Retrieval/qdrant` in the health service: NOT_SERVING while the last Qdrant
+        call got no reply."""
+        return {"qdrant": self._qdrant is not None and self._qdrant.reachable}
+
     async def stop(self) -> None:
         self.core.clear()
         if self._chunker is not None:

@@ -22,6 +22,7 @@ DOCKERFILE = ROOT / "Dockerfile"
 # Standard variables read by libraries, allowed beside the declared ones.
 STANDARD_PREFIXES = ("OTEL_", "HF_")
 MODEL_READERS = ("tokenizer", "inference", "cache", "retrieval")
+ONE_SHOT_JOBS = ("models", "certs")
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -141,8 +142,8 @@ def test_peer_targets_point_at_the_peer_services(services: dict[str, dict[str, A
 
 def test_healthchecks_everywhere(services: dict[str, dict[str, Any]]) -> None:
     for name, svc in services.items():
-        if name == "models":
-            assert svc.get("restart") == "no", "models is a one-shot job"
+        if name in ONE_SHOT_JOBS:
+            assert svc.get("restart") == "no", f"{name} is a one-shot job"
             continue
         check = svc.get("healthcheck")
         assert check and check.get("test"), f"{name} has no healthcheck"
@@ -155,6 +156,39 @@ def test_health_one_liner_is_valid_python(services: dict[str, dict[str, Any]]) -
     test = services["gateway"]["healthcheck"]["test"]
     assert test[:3] == ["CMD", "python", "-c"]
     compile(test[3], "<healthcheck>", "exec")
+    # The service port requires mTLS: the check reads the plaintext health-only listener.
+    assert "os.environ['LLMESH_HEALTH_LISTEN']" in test[3] and "insecure_channel" in test[3]
+
+
+def test_every_service_runs_with_mutual_tls(services: dict[str, dict[str, Any]], compose: dict) -> None:
+    """Each service serves TLS with its own certificate from the `certs` job and presents it to its
+    peers; every internal service also requires a client certificate from the mesh CA. The gateway
+    serves TLS to callers without requiring one (they authenticate with API keys)."""
+    certs = services["certs"]
+    assert certs["restart"] == "no" and certs.get("network_mode") == "none"
+    assert "./scripts/mesh-certs.sh:/usr/local/bin/mesh-certs:ro" in certs["volumes"]
+    entry = certs["entrypoint"]
+    assert entry[:2] == ["bash", "/usr/local/bin/mesh-certs"] and entry[-1] == "/certs"
+    ca_dir = entry[entry.index("--ca-dir") + 1]
+    assert entry[entry.index("--owner") + 1] == "10001:10001", "the services run as uid 10001"
+    volumes = {v.split(":")[1]: v.split(":")[0] for v in certs["volumes"]}
+    assert volumes["/certs"] == "certs" and volumes[ca_dir] != "certs"
+    assert {"certs", volumes[ca_dir]} <= set(compose["volumes"])
+    for name in settings.SERVICES:
+        svc = services[name]
+        env = env_of(svc)
+        assert env["LLMESH_TLS_CERT"] == f"/certs/{name}/tls.crt", name
+        assert env["LLMESH_TLS_KEY"] == f"/certs/{name}/tls.key", name
+        assert env["LLMESH_TLS_CA"] == f"/certs/{name}/ca.crt", name
+        if name == "gateway":
+            assert "LLMESH_TLS_CLIENT_CA" not in env, "callers reach the gateway without a client certificate"
+        else:
+            assert env["LLMESH_TLS_CLIENT_CA"] == f"/certs/{name}/ca.crt", f"{name} must require client certificates"
+        assert "certs:/certs:ro" in svc["volumes"], name
+        assert not any(v.split(":")[0] == volumes[ca_dir] for v in svc["volumes"]), f"{name} sees the CA key"
+        assert svc["depends_on"]["certs"]["condition"] == "service_completed_successfully", name
+        host, _, _ = env["LLMESH_HEALTH_LISTEN"].rpartition(":")
+        assert host == "127.0.0.1", f"{name}: the plaintext health port must stay inside the container"
 
 
 def test_depends_on_waits_for_health(services: dict[str, dict[str, Any]]) -> None:
@@ -163,7 +197,7 @@ def test_depends_on_waits_for_health(services: dict[str, dict[str, Any]]) -> Non
         assert isinstance(depends, dict), f"{name}: depends_on needs conditions"
         for dep, spec in depends.items():
             assert dep in services, f"{name} depends on unknown {dep}"
-            expected = "service_completed_successfully" if dep == "models" else "service_healthy"
+            expected = "service_completed_successfully" if dep in ONE_SHOT_JOBS else "service_healthy"
             assert spec["condition"] == expected, f"{name} -> {dep}: {spec['condition']}"
             if expected == "service_healthy":
                 assert services[dep].get("healthcheck"), f"{dep} has no healthcheck to wait for"

@@ -23,7 +23,11 @@ ROOT = Path(__file__).resolve().parents[2]
 KUSTOMIZE_DIRS = {
     "base": ROOT / "deploy" / "kubernetes" / "base",
     "gpu": ROOT / "deploy" / "kubernetes" / "overlays" / "gpu",
+    # The base plus the cert-manager and prometheus-rules components (custom resources).
+    "operators": ROOT / "deploy" / "kubernetes" / "overlays" / "operators",
 }
+# Kinds of operators' custom resources: kubernetes-validate has no schema for them (checked below).
+CUSTOM_API_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/")
 # Oldest Kubernetes the manifests are written for (native gRPC probes are GA from 1.27).
 MIN_KUBERNETES = "1.29.0"
 STANDARD_PREFIXES = ("OTEL_", "HF_")
@@ -152,6 +156,8 @@ def test_objects_match_kubernetes_schemas(objects: tuple[Obj, ...], version: str
     if version == "latest":
         version = kubernetes_validate.latest_version()
     for obj in objects:
+        if obj["apiVersion"].startswith(CUSTOM_API_GROUPS):
+            continue
         try:
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -204,6 +210,8 @@ def test_settings_values_parse(objects: tuple[Obj, ...]) -> None:
     for name in settings.SERVICES:
         env = environment(objects, container(one(objects, "Deployment", name)))
         concrete = {k: v for k, v in env.items() if not v.startswith("<secret")}
+        # Certificate files exist only in the pod (the mounted Secret): any file stands in.
+        concrete |= {k: __file__ for k in concrete if k in settings.BY_ENV and settings.BY_ENV[k].parse is settings._optional_file}
         settings.load(name, concrete)
 
 
@@ -213,13 +221,16 @@ def test_ports_probes_and_listen_address(objects: tuple[Obj, ...]) -> None:
         c = container(deployment)
         port, metrics = settings.DEFAULT_PORTS[name], settings.DEFAULT_METRICS_PORTS[name]
         assert re.fullmatch(rf"llmesh/{name}:[\w.-]+", c["image"]), c["image"]
-        assert {p["containerPort"] for p in c["ports"]} == {port, metrics}, name
         env = environment(objects, c)
+        health = int(env["LLMESH_HEALTH_LISTEN"].rpartition(":")[2])
+        assert {p["containerPort"] for p in c["ports"]} == {port, metrics, health}, name
         assert env["LLMESH_LISTEN"] == f"0.0.0.0:{port}", name
         assert env.get("LLMESH_METRICS_PORT", str(metrics)) == str(metrics), name
         assert env["LLMESH_METRICS_HOST"] == "0.0.0.0", name
+        # The service port requires mTLS, which the kubelet's gRPC probes cannot speak: they read
+        # the plaintext health-only listener.
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[probe].get("grpc", {}).get("port") == port, f"{name} {probe} is not a gRPC probe on {port}"
+            assert c[probe].get("grpc", {}).get("port") == health, f"{name} {probe} is not a gRPC probe on {health}"
             assert c[probe]["grpc"].get("service", "") == "", "the overall health status is probed"
         annotations = deployment["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/port"] == str(metrics)
@@ -367,3 +378,218 @@ def test_gpu_overlay_only_changes_inference() -> None:
         assert one(gpu, "Deployment", name) == one(base, "Deployment", name), f"gpu overlay changed {name}"
     kinds = lambda objs: sorted((o["kind"], o["metadata"]["name"].rsplit("-", 1)[0]) for o in objs)  # noqa: E731
     assert kinds(base) == kinds(gpu)
+
+
+# ----------------------------------------------------------------------------- mutual TLS
+
+TLS_MOUNT = "/etc/llmesh/tls"
+
+
+def test_every_service_serves_and_dials_with_mutual_tls(objects: tuple[Obj, ...]) -> None:
+    """Each pod mounts Secret llmesh-tls-<service>, serves TLS with it and presents it to peers;
+    the internal services require client certificates from the mesh CA, the gateway does not
+    (callers authenticate with API keys)."""
+    for name in settings.SERVICES:
+        deployment = one(objects, "Deployment", name)
+        c = container(deployment)
+        env = environment(objects, c)
+        assert env["LLMESH_TLS_CERT"] == f"{TLS_MOUNT}/tls.crt", name
+        assert env["LLMESH_TLS_KEY"] == f"{TLS_MOUNT}/tls.key", name
+        assert env["LLMESH_TLS_CA"] == f"{TLS_MOUNT}/ca.crt", name
+        if name == "gateway":
+            assert "LLMESH_TLS_CLIENT_CA" not in env
+        else:
+            assert env["LLMESH_TLS_CLIENT_CA"] == f"{TLS_MOUNT}/ca.crt", f"{name} must require client certificates"
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == TLS_MOUNT)
+        assert mount["readOnly"] is True
+        volume = next(v for v in pod_spec(deployment)["volumes"] if v["name"] == mount["name"])
+        assert volume["secret"]["secretName"] == f"llmesh-tls-{name}", name
+        assert volume["secret"]["defaultMode"] == 0o440, name
+
+
+def test_cert_manager_issues_one_certificate_per_service() -> None:
+    objects = render("operators")
+    namespace = one(objects, "Deployment", "gateway")["metadata"]["namespace"]
+    ca = one(objects, "Certificate", "llmesh-mesh-ca")
+    assert ca["spec"]["isCA"] is True
+    issuer = one(objects, "Issuer", "llmesh-mesh-ca")
+    assert issuer["spec"]["ca"]["secretName"] == ca["spec"]["secretName"]
+    for name in settings.SERVICES:
+        cert = one(objects, "Certificate", f"llmesh-tls-{name}")["spec"]
+        assert cert["secretName"] == f"llmesh-tls-{name}"
+        assert cert["issuerRef"] == {"kind": "Issuer", "name": "llmesh-mesh-ca"}
+        assert {"server auth", "client auth"} <= set(cert["usages"]), name
+        # Peers dial dns:///<service>.<namespace>.svc.cluster.local: the name must be in the SANs.
+        assert f"{name}.{namespace}.svc.cluster.local" in cert["dnsNames"], name
+    rule = one(objects, "PrometheusRule", "llmesh")
+    rules_file = ROOT / "deploy" / "prometheus" / "rules" / "llmesh.rules.yml"
+    assert rule["spec"]["groups"] == yaml.safe_load(rules_file.read_text())["groups"]
+    # The components add custom resources only: every other object is the base's.
+    base = {(o["kind"], o["metadata"]["name"]): o for o in render("base")}
+    added = {(o["kind"], o["metadata"]["name"]): o for o in objects if (o["kind"], o["metadata"]["name"]) not in base}
+    assert all(o["apiVersion"].startswith(CUSTOM_API_GROUPS) for o in added.values()), sorted(added)
+    assert len(objects) - len(added) == len(base)
+
+
+# ----------------------------------------------------------------------------- network policies
+
+# Who may open a connection to whom inside the namespace (docs/deploy.md, "Trust model").
+ALLOWED_CALLERS = {
+    "tokenizer": {"gateway", "retrieval"},
+    "inference": {"gateway"},
+    "cache": {"gateway"},
+    "retrieval": {"gateway"},
+    "redis": {"cache", "gateway"},
+    "qdrant": {"cache", "retrieval"},
+}
+GATEWAY_CLIENT_LABEL = "llmesh.io/gateway-client"
+MONITORING = {"kubernetes.io/metadata.name": "monitoring"}
+
+
+def selects(selector: Obj | None, labels: dict[str, str]) -> bool:
+    """Kubernetes label-selector semantics (matchLabels and matchExpressions)."""
+    selector = selector or {}
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        value, op = labels.get(expr["key"]), expr["operator"]
+        if op == "In" and value not in expr["values"]:
+            return False
+        if op == "NotIn" and value in expr["values"]:
+            return False
+        if op == "Exists" and value is None:
+            return False
+        if op == "DoesNotExist" and value is not None:
+            return False
+    return True
+
+
+def workloads(objects: tuple[Obj, ...]) -> dict[str, Obj]:
+    kinds = ("Deployment", "StatefulSet", "Job")
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] in kinds}
+
+
+def pod_labels(workload: Obj) -> dict[str, str]:
+    return dict(workload["spec"]["template"]["metadata"]["labels"])
+
+
+def policies_for(objects: tuple[Obj, ...], workload: Obj, direction: str) -> list[Obj]:
+    return [
+        p
+        for p in find(objects, "NetworkPolicy")
+        if direction in p["spec"]["policyTypes"] and selects(p["spec"]["podSelector"], pod_labels(workload))
+    ]
+
+
+def rule_ports(rule: Obj) -> set[int] | None:
+    """The ports a rule opens; None means every port."""
+    ports = rule.get("ports")
+    if not ports:
+        return None
+    assert all(isinstance(p["port"], int) for p in ports), "policies name ports by number"
+    return {p["port"] for p in ports}
+
+
+def admitted(objects: tuple[Obj, ...], target: str, port: int) -> list[Obj]:
+    """Every peer clause that may open a connection to `target`'s pods on `port`."""
+    peers: list[Obj] = []
+    for policy in policies_for(objects, workloads(objects)[target], "Ingress"):
+        for rule in policy["spec"].get("ingress") or []:
+            ports = rule_ports(rule)
+            if ports is None or port in ports:
+                assert rule.get("from"), f"{policy['metadata']['name']} admits everyone on {port}"
+                peers.extend(rule["from"])
+    return peers
+
+
+def same_namespace_workloads(objects: tuple[Obj, ...], peer: Obj) -> set[str]:
+    assert "ipBlock" not in peer and "namespaceSelector" not in peer, f"not a same-namespace peer: {peer}"
+    return {name for name, w in workloads(objects).items() if selects(peer["podSelector"], pod_labels(w))}
+
+
+def egress_allows(objects: tuple[Obj, ...], source: str, target: str, port: int) -> bool:
+    target_labels = pod_labels(workloads(objects)[target])
+    for policy in policies_for(objects, workloads(objects)[source], "Egress"):
+        for rule in policy["spec"].get("egress") or []:
+            ports = rule_ports(rule)
+            if ports is not None and port not in ports:
+                continue
+            for peer in rule.get("to") or []:
+                if "namespaceSelector" not in peer and selects(peer.get("podSelector"), target_labels):
+                    return True
+    return False
+
+
+def service_ports(workload: Obj) -> set[int]:
+    return {p["containerPort"] for c in pod_spec(workload)["containers"] for p in c.get("ports") or []}
+
+
+def test_default_deny_and_a_policy_for_every_workload(objects: tuple[Obj, ...]) -> None:
+    policies = find(objects, "NetworkPolicy")
+    deny = one(objects, "NetworkPolicy", "default-deny")["spec"]
+    assert deny["podSelector"] == {} and set(deny["policyTypes"]) == {"Ingress", "Egress"}
+    assert not deny.get("ingress") and not deny.get("egress")
+    for name, workload in workloads(objects).items():
+        own = [
+            p
+            for p in policies
+            if p["spec"]["podSelector"].get("matchLabels") and selects(p["spec"]["podSelector"], pod_labels(workload))
+        ]
+        assert own, f"{name} has no NetworkPolicy of its own"
+        assert {t for p in own for t in p["spec"]["policyTypes"]} == {"Ingress", "Egress"}, name
+
+
+def test_internal_services_admit_only_their_callers(objects: tuple[Obj, ...]) -> None:
+    for target, callers in ALLOWED_CALLERS.items():
+        workload = workloads(objects)[target]
+        metrics = settings.DEFAULT_METRICS_PORTS.get(target)
+        for port in service_ports(workload):
+            peers = admitted(objects, target, port)
+            if port == metrics:
+                assert peers and all(p == {"namespaceSelector": {"matchLabels": MONITORING}} for p in peers), target
+                continue
+            admitted_workloads = set().union(*(same_namespace_workloads(objects, p) for p in peers))
+            if port in (settings.DEFAULT_PORTS.get(target), 6379, 6333, 6334):
+                assert admitted_workloads == callers, f"{target}:{port} admits {sorted(admitted_workloads)}"
+                for caller in callers:
+                    assert egress_allows(objects, caller, target, port), f"{caller} may not dial {target}:{port}"
+            else:  # the health-only port: the kubelet (node traffic) needs no rule
+                assert not peers, f"{target}:{port} admits {peers}"
+        # Nobody else in the namespace may dial it on any port.
+        for source in set(workloads(objects)) - callers - {target}:
+            for port in service_ports(workload):
+                assert not egress_allows(objects, source, target, port), f"{source} may dial {target}:{port}"
+
+
+def test_gateway_admits_callers_by_the_documented_label(objects: tuple[Obj, ...]) -> None:
+    grpc_port = settings.DEFAULT_PORTS["gateway"]
+    for port in (grpc_port, 8080):
+        peers = admitted(objects, "gateway", port)
+        assert {"namespaceSelector": {}, "podSelector": {"matchLabels": {GATEWAY_CLIENT_LABEL: "true"}}} in peers
+        assert {"namespaceSelector": {"matchLabels": {GATEWAY_CLIENT_LABEL: "true"}}} in peers
+        assert len(peers) == 2, peers
+    metrics = admitted(objects, "gateway", settings.DEFAULT_METRICS_PORTS["gateway"])
+    assert metrics == [{"namespaceSelector": {"matchLabels": MONITORING}}]
+    assert not admitted(objects, "gateway", 50050), "the health-only port admits no one"
+
+
+def test_egress_is_dns_otlp_and_the_peers(objects: tuple[Obj, ...]) -> None:
+    expected_peers = {
+        "gateway": {"tokenizer", "inference", "cache", "retrieval", "redis"},
+        "retrieval": {"tokenizer", "qdrant"},
+        "cache": {"redis", "qdrant"},
+    }
+    for name, workload in workloads(objects).items():
+        for policy in policies_for(objects, workload, "Egress"):
+            for rule in policy["spec"].get("egress") or []:
+                assert rule.get("to") and rule_ports(rule), f"{policy['metadata']['name']}: open egress"
+                for peer in rule["to"]:
+                    if "namespaceSelector" in peer:
+                        ns = peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+                        assert (ns, rule_ports(rule)) in (("kube-system", {53}), ("observability", {4317})), peer
+        reachable = {
+            target
+            for target, w in workloads(objects).items()
+            if target != name and any(egress_allows(objects, name, target, port) for port in service_ports(w))
+        }
+        assert reachable == expected_peers.get(name, set()), f"{name} may dial {sorted(reachable)}"
