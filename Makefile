@@ -58,7 +58,7 @@ bench: install
 	$(BIN)/llmesh bench
 
 certs:
-	scripts/dev-certs.sh .certs
+	scripts/mesh-certs.sh .certs/mesh
 
 clean:
 	rm -rf $(VENV) .data

@@ -24,14 +24,15 @@ def tiny_model(models_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def dev_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A CA, a service certificate and a client certificate from scripts/dev-certs.sh."""
+def mesh_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The mesh CA and certificates from scripts/mesh-certs.sh, the script the compose `certs` job
+    runs: <dir>/<name>/tls.crt, tls.key and ca.crt for each service and for `client`."""
     import subprocess
 
     from llmesh.testing import REPO_ROOT
 
-    out = tmp_path_factory.mktemp("certs")
-    subprocess.run([str(REPO_ROOT / "scripts" / "dev-certs.sh"), str(out)], check=True, capture_output=True)
+    out = tmp_path_factory.mktemp("certs") / "mesh"
+    subprocess.run([str(REPO_ROOT / "scripts" / "mesh-certs.sh"), str(out)], check=True, capture_output=True)
     return out
 
 

@@ -116,27 +116,31 @@ async def test_overloaded_error_carries_retry_after(models_dir: Path, tiny_model
     assert overloaded.value.reason == "WEIGHT_BUDGET_EXCEEDED"
 
 
-async def test_tls_with_client_certificate(models_dir: Path, tiny_model: Path, tmp_path: Path, dev_certs: Path) -> None:
-    certs = dev_certs
+async def test_tls_with_client_certificate(
+    models_dir: Path, tiny_model: Path, tmp_path: Path, mesh_certs: Path
+) -> None:
+    certs = mesh_certs
+    # One certificate for every in-process service here (the compose stack gives each its own).
     tls = {
-        "LLMESH_TLS_CERT": str(certs / "service.pem"),
-        "LLMESH_TLS_KEY": str(certs / "service.key"),
-        "LLMESH_TLS_CLIENT_CA": str(certs / "ca.pem"),
-        "LLMESH_TLS_CA": str(certs / "ca.pem"),
+        "LLMESH_TLS_CERT": str(certs / "cache" / "tls.crt"),
+        "LLMESH_TLS_KEY": str(certs / "cache" / "tls.key"),
+        "LLMESH_TLS_CLIENT_CA": str(certs / "cache" / "ca.crt"),
+        "LLMESH_TLS_CA": str(certs / "cache" / "ca.crt"),
     }
+    ca = str(certs / "client" / "ca.crt")
     async with mesh(models_dir, tmp_path / "data", **tls) as gw:
         target = f"127.0.0.1:{gw.port}"
         async with AsyncMesh(
             target,
-            ca_file=str(certs / "ca.pem"),
-            cert_file=str(certs / "client.pem"),
-            key_file=str(certs / "client.key"),
+            ca_file=ca,
+            cert_file=str(certs / "client" / "tls.crt"),
+            key_file=str(certs / "client" / "tls.key"),
         ) as client:
             ingested = await client.ingest([("tls-doc", "Documents travel over mutual TLS too.")])
             assert ingested.chunks == 1  # retrieval reached the tokenizer over mutual TLS
             reply = await client.ask("Hello over mutual TLS", max_new_tokens=4)
             # Every hop behind the gateway is mutual TLS too: the answer needed all of them.
             assert reply.usage.output_tokens == 4 and not reply.degradations
-        async with AsyncMesh(target, ca_file=str(certs / "ca.pem"), timeout=5) as no_cert:
+        async with AsyncMesh(target, ca_file=ca, timeout=5) as no_cert:
             with pytest.raises(UnavailableError):
                 await no_cert.ask("no client certificate", max_new_tokens=4)

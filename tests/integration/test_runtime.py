@@ -166,3 +166,83 @@ async def test_unparsable_requests_are_invalid_argument(models_dir: Path) -> Non
                     with pytest.raises(grpc.aio.AioRpcError) as info:
                         await call(raw, timeout=5)
                     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, raw)
+
+
+class DependencyProbeApp(WarmProbeApp):
+    """Reports a backing store down through health details, as the cache does for Redis."""
+
+    def health_details(self) -> dict[str, bool]:
+        return {"redis": False, "qdrant": True}
+
+
+async def _wait_for_sample(name: str, labels: dict[str, str], value: float, timeout: float = 5.0) -> None:
+    from prometheus_client import REGISTRY
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while REGISTRY.get_sample_value(name, labels) != value:
+        assert loop.time() < deadline, f"{name}{labels} is {REGISTRY.get_sample_value(name, labels)}, not {value}"
+        await asyncio.sleep(0.05)
+
+
+async def test_health_listener_is_plaintext_and_serves_only_health(mesh_certs: Path) -> None:
+    """With mTLS on the service port, LLMESH_HEALTH_LISTEN answers probes without a certificate,
+    and serves nothing but health there; llmesh_serving follows the health status."""
+    from prometheus_client import REGISTRY
+
+    env = {
+        "LLMESH_TLS_CERT": str(mesh_certs / "tokenizer" / "tls.crt"),
+        "LLMESH_TLS_KEY": str(mesh_certs / "tokenizer" / "tls.key"),
+        "LLMESH_TLS_CLIENT_CA": str(mesh_certs / "tokenizer" / "ca.crt"),
+        "LLMESH_HEALTH_LISTEN": "127.0.0.1:0",
+    }
+    async with hosted("tokenizer", DependencyProbeApp, env) as host:
+        assert host.health_port and host.health_port != host.port
+        assert await _health(host.health_port) == health_pb2.HealthCheckResponse.SERVING
+        assert await _health(host.health_port, "llmesh.v1.Tokenizer") == health_pb2.HealthCheckResponse.SERVING
+        assert REGISTRY.get_sample_value("llmesh_serving") == 1
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{host.health_port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as other:
+                await tokenizer_pb2_grpc.TokenizerStub(channel).Encode(tokenizer_pb2.EncodeRequest(text="x"), timeout=2)
+        assert other.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        with pytest.raises(grpc.aio.AioRpcError) as plaintext:
+            await _health(host.port)
+        assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE
+        # Health details become llmesh_dependency_up, which the alerting rules read.
+        await _wait_for_sample("llmesh_dependency_up", {"dependency": "redis"}, 0)
+        await _wait_for_sample("llmesh_dependency_up", {"dependency": "qdrant"}, 1)
+        await host.set_serving(False)
+        assert await _health(host.health_port) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert REGISTRY.get_sample_value("llmesh_serving") == 0
+        await host.set_serving(True)
+
+
+async def test_invalid_health_listen_address_is_refused() -> None:
+    from llmesh.settings import SettingsError
+    from llmesh.testing import service_settings
+
+    with pytest.raises(SettingsError, match="LLMESH_HEALTH_LISTEN"):
+        service_settings("tokenizer", {"LLMESH_HEALTH_LISTEN": "no-port"})
+
+
+async def test_qdrant_reachability_follows_the_last_call(tmp_path: Path) -> None:
+    from qdrant_client.http.exceptions import ResponseHandlingException
+
+    from llmesh import qdrant
+    from llmesh.testing import service_settings
+
+    unreachable = qdrant.open_client(service_settings("cache", {"QDRANT_URL": "http://127.0.0.1:1"}), "cache")
+    try:
+        assert unreachable.reachable
+        with pytest.raises(ResponseHandlingException):
+            await unreachable.run(unreachable.client.get_collections)
+        assert not unreachable.reachable
+    finally:
+        unreachable.close()
+    local = service_settings("cache", {"LLMESH_DATA_DIR": str(tmp_path), "QDRANT_URL": ""})
+    embedded = qdrant.open_client(local, "cache")
+    try:
+        await embedded.run(embedded.client.get_collections)
+        assert embedded.reachable
+    finally:
+        embedded.close()

@@ -18,19 +18,20 @@ OTHER_KEY = "admin-key-0123456789"
 
 
 def _creds(certs: Path, client: bool) -> grpc.ChannelCredentials:
-    ca = (certs / "ca.pem").read_bytes()
+    ca = (certs / "client" / "ca.crt").read_bytes()
     if not client:
         return grpc.ssl_channel_credentials(ca)
-    return grpc.ssl_channel_credentials(ca, (certs / "client.key").read_bytes(), (certs / "client.pem").read_bytes())
+    key, cert = (certs / "client" / "tls.key").read_bytes(), (certs / "client" / "tls.crt").read_bytes()
+    return grpc.ssl_channel_credentials(ca, key, cert)
 
 
-async def test_mutual_tls_refuses_clients_without_a_certificate(dev_certs: Path, models_dir: Path) -> None:
-    certs = dev_certs
+async def test_mutual_tls_refuses_clients_without_a_certificate(mesh_certs: Path, models_dir: Path) -> None:
+    certs = mesh_certs
     env = {
         "LLMESH_MODELS_DIR": str(models_dir),
-        "LLMESH_TLS_CERT": str(certs / "service.pem"),
-        "LLMESH_TLS_KEY": str(certs / "service.key"),
-        "LLMESH_TLS_CLIENT_CA": str(certs / "ca.pem"),
+        "LLMESH_TLS_CERT": str(certs / "tokenizer" / "tls.crt"),
+        "LLMESH_TLS_KEY": str(certs / "tokenizer" / "tls.key"),
+        "LLMESH_TLS_CLIENT_CA": str(certs / "tokenizer" / "ca.crt"),
     }
     async with hosted("tokenizer", TokenizerApp, env) as host:
         target = f"127.0.0.1:{host.port}"

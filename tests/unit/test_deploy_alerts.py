@@ -86,7 +86,8 @@ def test_promtool_unit_tests_catch_a_broken_rule(tmp_path: Path, original: str, 
 
 
 def test_every_alert_fires_in_a_unit_test_and_stays_silent_in_another() -> None:
-    cases = [case for test in yaml.safe_load(RULE_TESTS.read_text())["tests"] for case in test.get("alert_rule_test", [])]
+    tests = yaml.safe_load(RULE_TESTS.read_text())["tests"]
+    cases = [case for test in tests for case in test.get("alert_rule_test", [])]
     fired = {c["alertname"] for c in cases if c.get("exp_alerts")}
     silent = {c["alertname"] for c in cases if not c.get("exp_alerts")}
     names = {a["alert"] for a in alerts()}

@@ -211,7 +211,8 @@ def test_settings_values_parse(objects: tuple[Obj, ...]) -> None:
         env = environment(objects, container(one(objects, "Deployment", name)))
         concrete = {k: v for k, v in env.items() if not v.startswith("<secret")}
         # Certificate files exist only in the pod (the mounted Secret): any file stands in.
-        concrete |= {k: __file__ for k in concrete if k in settings.BY_ENV and settings.BY_ENV[k].parse is settings._optional_file}
+        files = [k for k in concrete if k in settings.BY_ENV and settings.BY_ENV[k].parse is settings._optional_file]
+        concrete |= dict.fromkeys(files, __file__)
         settings.load(name, concrete)
 
 
