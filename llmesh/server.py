@@ -348,9 +348,8 @@ async def _serve(service: str, factory: Callable[[Settings], ServiceApp], settin
     started = time.perf_counter()
 
     def listening(port: int) -> None:
-        lifecycle.info(
-            "listening", extra={"fields": {"event": "listening", "port": port, "metrics_port": metrics.port}}
-        )
+        fields = {"event": "listening", "port": port, "metrics_port": metrics.port, "health_port": host.health_port}
+        lifecycle.info("listening", extra={"fields": fields})
 
     startup = asyncio.create_task(host.start(listening))
     waiter = asyncio.create_task(stopping.wait())

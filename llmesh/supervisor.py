@@ -33,6 +33,7 @@ class ServiceProcess:
     proc: subprocess.Popen[bytes]
     port: int = 0
     metrics_port: int = 0
+    health_port: int = 0  # the plaintext health-only listener (LLMESH_HEALTH_LISTEN), 0 when none
     log_lines: list[str] = field(default_factory=list)
     _listening: threading.Event = field(default_factory=threading.Event)
 
@@ -51,6 +52,7 @@ class ServiceProcess:
                 try:
                     entry = json.loads(line)
                     self.port, self.metrics_port = int(entry["port"]), int(entry["metrics_port"])
+                    self.health_port = int(entry.get("health_port", 0))
                     self._listening.set()
                 except (ValueError, KeyError):
                     pass
