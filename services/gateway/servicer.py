@@ -140,6 +140,13 @@ class GatewayApp:
     async def start(self) -> None:
         return None
 
+    def health_details(self) -> dict[str, bool]:
+        """`llmesh.v1.Gateway/redis` when replicas share an admission window: NOT_SERVING while Redis
+        is down and this replica admits on its local fallback budget (it keeps serving)."""
+        if isinstance(self.window, RedisWeightWindow):
+            return {"redis": self.window.redis_ok}
+        return {}
+
     async def stop(self) -> None:
         await self.peers.close()
         if isinstance(self.window, RedisWeightWindow):

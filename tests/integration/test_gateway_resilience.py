@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmesh.errors import status_details, unpack_details
 from llmesh.server import ServiceHost
@@ -193,6 +194,39 @@ async def test_two_gateways_sharing_redis_enforce_one_budget(models_dir: Path, t
     # Three requests fit a 3.5-request budget whichever gateway takes them; the fourth does not.
     assert outcomes == ["ok", "ok", "ok", "RESOURCE_EXHAUSTED"]
     redis.Redis.from_url(SHARED_REDIS).flushdb()
+
+
+async def test_shared_window_redis_down_is_reported_and_requests_still_admitted(
+    models_dir: Path, tiny_model: Path
+) -> None:
+    """Redis of the shared admission window unreachable: the gateway admits on its local fallback
+    and says so in its health details and in llmesh_dependency_up (LlmeshRedisUnreachable)."""
+    from prometheus_client import REGISTRY
+
+    async with backends(models_dir) as (tok, inf):
+        env = gateway_env(tok, inf, LLMESH_ADMISSION_REDIS_URL="redis://127.0.0.1:1/0")
+        async with hosted("gateway", GatewayApp, env) as gw:
+            assert gw.app.health_details() == {"redis": True}  # nothing tried yet
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
+                await gateway_pb2_grpc.GatewayStub(channel).Generate(ask("Hello there", 4), timeout=30)
+                assert gw.app.health_details() == {"redis": False}
+                health = health_pb2_grpc.HealthStub(channel)
+                detail = health_pb2.HealthCheckRequest(service="llmesh.v1.Gateway/redis")
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 5
+                while True:  # published by the runtime's health-details loop (every second)
+                    try:
+                        reply = await health.Check(detail, timeout=2)
+                        if reply.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                            break
+                    except grpc.aio.AioRpcError as err:  # NOT_FOUND until first published
+                        assert err.code() == grpc.StatusCode.NOT_FOUND
+                    assert loop.time() < deadline, "llmesh.v1.Gateway/redis never became NOT_SERVING"
+                    await asyncio.sleep(0.05)
+                # The gauge is set before the health entry in the same pass.
+                assert REGISTRY.get_sample_value("llmesh_dependency_up", {"dependency": "redis"}) == 0
+                overall = await health.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                assert overall.status == health_pb2.HealthCheckResponse.SERVING
 
 
 async def test_sigterm_drain_completes_in_flight_streams(models_dir: Path, tiny_model: Path) -> None:
