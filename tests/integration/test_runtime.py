@@ -225,6 +225,7 @@ async def test_invalid_health_listen_address_is_refused() -> None:
         service_settings("tokenizer", {"LLMESH_HEALTH_LISTEN": "no-port"})
 
 
+@pytest.mark.filterwarnings("ignore:Failed to obtain server version")
 async def test_qdrant_reachability_follows_the_last_call(tmp_path: Path) -> None:
     from qdrant_client.http.exceptions import ResponseHandlingException
 

@@ -141,6 +141,17 @@ def test_compose_prometheus_loads_the_rules() -> None:
     assert config["rule_files"] == [mounts["./deploy/prometheus/rules/llmesh.rules.yml"]]
 
 
+def test_promtool_checks_the_compose_prometheus_config(tmp_path: Path) -> None:
+    """prometheus.yml with its rule file where compose mounts it: promtool loads both."""
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    config["rule_files"] = [str(RULES)]
+    local = tmp_path / "prometheus.yml"
+    local.write_text(yaml.safe_dump(config))
+    result = subprocess.run([promtool(), "check", "config", str(local)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(rules())} rules found" in result.stdout
+
+
 def test_alert_metrics_exist_in_the_code() -> None:
     registered = _registered_metric_names([f"services.{s}" for s in settings.SERVICES])
     used = {base_name(m) for r in rules() for m in metric_names(r["expr"])}
