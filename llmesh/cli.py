@@ -166,20 +166,112 @@ def cmd_models(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     settings = load_or_exit("cli")
     base = settings.models_path
-    if args.action == "prepare":
-        for path in models.prepare_all(base):
-            info = models.verify(path)
-            print(f"{info.model_id}: {path} (sha256 {info.digest[:16]})")
-        return 0
+    try:
+        if args.action == "prepare":
+            for path in models.prepare_all(base):
+                info = models.verify(path)
+                print(f"{info.model_id}: {path} (sha256 {info.digest[:16]})")
+            return 0
+        if args.action == "import":
+            return _import_model(args, base)
+        if args.action == "list":
+            return _list_models(args, base)
+    except models.ModelError as exc:
+        print(f"llmesh models {args.action}: {exc}", file=sys.stderr)
+        return 2
+    stored = models.catalog(base)
+    if not stored:
+        print(f"llmesh models verify: no models under {base}; run `llmesh models prepare`", file=sys.stderr)
+        return 1
     failed = 0
-    for name in (models.SMOLLM2, models.MINILM):
+    for entry in stored:
+        label = f"{entry.name}/{entry.version}{' (current)' if entry.current else ''}"
         try:
-            info = models.verify(models.resolve(base, name))
-            print(f"ok  {name}: version {info.version}, sha256 {info.digest[:16]}")
+            info = models.verify(entry.path)
+            print(f"ok  {label}: sha256 {info.digest[:16]}")
         except models.ModelError as exc:
             failed += 1
-            print(f"BAD {name}: {exc}", file=sys.stderr)
+            print(f"BAD {label}: {exc}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _import_model(args: argparse.Namespace, base: Path) -> int:
+    from tqdm import tqdm
+
+    from llmesh.model_import import import_model
+
+    bars: list[tqdm] = []
+
+    def progress(total: int):  # type: ignore[no-untyped-def]
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"copying and hashing {args.name}", file=sys.stderr)
+        bars.append(bar)
+        return bar.update
+
+    try:
+        imported = import_model(
+            args.source,
+            base,
+            args.name,
+            version=args.version,
+            kind=args.kind,
+            chat_template=Path(args.chat_template) if args.chat_template else None,
+            revision=args.revision,
+            progress=progress,
+        )
+    finally:
+        for bar in bars:
+            bar.close()
+    print(
+        f"imported {imported.name}/{imported.version} ({imported.kind}, {imported.architecture}, "
+        f"{imported.files} files, {_size(imported.bytes)}) at {imported.path}; current -> {imported.version}"
+    )
+    return 0
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} GB"
+
+
+def _list_models(args: argparse.Namespace, base: Path) -> int:
+    from llmesh import models
+
+    stored = models.catalog(base)
+    if args.json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "name": e.name,
+                        "version": e.version,
+                        "current": e.current,
+                        "kind": e.kind,
+                        "model_id": e.model_id,
+                        "bytes": e.size,
+                        "sha256": e.digest,
+                        "path": str(e.path),
+                    }
+                    for e in stored
+                ],
+                indent=2,
+            )
+        )
+        return 0
+    if not stored:
+        print(f"no models under {base}; run `llmesh models prepare` or `llmesh models import`")
+        return 0
+    rows = [("NAME", "VERSION", "CURRENT", "KIND", "SIZE", "SHA256", "MODEL")]
+    rows += [
+        (e.name, e.version, "*" if e.current else "", e.kind, _size(e.size), e.digest[:16], e.model_id) for e in stored
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -240,8 +332,19 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--top-k", type=int, default=0)
     search.set_defaults(func=cmd_search)
 
-    models = sub.add_parser("models", help="prepare or verify the models")
-    models.add_argument("action", choices=("prepare", "verify"))
+    models = sub.add_parser("models", help="prepare, import, list or verify the models")
+    models_sub = models.add_subparsers(dest="action", required=True)
+    models_sub.add_parser("prepare", help="convert the packaged models (SmolLM2, MiniLM)")
+    models_sub.add_parser("verify", help="check every file of every model version against its manifest")
+    listing = models_sub.add_parser("list", help="every model, its versions, the current one, sizes and digests")
+    listing.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    imports = models_sub.add_parser("import", help="import a Hugging Face model directory (or hub id)")
+    imports.add_argument("source", help="a local model directory, or a hub id where a hub is reachable")
+    imports.add_argument("--name", required=True, help="the model's name in the mesh (LLMESH_MODEL)")
+    imports.add_argument("--version", help="the version folder (default: the next vN)")
+    imports.add_argument("--kind", choices=("causal-lm", "embedding"), default="causal-lm")
+    imports.add_argument("--chat-template", help="a Jinja chat template file, for tokenizers without one")
+    imports.add_argument("--revision", help="hub revision (branch, tag or commit) to pin")
     models.set_defaults(func=cmd_models)
 
     bench = sub.add_parser("bench", help="run benchmarks (default: all)")

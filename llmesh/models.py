@@ -49,13 +49,25 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(directory: Path, model_id: str, source: dict[str, Any]) -> dict[str, Any]:
+def write_manifest(
+    directory: Path,
+    model_id: str,
+    source: dict[str, Any],
+    *,
+    kind: str | None = None,
+    hashes: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Lists every file with its sha256; `hashes` are digests already taken (while copying)."""
+    known = hashes or {}
     files = {
-        str(p.relative_to(directory)): sha256_file(p)
+        rel: known.get(rel) or sha256_file(p)
         for p in sorted(directory.rglob("*"))
         if p.is_file() and p.name != MANIFEST
+        for rel in [str(p.relative_to(directory))]
     }
-    manifest = {"model_id": model_id, "format": "safetensors", "source": source, "files": files}
+    manifest: dict[str, Any] = {"model_id": model_id, "format": "safetensors", "source": source, "files": files}
+    if kind is not None:
+        manifest["kind"] = kind
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
 
@@ -212,3 +224,63 @@ def prepare_minilm(models_dir: Path, version: str = "v1") -> Path:
 
 def prepare_all(models_dir: Path) -> list[Path]:
     return [prepare_smollm2(models_dir), prepare_minilm(models_dir)]
+
+
+CAUSAL_LM = "causal-lm"
+EMBEDDING = "embedding"
+
+
+@dataclass(frozen=True)
+class StoredVersion:
+    """One version of one model under the models dir, read from its manifest (not rehashed)."""
+
+    name: str
+    version: str
+    path: Path
+    current: bool
+    kind: str
+    model_id: str
+    size: int
+    digest: str
+
+
+def model_kind(manifest: dict[str, Any], directory: Path) -> str:
+    """Imports record their kind; prepared models predate that: sentence-transformers layouts
+    (modules.json) are embedders."""
+    kind = manifest.get("kind")
+    if isinstance(kind, str):
+        return kind
+    return EMBEDDING if (directory / "modules.json").is_file() else CAUSAL_LM
+
+
+def catalog(models_dir: Path) -> list[StoredVersion]:
+    """Every version with a manifest, by model name then version; staging folders are skipped."""
+    found: list[StoredVersion] = []
+    if not models_dir.is_dir():
+        return found
+    for root in sorted(p for p in models_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        current = os.readlink(root / "current") if (root / "current").is_symlink() else None
+        for directory in sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink()):
+            manifest_path = directory / MANIFEST
+            if directory.name.startswith(".") or not manifest_path.is_file():
+                continue
+            raw = manifest_path.read_bytes()
+            try:
+                manifest = json.loads(raw)
+                files = manifest["files"]
+            except (ValueError, KeyError):
+                manifest, files = {}, {}
+            size = sum((directory / rel).stat().st_size for rel in files if (directory / rel).is_file())
+            found.append(
+                StoredVersion(
+                    name=root.name,
+                    version=directory.name,
+                    path=directory,
+                    current=current == directory.name,
+                    kind=model_kind(manifest, directory),
+                    model_id=str(manifest.get("model_id", root.name)),
+                    size=size,
+                    digest=hashlib.sha256(raw).hexdigest(),
+                )
+            )
+    return found
