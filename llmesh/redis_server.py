@@ -135,6 +135,9 @@ class EmbeddedRedis:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             preexec_fn=_die_with_parent,
+            # Its own session: Ctrl-C in the terminal reaches the services (they drain) but not the
+            # server, which the supervisor stops once they have drained.
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         while not self._answers():

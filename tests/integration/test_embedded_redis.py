@@ -3,6 +3,7 @@ persisted under the data dir, stopped by SIGTERM with nothing left behind."""
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
@@ -37,6 +38,8 @@ def test_serves_persists_across_restarts_and_stops(tmp_path: Path) -> None:
         client.set("llmesh:test:kept", "across restarts")
         client.close()
         assert (server.directory / "redis.pid").read_text().strip() == str(pid)
+        # Ctrl-C in a terminal signals the foreground process group: not the server's.
+        assert os.getpgid(pid) != os.getpgid(0)
     assert not psutil.pid_exists(pid), "redis-server still running after stop"
     assert (server.directory / "dump.rdb").is_file(), "no snapshot written on shutdown"
     assert (server.directory.stat().st_mode & 0o777) == 0o700
