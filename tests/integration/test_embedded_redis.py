@@ -78,3 +78,26 @@ def test_which_redis_each_part_uses() -> None:
         {"LLMESH_REDIS_URL": "redis://127.0.0.1:6379/0", "LLMESH_ADMISSION_REDIS_URL": "embedded"}, every
     )
     assert not redis_server.wanted({}, ("tokenizer", "retrieval"))
+
+
+async def test_gateway_shared_window_finds_the_embedded_server(tmp_path: Path) -> None:
+    from services.gateway.admission import SOURCE_REDIS, RedisWeightWindow
+    from services.gateway.servicer import GatewayApp
+
+    port = free_port()
+    settings = load(
+        "gateway",
+        {
+            "LLMESH_ADMISSION_REDIS_URL": "embedded",
+            "LLMESH_EMBEDDED_REDIS_PORT": str(port),
+            "LLMESH_LISTEN": "127.0.0.1:0",
+        },
+    )
+    with EmbeddedRedis(port, tmp_path / "redis") as server:
+        app = GatewayApp(settings)
+        assert isinstance(app.window, RedisWeightWindow)
+        admitted = await app.window.admit("acme", 1000)
+        assert admitted.source == SOURCE_REDIS and admitted.occupancy == 1000
+        with redis.Redis.from_url(server.url) as client:
+            assert client.dbsize() > 0
+        await app.window.redis.aclose()
