@@ -26,7 +26,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from llmesh.settings import Settings, load
+from llmesh.settings import Settings, SettingsError, load
 
 #: LLMESH_ADMISSION_REDIS_URL value that points the gateway's shared window at the embedded server.
 EMBEDDED = "embedded"
@@ -92,7 +92,10 @@ class EmbeddedRedis:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], cwd: Path | None = None) -> EmbeddedRedis:
-        settings = load("cli", env)
+        try:
+            settings = load("cli", env)
+        except SettingsError as exc:
+            raise EmbeddedRedisError(str(exc)) from exc
         data = Path(settings.data_dir)
         if not data.is_absolute():
             data = (cwd or Path.cwd()) / data
