@@ -7,8 +7,8 @@ which the cache uses.)
 
 The server listens on 127.0.0.1:$LLMESH_EMBEDDED_REDIS_PORT and keeps its snapshot, log and
 pid under `$LLMESH_DATA_DIR/redis`, so cached answers survive a restart. The supervisor starts
-it before the services and stops it after they drain; services find it from the same two
-settings (port and data dir), as they find the embedded Qdrant.
+it before the services and stops it after they drain; the cache and the gateway find it from
+the same setting through `resolve_url`.
 """
 
 from __future__ import annotations

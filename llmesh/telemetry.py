@@ -70,7 +70,6 @@ SERVICE_COLORS = {
     "inference": "\x1b[35m",
     "cache": "\x1b[32m",
     "retrieval": "\x1b[34m",
-    "redis": "\x1b[31m",
 }
 
 
