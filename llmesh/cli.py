@@ -13,6 +13,8 @@ from pathlib import Path
 
 from google.protobuf.json_format import MessageToDict
 
+from llmesh.v1 import common_pb2, gateway_pb2
+
 
 def _print_json(message: object) -> None:
     print(json.dumps(MessageToDict(message, preserving_proto_field_name=True), indent=2))  # type: ignore[arg-type]
@@ -32,11 +34,14 @@ def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from llmesh.redis_server import EmbeddedRedisError
     from llmesh.settings import DEFAULT_PORTS
+    from llmesh.supervisor import LogEcho
     from llmesh.supervisor import Mesh as Processes
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     procs = Processes(ports=DEFAULT_PORTS, echo_logs=not args.quiet)
+    say = (procs.echo or LogEcho(os.environ.get("LLMESH_LOG_FORMAT", "auto"))).say
     stop = {"now": False}
 
     def on_signal(signum: int, frame: object) -> None:
@@ -47,25 +52,25 @@ def cmd_up(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         procs.start(timeout=args.start_timeout)
-    except RuntimeError as exc:
-        print(f"llmesh up: {exc}", file=sys.stderr)
+    except (RuntimeError, EmbeddedRedisError) as exc:
+        say(f"llmesh up: {exc}", level="ERROR")
         return 1
-    print(
-        f"llmesh: mesh ready in {time.perf_counter() - started:.1f}s; gateway on "
-        f"{procs.target('gateway')} (Ctrl-C stops)",
-        file=sys.stderr,
-        flush=True,
+    say(
+        f"mesh ready in {time.perf_counter() - started:.1f}s (Ctrl-C stops)",
+        gateway=procs.target("gateway"),
+        redis=procs.redis.url if procs.redis else "LLMESH_REDIS_URL",
     )
     try:
         while not stop["now"]:
             for name, sp in list(procs.procs.items()):
                 if sp.proc.poll() is not None:
-                    print(f"llmesh up: {name} exited with {sp.proc.returncode}; stopping", file=sys.stderr)
+                    say(f"{name} exited with {sp.proc.returncode}; stopping", level="ERROR")
                     stop["now"] = True
             time.sleep(0.5)
     finally:
-        print("llmesh: stopping (draining in-flight calls)", file=sys.stderr, flush=True)
+        say("stopping (draining in-flight calls)")
         procs.stop()
+        say("stopped")
     return 0
 
 
@@ -87,6 +92,33 @@ def _ask_options(args: argparse.Namespace) -> dict[str, object]:
     return options
 
 
+# What each degradation the gateway reports means to the person who asked.
+DEGRADATION_NOTES = {
+    "cache_unavailable": "no cache: the cache was unreachable, so this answer was generated and not cached",
+    "retrieval_unavailable": "no context: retrieval was unreachable, so the answer ignores your documents",
+    "max_new_tokens_capped": "tokens capped: the mesh was busy, max_new_tokens was lowered ({tokens} tokens generated)",
+    "tokenizer_estimate": "the tokenizer was unreachable: admission used an estimated token count",
+}
+
+
+def answer_notes(response: gateway_pb2.GenerateResponse) -> list[str]:
+    """Short notes on how an answer was made: served from the cache, or degraded."""
+    notes = []
+    if response.cache.hit:
+        tier = common_pb2.CacheTier.Name(response.cache.tier).removeprefix("CACHE_TIER_").lower()
+        similarity = "" if tier == "exact" else f", similarity {response.cache.similarity:.2f}"
+        notes.append(f"served from the cache ({tier} match{similarity})")
+    for what in response.degradations:
+        note = DEGRADATION_NOTES.get(what, "degraded: {what}")
+        notes.append(note.format(tokens=response.usage.output_tokens, what=what))
+    return notes
+
+
+def _print_notes(response: gateway_pb2.GenerateResponse) -> None:
+    for note in answer_notes(response):
+        print(f"llmesh: {note}", file=sys.stderr)
+
+
 def cmd_ask(args: argparse.Namespace) -> int:
     with _client(args) as mesh:
         if args.stream:
@@ -99,13 +131,16 @@ def cmd_ask(args: argparse.Namespace) -> int:
             if args.json and final is not None:
                 _print_json(final)
             elif not args.json:
-                print()
+                print(flush=True)
+            if final is not None:
+                _print_notes(final)
             return 0
         response = mesh.ask(args.question, **_ask_options(args))
         if args.json:
             _print_json(response)
         else:
-            print(response.text)
+            print(response.text, flush=True)
+        _print_notes(response)
     return 0
 
 
@@ -160,10 +195,13 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
+    from llmesh import telemetry
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    telemetry.quiet_progress_bars()  # before the model libraries are imported: they read it then
     from llmesh import models
     from llmesh.settings import load_or_exit
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     settings = load_or_exit("cli")
     base = settings.models_path
     try:

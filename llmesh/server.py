@@ -329,7 +329,7 @@ def apply_niceness(increment: int) -> int:
 def run_service(service: str, factory: Callable[[Settings], ServiceApp]) -> None:
     """Entry point of `python -m services.<name>`."""
     settings = load_or_exit(service)
-    telemetry.setup_logging(service, settings.log_level)
+    telemetry.setup_logging(service, settings.log_level, settings.log_format)
     apply_niceness(settings.nice)
     telemetry.setup_tracing(service)
     try:

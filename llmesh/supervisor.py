@@ -13,9 +13,12 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TextIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llmesh import redis_server, telemetry
 
 # Start order: a service starts after the peers it dials.
 START_ORDER = ("tokenizer", "inference", "cache", "retrieval", "gateway")
@@ -27,6 +30,53 @@ TARGET_ENV = {
 }
 
 
+class LogEcho:
+    """Writes the services' log lines to one stream: JSON lines as they come (a line that is not
+    JSON, such as a crash's traceback, is wrapped into one) or, for a person at a terminal, short
+    colored lines. LLMESH_LOG_FORMAT decides, as it does for a service's own output."""
+
+    def __init__(self, log_format: str = "auto", stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.console = telemetry.console_format(log_format, self.stream)
+        self.color = self.console and telemetry.wants_color(self.stream)
+        self._lock = threading.Lock()
+
+    @property
+    def raw_json(self) -> bool:
+        """JSON lines of the services pass through unparsed."""
+        return not self.console
+
+    def show(self, service: str, raw: str, entry: dict[str, Any] | None) -> None:
+        """`entry`: the parsed JSON line, None when the line is not JSON (it is wrapped into one)."""
+        if entry is None:
+            entry = {"ts": _utc_now(), "level": "INFO", "service": service, "logger": "stderr", "msg": raw}
+        elif not self.console:
+            self._write(raw or json.dumps(entry, default=str))
+            return
+        entry.setdefault("service", service)
+        self._write(telemetry.render_console(entry, self.color) if self.console else json.dumps(entry, default=str))
+
+    def passthrough(self, service: str, raw: str) -> None:
+        """JSON output, without parsing a line that looks like JSON."""
+        if raw.startswith("{"):
+            self._write(raw)
+        else:
+            self.show(service, raw, None)
+
+    def say(self, msg: str, level: str = "INFO", **fields: object) -> None:
+        """A line of the supervisor itself (service `llmesh`), in the same format."""
+        self.show("llmesh", "", {"ts": _utc_now(), "level": level, "service": "llmesh", "msg": msg, **fields})
+
+    def _write(self, text: str) -> None:
+        with self._lock:
+            print(text, file=self.stream, flush=True)
+
+
+def _utc_now() -> str:
+    now = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
+
+
 @dataclass
 class ServiceProcess:
     name: str
@@ -36,27 +86,56 @@ class ServiceProcess:
     health_port: int = 0  # the plaintext health-only listener (LLMESH_HEALTH_LISTEN), 0 when none
     log_lines: list[str] = field(default_factory=list)
     _listening: threading.Event = field(default_factory=threading.Event)
+    _reader: threading.Thread | None = None
+
+    def read_logs(self, echo: LogEcho | None) -> None:
+        self._reader = threading.Thread(target=self._pump, args=(echo,), daemon=True)
+        self._reader.start()
+
+    def wait_logs(self, timeout: float = 5.0) -> None:
+        """After the process exited: its last lines (draining, stopped) are read and echoed."""
+        if self._reader is not None:
+            self._reader.join(timeout)
 
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def _pump(self, echo: bool) -> None:
+    def _pump(self, echo: LogEcho | None) -> None:
         assert self.proc.stderr is not None
         for raw in self.proc.stderr:
-            line = raw.decode("utf-8", "replace").rstrip("\n")
+            # A progress bar redraws with \r: only its last state is a line.
+            line = raw.decode("utf-8", "replace").rstrip("\n").rsplit("\r", 1)[-1]
+            if not line.strip():
+                continue
             self.log_lines.append(line)
-            if echo:
-                print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
-            if not self._listening.is_set() and '"event": "listening"' in line:
+            listening = self._listening.is_set()
+            # Parsed only when something reads the fields: under load the gateway logs every request.
+            if listening and (echo is None or echo.raw_json):
+                if echo is not None:
+                    echo.passthrough(self.name, line)
+                continue
+            entry = _parse(line)
+            if echo is not None:
+                echo.show(self.name, line, entry)
+            if not listening and entry is not None and entry.get("event") == "listening":
                 try:
-                    entry = json.loads(line)
                     self.port, self.metrics_port = int(entry["port"]), int(entry["metrics_port"])
                     self.health_port = int(entry.get("health_port", 0))
                     self._listening.set()
-                except (ValueError, KeyError):
+                except (ValueError, KeyError, TypeError):
                     pass
         self._listening.set()
+
+
+def _parse(line: str) -> dict[str, Any] | None:
+    if not line.startswith("{"):
+        return None
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        return None
+    return entry if isinstance(entry, dict) else None
 
 
 def tls_credentials(env: Mapping[str, str]) -> grpc.ChannelCredentials | None:
@@ -103,15 +182,18 @@ class Mesh:
         echo_logs: bool = False,
         cwd: Path | None = None,
         service_env: Mapping[str, Mapping[str, str]] | None = None,
+        log_stream: TextIO | None = None,
     ) -> None:
         self.base_env = {**os.environ, **(env or {})}
         # Settings for one service only (e.g. the gateway's LLMESH_NICE), under extra_env.
         self.service_env = {name: dict(values) for name, values in (service_env or {}).items()}
         self.ports = dict(ports or {})
         self.services = services
-        self.echo_logs = echo_logs
+        self.echo = LogEcho(self.base_env.get("LLMESH_LOG_FORMAT", "auto"), log_stream) if echo_logs else None
         self.cwd = cwd
         self.procs: dict[str, ServiceProcess] = {}
+        #: The embedded Redis, when LLMESH_REDIS_URL is unset (started first, stopped last).
+        self.redis: redis_server.EmbeddedRedis | None = None
 
     def start_one(
         self, name: str, timeout: float = 180.0, extra_env: Mapping[str, str] | None = None
@@ -119,6 +201,9 @@ class Mesh:
         env = dict(self.base_env)
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("PYTHONUNBUFFERED", "1")
+        # Children write JSON lines: the supervisor reads its ports from them and renders them.
+        env["LLMESH_LOG_FORMAT"] = "json"
+        telemetry.quiet_progress_bars(env)
         env["LLMESH_LISTEN"] = f"127.0.0.1:{self.ports.get(name, 0)}"
         if name not in self.ports:
             env["LLMESH_METRICS_PORT"] = "0"  # ephemeral ports: tests and benchmarks run side by side
@@ -137,7 +222,7 @@ class Mesh:
             stderr=subprocess.PIPE,
         )
         sp = ServiceProcess(name, proc)
-        threading.Thread(target=sp._pump, args=(self.echo_logs,), daemon=True).start()
+        sp.read_logs(self.echo)
         if not sp._listening.wait(timeout) or not sp.port:
             self._kill(sp)
             raise RuntimeError(f"{name} did not start:\n" + "\n".join(sp.log_lines[-30:]))
@@ -151,6 +236,10 @@ class Mesh:
 
     def start(self, timeout: float = 180.0) -> Mesh:
         try:
+            if redis_server.wanted(self.base_env, self.services):
+                self.redis = redis_server.EmbeddedRedis.from_env(self.base_env, self.cwd).start()
+                if self.echo is not None:
+                    self.echo.say("embedded redis ready", url=self.redis.url, dir=str(self.redis.directory))
             for name in START_ORDER:
                 if name in self.services:
                     self.start_one(name, timeout)
@@ -172,11 +261,16 @@ class Mesh:
                 sp.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self._kill(sp)
+        sp.wait_logs()
         return sp.proc.returncode
 
     def stop(self) -> None:
         for name in reversed(START_ORDER):
             self.stop_one(name)
+        # After every service drained: the server writes its snapshot and exits.
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
 
     @staticmethod
     def _kill(sp: ServiceProcess) -> None:

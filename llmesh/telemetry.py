@@ -1,14 +1,17 @@
-"""OpenTelemetry tracing (OTLP export from the standard OTEL_* variables) and JSON logs that
-carry the active trace_id and span_id."""
+"""OpenTelemetry tracing (OTLP export from the standard OTEL_* variables) and logs: JSON lines
+that carry the active trace_id and span_id, or short colored lines for a person at a terminal
+(LLMESH_LOG_FORMAT). The supervisor renders its children's JSON lines with the same code."""
 
 from __future__ import annotations
 
+import calendar
 import json
 import logging
 import os
 import sys
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TextIO
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -20,6 +23,28 @@ from llmesh.spans import LeanTracerProvider
 _provider: TracerProvider | None = None
 
 
+def log_entry(record: logging.LogRecord, service: str, exc_text: str = "") -> dict[str, Any]:
+    """The fields of one log line: time, level, service, logger, message, the active trace and
+    span ids, and the record's `extra={"fields": {...}}`."""
+    entry: dict[str, Any] = {
+        "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+        "level": record.levelname,
+        "service": service,
+        "logger": record.name,
+        "msg": record.getMessage(),
+    }
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        entry["trace_id"] = format(ctx.trace_id, "032x")
+        entry["span_id"] = format(ctx.span_id, "016x")
+    extra = getattr(record, "fields", None)
+    if isinstance(extra, dict):
+        entry.update(extra)
+    if exc_text:
+        entry["exc"] = exc_text
+    return entry
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line; trace_id/span_id of the span active when the record was made."""
 
@@ -28,31 +53,122 @@ class JsonFormatter(logging.Formatter):
         self.service = service
 
     def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname,
-            "service": self.service,
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        ctx = trace.get_current_span().get_span_context()
-        if ctx.is_valid:
-            entry["trace_id"] = format(ctx.trace_id, "032x")
-            entry["span_id"] = format(ctx.span_id, "016x")
-        extra = getattr(record, "fields", None)
-        if isinstance(extra, dict):
-            entry.update(extra)
-        if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
+        exc = self.formatException(record.exc_info) if record.exc_info else ""
+        return json.dumps(log_entry(record, self.service, exc), default=str)
 
 
-def setup_logging(service: str, level: str = "INFO") -> None:
+# Console lines: `12:03:04.512 INFO  gateway   listening port=50051 metrics_port=9091`.
+CONSOLE_HIDDEN = frozenset({"ts", "level", "service", "logger", "msg", "trace_id", "span_id", "exc"})
+CONSOLE_MAX_FIELDS = 8
+CONSOLE_MAX_VALUE = 80
+SERVICE_WIDTH = 9
+_RESET, _DIM, _BOLD = "\x1b[0m", "\x1b[2m", "\x1b[1m"
+LEVEL_COLORS = {"DEBUG": "\x1b[34m", "INFO": "\x1b[32m", "WARNING": "\x1b[33m", "ERROR": "\x1b[31m"}
+SERVICE_COLORS = {
+    "gateway": "\x1b[36m",
+    "tokenizer": "\x1b[33m",
+    "inference": "\x1b[35m",
+    "cache": "\x1b[32m",
+    "retrieval": "\x1b[34m",
+}
+
+
+def _local_time(ts: str) -> str:
+    """HH:MM:SS.mmm in local time from the JSON line's UTC `ts` (as is when it does not parse)."""
+    try:
+        seconds = calendar.timegm(time.strptime(ts[:19], "%Y-%m-%dT%H:%M:%S"))
+        return time.strftime("%H:%M:%S", time.localtime(seconds)) + ts[19:23]
+    except (ValueError, OverflowError):
+        return ts
+
+
+def _console_value(value: object) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    if len(text) > CONSOLE_MAX_VALUE:
+        text = text[: CONSOLE_MAX_VALUE - 1] + "…"
+    return json.dumps(text) if (not text or " " in text or "=" in text) else text
+
+
+def render_console(entry: Mapping[str, Any], color: bool) -> str:
+    """One short line for a person: local time, level, service, message and the few fields the
+    code chose to log (the trace and span ids stay in the JSON lines)."""
+    level = str(entry.get("level", "INFO"))
+    service = str(entry.get("service", ""))
+    msg = str(entry.get("msg", ""))
+    fields = [
+        f"{key}={_console_value(value)}"
+        for key, value in entry.items()
+        if key not in CONSOLE_HIDDEN and not (key == "event" and value == msg)
+    ][:CONSOLE_MAX_FIELDS]
+    clock = _local_time(str(entry.get("ts", "")))
+    exc = str(entry.get("exc") or "")
+    if not color:
+        line = f"{clock} {level:<7} {service:<{SERVICE_WIDTH}} {msg}" + "".join(f" {f}" for f in fields)
+        return line + (f"\n{exc}" if exc else "")
+    tone = LEVEL_COLORS.get(level, "")
+    line = (
+        f"{_DIM}{clock}{_RESET} {tone}{level:<7}{_RESET} "
+        f"{SERVICE_COLORS.get(service, _BOLD)}{service:<{SERVICE_WIDTH}}{_RESET} "
+        f"{_BOLD if level in ('WARNING', 'ERROR') else ''}{msg}{_RESET}"
+        + "".join(f" {_DIM}{f}{_RESET}" for f in fields)
+    )
+    return line + (f"\n{LEVEL_COLORS['ERROR']}{exc}{_RESET}" if exc else "")
+
+
+def wants_color(stream: TextIO) -> bool:
+    """Colors on a terminal unless NO_COLOR is set (https://no-color.org)."""
+    return not os.environ.get("NO_COLOR") and stream.isatty()
+
+
+class ConsoleFormatter(logging.Formatter):
+    def __init__(self, service: str, color: bool) -> None:
+        super().__init__()
+        self.service = service
+        self.color = color
+
+    def format(self, record: logging.LogRecord) -> str:
+        exc = self.formatException(record.exc_info) if record.exc_info else ""
+        return render_console(log_entry(record, self.service, exc), self.color)
+
+
+def console_format(log_format: str, stream: TextIO) -> bool:
+    """Whether LLMESH_LOG_FORMAT (auto, console, json) means console lines on this stream."""
+    if log_format == "auto":
+        try:
+            return stream.isatty()
+        except (AttributeError, ValueError):
+            return False
+    return log_format == "console"
+
+
+def quiet_progress_bars(environ: dict[str, str] | os._Environ[str] = os.environ) -> None:
+    """Library progress bars (tqdm in transformers, huggingface_hub, sentence-transformers while
+    a model loads) would interleave with the log lines: they are turned off, unless a variable
+    already says otherwise."""
+    environ.setdefault("TQDM_DISABLE", "1")
+    environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if environ is os.environ and environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
+        # Libraries imported before this call read the variables already: tell them directly.
+        hub = sys.modules.get("huggingface_hub.utils")
+        if hub is not None:
+            hub.disable_progress_bars()
+        transformers_logging = sys.modules.get("transformers.utils.logging")
+        if transformers_logging is not None:
+            transformers_logging.disable_progress_bar()
+
+
+def setup_logging(service: str, level: str = "INFO", log_format: str = "auto") -> None:
+    quiet_progress_bars()
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter(service))
+    if console_format(log_format, sys.stderr):
+        handler.setFormatter(ConsoleFormatter(service, wants_color(sys.stderr)))
+    else:
+        handler.setFormatter(JsonFormatter(service))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    # Library warnings (warnings.warn) become log lines in the same format, not raw stderr text.
+    logging.captureWarnings(True)
     for noisy in ("httpx", "urllib3", "filelock", "sentence_transformers", "transformers"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
 

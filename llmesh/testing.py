@@ -66,6 +66,15 @@ def build_tiny_model(models_dir: Path, name: str = "tiny", version: str = "v1", 
     return target
 
 
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now (for a server that cannot bind port 0 itself)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def service_settings(service: str, env: Mapping[str, str] | None = None) -> Settings:
     """Settings for an in-process service on ephemeral ports."""
     merged = {**os.environ, "LLMESH_LISTEN": "127.0.0.1:0", "LLMESH_METRICS_PORT": "0", **(env or {})}

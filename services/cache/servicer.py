@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import grpc
 
 from llmesh import qdrant as qdrant_mod
+from llmesh import redis_server
 from llmesh.embeddings import Embedder
 from llmesh.errors import InvalidArgument
 from llmesh.server import Readiness
@@ -132,8 +133,10 @@ class CacheApp:
             self._embedder = await asyncio.to_thread(Embedder.load, s.models_path, s.embedding_model)
             await self._embedder.aencode(["warm up"])
             self._qdrant = await asyncio.to_thread(qdrant_mod.open_client, s, "cache")
+        if not s.redis_url:
+            log.info("using the embedded Redis at %s (started by `llmesh up`)", redis_server.embedded_url(s))
         core = CacheCore(
-            redis_client(s.redis_url, s.redis_timeout_seconds),
+            redis_client(redis_server.resolve_url(s.redis_url, s), s.redis_timeout_seconds),
             embedder=self._embedder,
             qdrant=self._qdrant,
             threshold=s.semantic_threshold,

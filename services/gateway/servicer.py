@@ -7,6 +7,7 @@ import logging
 import grpc
 from opentelemetry import trace
 
+from llmesh import redis_server
 from llmesh.channels import peer_credentials, remaining_seconds
 from llmesh.settings import Settings
 from llmesh.v1 import gateway_pb2, gateway_pb2_grpc
@@ -117,7 +118,7 @@ class GatewayApp:
         self.peers = Peers(targets, s.max_message_bytes, breakers, breaker_listener, peer_credentials(s))
         admission = AdmissionConfig.from_settings(s)
         self.window: WeightWindow | RedisWeightWindow = (
-            RedisWeightWindow(admission, connect_redis(s.admission_redis_url))
+            RedisWeightWindow(admission, connect_redis(redis_server.resolve_url(s.admission_redis_url, s)))
             if s.admission_redis_url
             else WeightWindow(admission)
         )
