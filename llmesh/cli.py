@@ -50,9 +50,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"llmesh up: {exc}", file=sys.stderr)
         return 1
+    try:
+        http = f", OpenAI-compatible API on {procs.procs['gateway'].http_base_url(10)}"
+    except RuntimeError:
+        http = ""  # LLMESH_HTTP_LISTEN is empty
     print(
         f"llmesh: mesh ready in {time.perf_counter() - started:.1f}s; gateway on "
-        f"{procs.target('gateway')} (Ctrl-C stops)",
+        f"{procs.target('gateway')}{http} (Ctrl-C stops)",
         file=sys.stderr,
         flush=True,
     )
