@@ -4,6 +4,7 @@ cache on real Redis), called with the official `openai` client exactly as a user
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -17,7 +18,7 @@ import redis
 from prometheus_client import REGISTRY
 
 from llmesh.server import ServiceHost
-from llmesh.testing import hosted
+from llmesh.testing import hosted, service_settings
 from services.cache.servicer import CacheApp
 from services.gateway.servicer import GatewayApp
 from services.inference.servicer import InferenceApp
@@ -293,3 +294,25 @@ async def test_stream_is_sse_in_openai_chunk_format(gateway: ServiceHost) -> Non
     chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
     assert all(c["object"] == "chat.completion.chunk" and "usage" not in c for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+async def test_stream_in_flight_finishes_while_the_gateway_drains(backends: dict) -> None:
+    settings = service_settings("gateway", backends)
+    host = ServiceHost(GatewayApp(settings), settings)
+    await host.start()
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 16, "stream": True, "llmesh": {"use_cache": False}}
+    stopping: asyncio.Task[None] | None = None
+    try:
+        async with httpx.AsyncClient(base_url=base_url(host), timeout=60) as http:
+            async with http.stream("POST", "/chat/completions", json=body) as reply:
+                lines = reply.aiter_lines()
+                first = await anext(lines)
+                stopping = asyncio.create_task(host.stop(grace=30))
+                rest = [line async for line in lines if line]
+            await stopping
+            with pytest.raises(httpx.ConnectError):  # no longer accepting
+                await http.post("/chat/completions", json=body)
+    finally:
+        await (stopping if stopping is not None else host.stop(grace=1))
+    assert first.startswith("data: {") and rest[-1] == "data: [DONE]", rest
+    assert any('"finish_reason":"length"' in line or '"finish_reason":"stop"' in line for line in rest)
