@@ -23,6 +23,7 @@ from typing import Any, cast
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.telemetry import TelemetryConfig
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode
 from starlette.exceptions import HTTPException
@@ -207,7 +208,13 @@ class OpenAiApi:
         self.default_deadline = default_deadline
 
     def app(self, max_body_bytes: int) -> ASGIApp:
-        app = FastAPI(title="llmesh OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+        # FastAPI's own OpenTelemetry is off: the request span comes from llmesh.rpc_tracing (the
+        # lean path and conventions of every gRPC hop) and the metrics are Prometheus, as all of
+        # llmesh's. With it on, each request would get a second server span and operation spans.
+        telemetry: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}
+        app = FastAPI(
+            title="llmesh OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None, telemetry=telemetry
+        )
 
         async def authenticated(request: Request) -> frozenset[str]:
             # A dependency: runs before the body is validated, so a bad key is a 401 whatever the body.

@@ -149,7 +149,8 @@ def test_http_request_is_one_trace_through_every_hop(mesh: Processes, client: Me
 
     client.ingest([("vellmora-lighthouse", FACT)])
     caller_trace, caller_span = secrets.token_hex(16), secrets.token_hex(8)
-    with openai.OpenAI(base_url=mesh.procs["gateway"].http_base_url(), api_key="unused", timeout=300) as http:
+    base_url = mesh.procs["gateway"].http_base_url()
+    with openai.OpenAI(base_url=base_url, api_key="unused", timeout=300, max_retries=0) as http:
         raw = http.chat.completions.with_raw_response.create(
             model="SmolLM2-135M-Instruct",
             messages=[{"role": "user", "content": "In which year was the lighthouse of Vellmora built?"}],
@@ -162,7 +163,8 @@ def test_http_request_is_one_trace_through_every_hop(mesh: Processes, client: Me
     spans = wait_for_spans(receiver, caller_trace, caller_span)
     assert SERVICES <= {s["service"] for s in spans}, {s["service"] for s in spans}
     entry = [s for s in spans if s["parent_span_id"] == caller_span]
-    assert [(s["service"], s["name"]) for s in entry] == [("llmesh-gateway", "POST /v1/chat/completions")], entry
+    found = [(s["service"], s["name"], s["attributes"]) for s in entry]
+    assert [f[:2] for f in found] == [("llmesh-gateway", "POST /v1/chat/completions")], found
     assert entry[0]["attributes"]["http.response.status_code"] in (200, "200")
     ids = {s["span_id"] for s in spans}
     orphans = [(s["service"], s["name"]) for s in spans if s is not entry[0] and s["parent_span_id"] not in ids]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -316,3 +317,25 @@ async def test_stream_in_flight_finishes_while_the_gateway_drains(backends: dict
         await (stopping if stopping is not None else host.stop(grace=1))
     assert first.startswith("data: {") and rest[-1] == "data: [DONE]", rest
     assert any('"finish_reason":"length"' in line or '"finish_reason":"stop"' in line for line in rest)
+
+
+async def test_https_with_the_gateways_tls_settings(backends: dict, dev_certs: Path) -> None:
+    """With LLMESH_TLS_CERT and LLMESH_TLS_CLIENT_CA the HTTP API is HTTPS with client certificates,
+    as the gRPC port is."""
+    tls = {
+        "LLMESH_TLS_CERT": str(dev_certs / "service.pem"),
+        "LLMESH_TLS_KEY": str(dev_certs / "service.key"),
+        "LLMESH_TLS_CLIENT_CA": str(dev_certs / "ca.pem"),
+    }
+    async with hosted("gateway", GatewayApp, {**backends, **tls}) as gw:
+        url = base_url(gw).replace("http://", "https://")
+        ca = ssl.create_default_context(cafile=str(dev_certs / "ca.pem"))
+        with_cert = ssl.create_default_context(cafile=str(dev_certs / "ca.pem"))
+        with_cert.load_cert_chain(str(dev_certs / "client.pem"), str(dev_certs / "client.key"))
+        async with openai.AsyncOpenAI(
+            base_url=url, api_key="unused", max_retries=0, http_client=httpx.AsyncClient(verify=with_cert)
+        ) as client:
+            assert [m.id async for m in client.models.list()] == [MODEL]
+        async with httpx.AsyncClient(verify=ca) as anonymous:
+            with pytest.raises(httpx.HTTPError):  # no client certificate: the handshake is refused
+                await anonymous.get(f"{url}/models")
