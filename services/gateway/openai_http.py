@@ -235,7 +235,8 @@ class OpenAiApi:
         @app.get(MODELS)
         async def list_models(_: frozenset[str] = Depends(authenticated)) -> Response:
             served = await self.gateway.served_models(Deadline.after(self.default_deadline))
-            return Response(_json({"object": "list", "data": [model_card(m) for m in served]}), 200)
+            body = {"object": "list", "data": [model_card(m) for m in served]}
+            return Response(_json(body), 200, media_type="application/json")
 
         @app.get(MODEL)
         async def get_model(model: str, _: frozenset[str] = Depends(authenticated)) -> Response:

@@ -339,3 +339,19 @@ async def test_https_with_the_gateways_tls_settings(backends: dict, dev_certs: P
         async with httpx.AsyncClient(verify=ca) as anonymous:
             with pytest.raises(httpx.HTTPError):  # no client certificate: the handshake is refused
                 await anonymous.get(f"{url}/models")
+
+
+async def test_downstream_down_is_503_and_a_spent_deadline_504(backends: dict) -> None:
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 4, "llmesh": {"use_cache": False}}
+    cases = [
+        (503, "service_unavailable_error", {"LLMESH_INFERENCE_TARGET": "127.0.0.1:1"}),
+        (504, "timeout_error", {"LLMESH_DEFAULT_DEADLINE_SECONDS": "0.001"}),
+    ]
+    for status, kind, env in cases:
+        async with (
+            hosted("gateway", GatewayApp, {**backends, **env}) as gw,
+            httpx.AsyncClient(base_url=base_url(gw), timeout=60) as http,
+        ):
+            reply = await http.post("/chat/completions", json=body)
+        assert reply.status_code == status, reply.text
+        assert assert_openai_error(reply.json())["type"] == kind
