@@ -172,7 +172,8 @@ class ObservedHttp:
                 span.set_status(Status(StatusCode.ERROR, f"HTTP {status}"))
             otel_context.detach(token)
             span.end()
-            metrics.HTTP_REQUESTS.labels(route, method, str(status)).inc()
+            label = method if method in ("GET", "POST", "HEAD", "OPTIONS") else "other"  # bounded label values
+            metrics.HTTP_REQUESTS.labels(route, label, str(status)).inc()
             metrics.HTTP_DURATION.labels(route).observe(time.perf_counter() - started)
 
     async def _bounded_body(self, scope: Scope, headers: Sequence[tuple[str, str]], receive: Receive) -> Receive | None:
