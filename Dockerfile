@@ -111,6 +111,9 @@ FROM runtime AS gateway
 COPY --from=venv-gateway /opt/venv /opt/venv
 ENV LLMESH_LISTEN=0.0.0.0:50051
 EXPOSE 50051 9091
+# The OpenAI-compatible HTTP API.
+ENV LLMESH_HTTP_LISTEN=0.0.0.0:8080
+EXPOSE 8080
 ENTRYPOINT ["python", "-m", "services.gateway"]
 
 FROM runtime AS tokenizer

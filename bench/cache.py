@@ -5,9 +5,10 @@
    curve over thresholds (bench.cache_eval).
 2. Latency through the running gateway (five processes, real models), one client at a time:
    exact hit, semantic hit, miss (a real generation).
-3. Throughput with 64 concurrent clients: exact hits through the gateway, and in the same run
-   the same load generator against a bare grpc.aio relay -> echo pair of processes (what the
-   framework itself manages for two hops on this machine).
+3. Throughput with 64 concurrent clients: exact hits through the gateway over gRPC and over
+   its OpenAI-compatible HTTP API (aiohttp keep-alive clients), and in the same run the same
+   load generator against a bare grpc.aio relay -> echo pair of processes (what the framework
+   itself manages for two hops on this machine).
 Writes bench/results/cache.json.
 """
 
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +28,7 @@ import grpc
 
 from bench import cache_eval
 from bench.common import machine, percentile, print_table, write_result
-from bench.load import closed_loop
+from bench.load import closed_loop, http_closed_loop
 from bench.mesh import bench_mesh
 from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -103,22 +106,60 @@ def start_echo_chain() -> tuple[list[subprocess.Popen[str]], str]:
     return [relay, echo], f"127.0.0.1:{relay_port}"
 
 
-async def throughput(gateway: str, chain: str, clients: int, seconds: float) -> dict[str, Any]:
+def chat_body(model: str, prompt: str) -> dict[str, Any]:
+    """The OpenAI-API twin of `request(prompt)`: same prompt, sampling and tenant, so the same
+    cache entry answers both."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 32,
+        "llmesh": {"use_retrieval": False},
+    }
+
+
+def check_http_hit(base_url: str) -> str:
+    """The served model's id, after checking that the HTTP API answers a cached question from the cache."""
+    with urllib.request.urlopen(f"{base_url}/models", timeout=30) as reply:
+        model = json.load(reply)["data"][0]["id"]
+    body = json.dumps(chat_body(model, QUESTIONS[0])).encode()
+    post = urllib.request.Request(f"{base_url}/chat/completions", body, {"content-type": "application/json"})
+    with urllib.request.urlopen(post, timeout=30) as reply:
+        cache = json.load(reply)["llmesh"]["cache"]
+    assert cache["hit"] and cache["tier"] == "exact", cache
+    return str(model)
+
+
+async def throughput(gateway: str, http_base: str, chain: str, clients: int, seconds: float) -> dict[str, Any]:
     def hit(i: int) -> gateway_pb2.GenerateRequest:
         return request(QUESTIONS[i % len(QUESTIONS)])
 
-    # Alternate short rounds so both targets see the same machine load.
-    gw_ok = gw_s = chain_ok = chain_s = 0.0
+    model = check_http_hit(http_base)
+
+    def http_hit(i: int) -> dict[str, Any]:
+        return chat_body(model, QUESTIONS[i % len(QUESTIONS)])
+
+    # Alternate short rounds so every target sees the same machine load.
+    ok = {"gateway": 0, "http": 0, "chain": 0}
+    spent = {"gateway": 0.0, "http": 0.0, "chain": 0.0}
     errors: dict[str, int] = {}
     rounds = 3
     for _ in range(rounds):
-        g = await closed_loop(gateway, hit, clients, seconds / rounds)
-        c = await closed_loop(chain, hit, clients, seconds / rounds)
-        gw_ok, gw_s = gw_ok + g.ok, gw_s + g.seconds
-        chain_ok, chain_s = chain_ok + c.ok, chain_s + c.seconds
-        for k, v in {**g.errors, **c.errors}.items():
-            errors[k] = errors.get(k, 0) + v
-    return {"exact_hit_rps": gw_ok / gw_s, "echo_chain_rps": chain_ok / chain_s, "load_errors": errors}
+        measured = {
+            "gateway": await closed_loop(gateway, hit, clients, seconds / rounds),
+            "http": await http_closed_loop(f"{http_base}/chat/completions", http_hit, clients, seconds / rounds),
+            "chain": await closed_loop(chain, hit, clients, seconds / rounds),
+        }
+        for name, load in measured.items():
+            ok[name] += load.ok
+            spent[name] += load.seconds
+            for k, v in load.errors.items():
+                errors[f"{name}: {k}"] = errors.get(f"{name}: {k}", 0) + v
+    return {
+        "exact_hit_rps": ok["gateway"] / spent["gateway"],
+        "http_exact_hit_rps": ok["http"] / spent["http"],
+        "echo_chain_rps": ok["chain"] / spent["chain"],
+        "load_errors": errors,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -142,13 +183,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         result.update(asyncio.run(latencies(target, args.repeats)))
         procs, chain = start_echo_chain()
         try:
-            result.update(asyncio.run(throughput(target, chain, args.clients, args.seconds)))
+            http_base = mesh.procs["gateway"].http_base_url()
+            result.update(asyncio.run(throughput(target, http_base, chain, args.clients, args.seconds)))
         finally:
             for proc in procs:
                 proc.terminate()
                 proc.wait(10)
     result["miss_over_exact_hit"] = result["miss_p50_ms"] / result["exact_hit_p50_ms"]
     result["exact_hit_rps_over_echo_chain"] = result["exact_hit_rps"] / result["echo_chain_rps"]
+    result["http_over_grpc_exact_hit_rps"] = result["http_exact_hit_rps"] / result["exact_hit_rps"]
     semantic_p50 = result["semantic_hit_p50_ms"]
     result["passes"] = {
         "semantic_precision>=0.97": result["semantic_precision"] >= 0.97,
@@ -157,6 +200,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "semantic_hit_p50_ms<=30": semantic_p50 is not None and semantic_p50 <= 30,
         "miss/exact_hit>=50": result["miss_over_exact_hit"] >= 50,
         "exact_hit_rps>=0.6*echo_chain_rps": result["exact_hit_rps_over_echo_chain"] >= 0.6,
+        "http_exact_hit_rps>=0.5*exact_hit_rps": result["http_over_grpc_exact_hit_rps"] >= 0.5,
     }
     result["machine"] = machine()
     print_table({k: v for k, v in result.items() if k not in ("curve", "passes", "machine")}, "bench.cache")

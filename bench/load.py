@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -55,4 +56,46 @@ async def closed_loop(
     result.seconds = time.perf_counter() - started
     for channel in pool:
         await channel.close()
+    return result
+
+
+async def http_closed_loop(
+    url: str,
+    make_body: Callable[[int], dict[str, Any]],
+    clients: int,
+    seconds: float,
+    headers: dict[str, str] | None = None,
+) -> LoadResult:
+    """The same closed loop against an HTTP JSON endpoint (the gateway's OpenAI-compatible API),
+    over keep-alive connections, one per client (aiohttp: the cheapest Python HTTP client, so
+    the client costs about what grpc.aio's does)."""
+    import aiohttp
+
+    result = LoadResult()
+    stop_at = time.perf_counter() + seconds
+    connector = aiohttp.TCPConnector(limit=clients, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=30)
+
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
+
+        async def client(i: int) -> None:
+            n = 0
+            while time.perf_counter() < stop_at:
+                started = time.perf_counter()
+                try:
+                    async with session.post(url, json=make_body(i * 1_000_003 + n)) as reply:
+                        await reply.read()
+                        if reply.status == 200:
+                            result.ok += 1
+                            result.latencies.append(time.perf_counter() - started)
+                        else:
+                            key = f"HTTP {reply.status}"
+                            result.errors[key] = result.errors.get(key, 0) + 1
+                except (TimeoutError, aiohttp.ClientError) as err:
+                    result.errors[type(err).__name__] = result.errors.get(type(err).__name__, 0) + 1
+                n += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client(i) for i in range(clients)))
+        result.seconds = time.perf_counter() - started
     return result

@@ -35,6 +35,7 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "semantic_hit_p50_ms",
         "miss_p50_ms",
         "exact_hit_rps",
+        "http_exact_hit_rps",
         "echo_chain_rps",
     ),
     "cache_eval": ("threshold", "semantic_precision", "semantic_recall", "pairs"),

@@ -55,9 +55,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     except (RuntimeError, EmbeddedRedisError) as exc:
         say(f"llmesh up: {exc}", level="ERROR")
         return 1
+    try:
+        openai_api = procs.procs["gateway"].http_base_url(10)
+    except RuntimeError:
+        openai_api = "off"  # LLMESH_HTTP_LISTEN is empty
     say(
         f"mesh ready in {time.perf_counter() - started:.1f}s (Ctrl-C stops)",
         gateway=procs.target("gateway"),
+        openai_api=openai_api,
         redis=procs.redis.url if procs.redis else "LLMESH_REDIS_URL",
     )
     try:

@@ -153,6 +153,41 @@ class PeerError(LlmeshError):
         return super().trailing_metadata()
 
 
+# The HTTP status of each code (google.rpc's HTTP mapping): the gateway's HTTP API answers
+# typed errors with these, as the gRPC API answers them with the codes.
+HTTP_STATUS = {
+    grpc.StatusCode.OK: 200,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNKNOWN: 500,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.INTERNAL: 500,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DATA_LOSS: 500,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+}
+
+
+def retry_after_of(exc: LlmeshError) -> float | None:
+    """Seconds the caller should wait before retrying, when the error says (sheds, open breakers,
+    a downstream's pushback relayed in its status details)."""
+    value = getattr(exc, "retry_after", None)
+    if value is not None:
+        return float(value)
+    info = unpack_details(status_details(exc.trailing_metadata())).get("retry_info")
+    if isinstance(info, error_details_pb2.RetryInfo):
+        return info.retry_delay.seconds + info.retry_delay.nanos / 1e9
+    return None
+
+
 def retry_info(seconds: float) -> error_details_pb2.RetryInfo:
     whole = int(seconds)
     return error_details_pb2.RetryInfo(
@@ -199,6 +234,7 @@ def from_rpc_error(peer: str, err: grpc.aio.AioRpcError) -> LlmeshError:
 
 
 __all__ = [
+    "HTTP_STATUS",
     "Cancelled",
     "DeadlineExceeded",
     "FailedPrecondition",
@@ -212,6 +248,7 @@ __all__ = [
     "Unavailable",
     "code_pb2",
     "from_rpc_error",
+    "retry_after_of",
     "status_details",
     "unpack_details",
 ]

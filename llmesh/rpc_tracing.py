@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from contextvars import Token
 from functools import partial
 from typing import Any
 
@@ -155,6 +156,23 @@ def _peer_attributes_of(peer: str | None) -> dict[str, Any]:
     return attributes
 
 
+def start_server_span(
+    name: str, headers: Sequence[tuple[str, Any]] | None, attributes: dict[str, Any]
+) -> tuple[Span, Token[otel_context.Context]]:
+    """Opens a SERVER span continuing the caller's trace from its `traceparent` (gRPC metadata or
+    HTTP headers, lower-case keys) and makes it current; returns it with the token to detach."""
+    parent, extracted = _parent(headers)
+    tracer = _tracer()
+    if extracted is None and isinstance(tracer, LeanTracer):
+        span: Span = tracer.start_child(name, parent, SpanKind.SERVER, attributes)
+    else:
+        if extracted is None:
+            extracted = _ROOT if parent is None else trace.set_span_in_context(NonRecordingSpan(parent))
+        span = tracer.start_span(name, context=extracted, kind=SpanKind.SERVER, attributes=attributes)
+    # The caller's baggage, when it sent some, stays with the handler.
+    return span, otel_context.attach(trace.set_span_in_context(span, extracted))
+
+
 class ServerMethod:
     """Span name and RPC attributes of one served method, computed once per method."""
 
@@ -175,16 +193,7 @@ class ServerSpan:
         if isinstance(method, str):
             method = ServerMethod(method)
         attributes = {**method.attributes, **_peer_attributes_of(context.peer())}
-        parent, extracted = _parent(context.invocation_metadata())
-        tracer = _tracer()
-        if extracted is None and isinstance(tracer, LeanTracer):
-            self.span: Span = tracer.start_child(method.name, parent, SpanKind.SERVER, attributes)
-        else:
-            if extracted is None:
-                extracted = _ROOT if parent is None else trace.set_span_in_context(NonRecordingSpan(parent))
-            self.span = tracer.start_span(method.name, context=extracted, kind=SpanKind.SERVER, attributes=attributes)
-        # The caller's baggage, when it sent some, stays with the handler.
-        self._token = otel_context.attach(trace.set_span_in_context(self.span, extracted))
+        self.span, self._token = start_server_span(method.name, context.invocation_metadata(), attributes)
 
     def finish(self, code: grpc.StatusCode, exc: BaseException | None = None) -> None:
         self.span.set_attribute("rpc.grpc.status_code", code.value[0])

@@ -308,7 +308,10 @@ class ServiceHost:
         if self._details_task is not None:
             self._details_task.cancel()
         await self.set_serving(False)
-        await self.server.stop(self.settings.grace_seconds if grace is None else grace)
+        grace = self.settings.grace_seconds if grace is None else grace
+        # An app serving another protocol too (the gateway's HTTP API) drains it alongside.
+        drain = getattr(self.app, "drain", None)
+        await asyncio.gather(self.server.stop(grace), *([drain(grace)] if drain is not None else []))
         if self._health_server is not None:
             await self._health_server.stop(0)
         await self.app.stop()

@@ -18,6 +18,7 @@ from typing import Any
 
 SERVICES = ("gateway", "tokenizer", "inference", "cache", "retrieval")
 DEFAULT_PORTS = {"gateway": 50051, "tokenizer": 50052, "inference": 50053, "cache": 50054, "retrieval": 50055}
+DEFAULT_HTTP_PORT = 8080
 DEFAULT_METRICS_PORTS = {"gateway": 9091, "tokenizer": 9092, "inference": 9093, "cache": 9094, "retrieval": 9095}
 ALL = SERVICES
 
@@ -305,6 +306,14 @@ DECLARED: tuple[Setting, ...] = (
         "Gateway API keys and the tenants each owns: `key1=acme|beta;key2=*` (empty: no authentication).",
         ("gateway",),
         _api_keys,
+    ),
+    Setting(
+        "LLMESH_HTTP_LISTEN",
+        f"127.0.0.1:{DEFAULT_HTTP_PORT}",
+        "Address of the OpenAI-compatible HTTP API, `http://HOST:PORT/v1` (host:port; port 0 picks a free "
+        "one; empty: no HTTP API). Served with the gateway's TLS settings when they are set.",
+        ("gateway",),
+        _optional_address,
     ),
     Setting("LLMESH_MAX_PROMPT_BYTES", "32768", "Largest accepted prompt in bytes.", ("gateway",), _positive_int),
     # Gateway admission by request weight (input tokens x max_new_tokens over a sliding window).

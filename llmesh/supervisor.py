@@ -84,8 +84,11 @@ class ServiceProcess:
     port: int = 0
     metrics_port: int = 0
     health_port: int = 0  # the plaintext health-only listener (LLMESH_HEALTH_LISTEN), 0 when none
+    # The gateway's OpenAI-compatible HTTP API (0: none, or not listening yet).
+    http_port: int = 0
     log_lines: list[str] = field(default_factory=list)
     _listening: threading.Event = field(default_factory=threading.Event)
+    _http_listening: threading.Event = field(default_factory=threading.Event)
     _reader: threading.Thread | None = None
 
     def read_logs(self, echo: LogEcho | None) -> None:
@@ -101,6 +104,12 @@ class ServiceProcess:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def http_base_url(self, timeout: float = 30.0) -> str:
+        """`http://127.0.0.1:PORT/v1`, the base URL OpenAI clients take, once the API listens."""
+        if not self._http_listening.wait(timeout) or not self.http_port:
+            raise RuntimeError(f"{self.name} serves no HTTP API")
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
     def _pump(self, echo: LogEcho | None) -> None:
         assert self.proc.stderr is not None
         for raw in self.proc.stderr:
@@ -109,6 +118,12 @@ class ServiceProcess:
             if not line.strip():
                 continue
             self.log_lines.append(line)
+            if not self._http_listening.is_set() and '"event": "http_listening"' in line:
+                try:
+                    self.http_port = int(json.loads(line)["http_port"])
+                    self._http_listening.set()
+                except (ValueError, KeyError, TypeError):
+                    pass
             listening = self._listening.is_set()
             # Parsed only when something reads the fields: under load the gateway logs every request.
             if listening and (echo is None or echo.raw_json):
@@ -126,6 +141,7 @@ class ServiceProcess:
                 except (ValueError, KeyError, TypeError):
                     pass
         self._listening.set()
+        self._http_listening.set()
 
 
 def _parse(line: str) -> dict[str, Any] | None:
@@ -207,6 +223,7 @@ class Mesh:
         env["LLMESH_LISTEN"] = f"127.0.0.1:{self.ports.get(name, 0)}"
         if name not in self.ports:
             env["LLMESH_METRICS_PORT"] = "0"  # ephemeral ports: tests and benchmarks run side by side
+            env["LLMESH_HTTP_LISTEN"] = "127.0.0.1:0"
         for peer, var in TARGET_ENV.items():
             if peer in self.procs:
                 env[var] = self.procs[peer].target

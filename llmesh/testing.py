@@ -77,7 +77,13 @@ def free_port() -> int:
 
 def service_settings(service: str, env: Mapping[str, str] | None = None) -> Settings:
     """Settings for an in-process service on ephemeral ports."""
-    merged = {**os.environ, "LLMESH_LISTEN": "127.0.0.1:0", "LLMESH_METRICS_PORT": "0", **(env or {})}
+    merged = {
+        **os.environ,
+        "LLMESH_LISTEN": "127.0.0.1:0",
+        "LLMESH_METRICS_PORT": "0",
+        "LLMESH_HTTP_LISTEN": "127.0.0.1:0",
+        **(env or {}),
+    }
     return load(service, merged)
 
 

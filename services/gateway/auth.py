@@ -39,8 +39,22 @@ class ApiKeys:
 
     def authorize(self, authorization: str | None, tenant: str) -> None:
         """Raises Unauthenticated without a known key, PermissionDenied for a tenant it does not own."""
+        if self.enabled:
+            _check_owned(self.authenticate(authorization), tenant)
+
+    def tenant_of(self, authorization: str | None, requested: str = "") -> str:
+        """The tenant a request acts for: the one it names, else its key's only tenant, else
+        "default"; authorized as `authorize` does."""
+        owned = self.authenticate(authorization)
+        only = next(iter(owned)) if len(owned) == 1 and ANY_TENANT not in owned else ""
+        tenant = requested or only or "default"
+        _check_owned(owned, tenant)
+        return tenant
+
+    def authenticate(self, authorization: str | None) -> frozenset[str]:
+        """The tenants the caller's key owns; Unauthenticated without a known key (keys on)."""
         if not self.enabled:
-            return
+            return frozenset({ANY_TENANT})
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise Unauthenticated("missing API key: send `authorization: Bearer <key>`", reason="API_KEY_MISSING")
@@ -48,8 +62,12 @@ class ApiKeys:
         tenants = next((t for d, t in self.owners.items() if hmac.compare_digest(d, digest)), None)
         if tenants is None:
             raise Unauthenticated("unknown API key", reason="API_KEY_INVALID")
-        if ANY_TENANT not in tenants and tenant not in tenants:
-            raise PermissionDenied(f"this API key may not act for tenant {tenant!r}", reason="TENANT_NOT_OWNED")
+        return tenants
+
+
+def _check_owned(owned: frozenset[str], tenant: str) -> None:
+    if ANY_TENANT not in owned and tenant not in owned:
+        raise PermissionDenied(f"this API key may not act for tenant {tenant!r}", reason="TENANT_NOT_OWNED")
 
 
 def _digest(key: str) -> str:

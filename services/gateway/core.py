@@ -258,6 +258,10 @@ class Gateway:
             self._model = (now, f"{info.model_id}@{info.sha256[:16]}")
         return self._model[1]
 
+    async def served_models(self, deadline: Deadline) -> list[str]:
+        """Ids of the models this gateway answers with (one today): the one list every API shows."""
+        return [(await self.model_key(deadline)).rpartition("@")[0]]
+
     async def _retrieval_scope(self, plan: Plan, deadline: Deadline) -> tuple[str, int]:
         """(collection, version) the answer will be grounded in, or ("", 0) without retrieval."""
         if not plan.use_retrieval:

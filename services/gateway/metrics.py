@@ -21,3 +21,14 @@ BREAKER_STATE = Gauge(
 BREAKER_TRANSITIONS = Counter(
     "llmesh_gateway_breaker_transitions", "Circuit breaker state changes.", ["peer", "from_state", "to_state"]
 )
+HTTP_REQUESTS = Counter(
+    "llmesh_gateway_http_requests",
+    "Requests to the OpenAI-compatible HTTP API by route, method and status.",
+    ["route", "method", "status"],
+)
+HTTP_DURATION = Histogram(
+    "llmesh_gateway_http_request_duration_seconds",
+    "Latency of HTTP API requests until the last byte of the response (streams included).",
+    ["route"],
+    buckets=LATENCY_BUCKETS,
+)

@@ -16,6 +16,7 @@ from services.gateway.admission import AdmissionConfig, RedisWeightWindow, Weigh
 from services.gateway.auth import ApiKeys
 from services.gateway.breaker import BreakerConfig, State, TransitionListener
 from services.gateway.core import Delta, Final, Gateway, GatewayConfig, server_timing
+from services.gateway.openai_http import announce, http_api
 from services.gateway.peers import Deadline, Peers
 
 log = logging.getLogger("llmesh.gateway")
@@ -133,13 +134,20 @@ class GatewayApp:
             log_prompts=s.log_prompts,
         )
         self.gateway = Gateway(self.peers, config, self.window)
-        self.servicer = GatewayServicer(self.gateway, s.default_deadline_seconds, ApiKeys.parse(s.api_keys))
+        api_keys = ApiKeys.parse(s.api_keys)
+        self.servicer = GatewayServicer(self.gateway, s.default_deadline_seconds, api_keys)
+        # The OpenAI-compatible HTTP API: another adapter over the same Gateway.
+        self.http = http_api(self.gateway, api_keys, s)
 
     def register(self, server: grpc.aio.Server) -> None:
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, server)
 
     async def start(self) -> None:
-        return None
+        announce(await self.http.start() if self.http is not None else 0)
+
+    async def drain(self, grace: float) -> None:
+        if self.http is not None:
+            await self.http.stop()
 
     def health_details(self) -> dict[str, bool]:
         """`llmesh.v1.Gateway/redis` when replicas share an admission window: NOT_SERVING while Redis

@@ -142,6 +142,38 @@ def test_ingested_fact_grounds_the_answer_in_one_trace(client: Mesh, receiver: O
     assert batches[0]["attributes"]["llmesh.batch.id"]
 
 
+def test_http_request_is_one_trace_through_every_hop(mesh: Processes, client: Mesh, receiver: OtlpReceiver) -> None:
+    """The OpenAI-compatible HTTP API, called with the openai client: the caller's traceparent
+    continues through the gateway's HTTP span into all five services."""
+    import openai
+
+    client.ingest([("vellmora-lighthouse", FACT)])
+    caller_trace, caller_span = secrets.token_hex(16), secrets.token_hex(8)
+    base_url = mesh.procs["gateway"].http_base_url()
+    with openai.OpenAI(base_url=base_url, api_key="unused", timeout=300, max_retries=0) as http:
+        raw = http.chat.completions.with_raw_response.create(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": "In which year was the lighthouse of Vellmora built?"}],
+            max_tokens=32,
+            extra_headers={"traceparent": f"00-{caller_trace}-{caller_span}-01"},
+        )
+    answer = raw.parse()
+    assert answer.choices[0].message.content and raw.headers["x-trace-id"] == caller_trace
+    assert "vellmora-lighthouse" in {s["document_id"] for s in answer.model_extra["llmesh"]["sources"]}  # type: ignore[index]
+    spans = wait_for_spans(receiver, caller_trace, caller_span)
+    assert SERVICES <= {s["service"] for s in spans}, {s["service"] for s in spans}
+    entry = [s for s in spans if s["parent_span_id"] == caller_span]
+    found = [(s["service"], s["name"], s["attributes"]) for s in entry]
+    assert [f[:2] for f in found] == [("llmesh-gateway", "POST /v1/chat/completions")], found
+    assert entry[0]["attributes"]["http.response.status_code"] in (200, "200")
+    ids = {s["span_id"] for s in spans}
+    orphans = [(s["service"], s["name"]) for s in spans if s is not entry[0] and s["parent_span_id"] not in ids]
+    assert not orphans, orphans
+    names = {s["name"] for s in spans}
+    hops = {"llmesh.v1.Retrieval/Search", "llmesh.v1.Tokenizer/ApplyChatTemplate", "inference.generate"}
+    assert hops <= names and any(n.startswith("llmesh.v1.Cache/Lookup") for n in names), names
+
+
 EXPECTED_METRICS = {
     "gateway": {
         "llmesh_gateway_requests": "counter",
@@ -149,6 +181,7 @@ EXPECTED_METRICS = {
         "llmesh_gateway_admission_weight": "gauge",
         "llmesh_gateway_shed": "counter",
         "llmesh_gateway_breaker_state": "gauge",
+        "llmesh_gateway_http_requests": "counter",
     },
     "inference": {
         "llmesh_inference_queue_size": "gauge",

@@ -113,9 +113,10 @@ def test_supervisor_renders_service_lines_on_a_terminal(models_dir: os.PathLike[
     assert "\x1b[" in out
     lines = ANSI.sub("", out).strip().splitlines()
     assert not [line for line in lines if line.lstrip().startswith("{")], lines
-    assert any(re.fullmatch(CLOCK + r" INFO    tokenizer listening port=\d+ metrics_port=\d+", ln) for ln in lines), (
-        lines
-    )
+    assert any(
+        re.fullmatch(CLOCK + r" INFO    tokenizer listening port=\d+ metrics_port=\d+ health_port=\d+", ln)
+        for ln in lines
+    ), lines
     assert any(re.fullmatch(CLOCK + r" INFO    llmesh    mesh ready gateway=none", ln) for ln in lines), lines
     assert any(re.fullmatch(CLOCK + r" INFO    tokenizer stopped", ln) for ln in lines), lines
 

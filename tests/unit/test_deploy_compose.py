@@ -112,6 +112,9 @@ def test_ports_match_settings_defaults(services: dict[str, dict[str, Any]]) -> N
         assert env.get("LLMESH_METRICS_PORT", str(metrics)) == str(metrics), name
         assert env["LLMESH_METRICS_HOST"] == "0.0.0.0", f"{name}: metrics must be reachable by Prometheus"
         assert {port, metrics} <= container_ports(services[name]), f"{name} does not expose {port}/{metrics}"
+    http = settings.DEFAULT_HTTP_PORT
+    assert env_of(services["gateway"])["LLMESH_HTTP_LISTEN"] == f"0.0.0.0:{http}"
+    assert http in container_ports(services["gateway"]), "the gateway does not publish its HTTP API"
 
 
 def test_env_names_are_declared_for_the_service(services: dict[str, dict[str, Any]]) -> None:

@@ -56,6 +56,8 @@ def test_service_entrypoints_and_ports() -> None:
         assert f'ENTRYPOINT ["python", "-m", "services.{name}"]' in lines, name
         assert f"ENV LLMESH_LISTEN=0.0.0.0:{settings.DEFAULT_PORTS[name]}" in lines, name
         assert f"EXPOSE {settings.DEFAULT_PORTS[name]} {settings.DEFAULT_METRICS_PORTS[name]}" in lines, name
+    http = settings.DEFAULT_HTTP_PORT
+    assert {f"ENV LLMESH_HTTP_LISTEN=0.0.0.0:{http}", f"EXPOSE {http}"} <= set(all_stages["gateway"][1])
     assert 'ENTRYPOINT ["llmesh"]' in all_stages["models"][1]
     assert 'CMD ["models", "prepare"]' in all_stages["models"][1]
 

@@ -224,7 +224,10 @@ def test_ports_probes_and_listen_address(objects: tuple[Obj, ...]) -> None:
         assert re.fullmatch(rf"llmesh/{name}:[\w.-]+", c["image"]), c["image"]
         env = environment(objects, c)
         health = int(env["LLMESH_HEALTH_LISTEN"].rpartition(":")[2])
-        assert {p["containerPort"] for p in c["ports"]} == {port, metrics, health}, name
+        http = {settings.DEFAULT_HTTP_PORT} if name == "gateway" else set()
+        assert {p["containerPort"] for p in c["ports"]} == {port, metrics, health, *http}, name
+        if http:
+            assert env["LLMESH_HTTP_LISTEN"] == f"0.0.0.0:{settings.DEFAULT_HTTP_PORT}"
         assert env["LLMESH_LISTEN"] == f"0.0.0.0:{port}", name
         assert env.get("LLMESH_METRICS_PORT", str(metrics)) == str(metrics), name
         assert env["LLMESH_METRICS_HOST"] == "0.0.0.0", name
@@ -272,7 +275,8 @@ def test_headless_services_and_peer_targets(objects: tuple[Obj, ...]) -> None:
         service = one(objects, "Service", name)
         assert service["spec"]["clusterIP"] == "None", f"{name} must be headless for client-side balancing"
         ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
-        assert ports == {"grpc": settings.DEFAULT_PORTS[name], "metrics": settings.DEFAULT_METRICS_PORTS[name]}
+        http = {"http": settings.DEFAULT_HTTP_PORT} if name == "gateway" else {}
+        assert ports == {"grpc": settings.DEFAULT_PORTS[name], "metrics": settings.DEFAULT_METRICS_PORTS[name], **http}
         pod_labels = one(objects, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
         assert service["spec"]["selector"].items() <= pod_labels.items(), name
     for name in settings.SERVICES:

@@ -1,0 +1,496 @@
+"""HTTP side of the gateway: the OpenAI-compatible API (`/v1/chat/completions`, `/v1/completions`,
+`/v1/models`) on Starlette with pydantic request models, served by uvicorn in the gateway's own
+event loop.
+
+A thin adapter, as the gRPC servicer is: the same `Gateway.generate` pipeline (cache, RAG,
+admission, breakers, deadlines, tenants) answers both. Typed errors become OpenAI-shaped JSON
+bodies with the HTTP status of their code (`llmesh.errors.HTTP_STATUS`), here in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import re
+import ssl
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from typing import Any, cast
+
+import uvicorn
+from opentelemetry import context as otel_context
+from opentelemetry.trace import Status, StatusCode
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from llmesh.errors import HTTP_STATUS, InvalidArgument, LlmeshError, NotFound, retry_after_of
+from llmesh.rpc_tracing import start_server_span
+from llmesh.server import lifecycle
+from llmesh.v1 import common_pb2, gateway_pb2
+from services.gateway import metrics
+from services.gateway.auth import ApiKeys
+from services.gateway.core import Delta, Final, Gateway, server_timing
+from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, Sampling, param_name
+from services.gateway.peers import Deadline
+
+log = logging.getLogger("llmesh.gateway.http")
+
+CHAT, COMPLETIONS, MODELS, MODEL = "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}"
+ROUTES = frozenset({CHAT, COMPLETIONS, MODELS})
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_STOP_SEQUENCE: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+DONE = b"data: [DONE]\n\n"
+
+
+def _json(payload: Any) -> bytes:
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None
+) -> Response:
+    return Response(_json(error_body(status, message, param, code)), status, headers, "application/json")
+
+
+def from_llmesh_error(exc: LlmeshError, prompt_param: str) -> Response:
+    """The one mapping of typed errors to the API's answers: status by gRPC code, an OpenAI error
+    body (param: the first bad field, as the caller names it), Retry-After when the error says."""
+    status = HTTP_STATUS.get(exc.code, 500)
+    if status >= 500 and status != 503 and status != 504:
+        log.error("HTTP request failed: %s", exc.message)
+    param = None
+    if isinstance(exc, InvalidArgument) and exc.violations and exc.violations[0][0]:
+        param = param_name(exc.violations[0][0], prompt_param)
+    headers = {k: v for k, v in exc.extra_trailing if isinstance(v, str)}
+    retry_after = retry_after_of(exc)
+    if retry_after is not None and status in (429, 503):
+        headers["retry-after"] = str(max(1, math.ceil(retry_after)))
+        headers["retry-after-ms"] = str(max(1, math.ceil(retry_after * 1000)))
+    return error_response(status, exc.message, param, (exc.reason or exc.code.name).lower(), headers)
+
+
+def _prompt_param(request: Request) -> str:
+    return "messages" if request.url.path == CHAT else "prompt"
+
+
+def _validation_response(exc: ValidationError) -> Response:
+    """Pydantic's findings as one 400 naming the parameters, as OpenAI's API answers."""
+    problems: list[tuple[str, str]] = []
+    for error in exc.errors():
+        loc = [str(p) for p in error.get("loc", ())]
+        # A union (e.g. content: str | list[part]) reports each alternative: keep the parameter.
+        param = ".".join(p for p in loc if not p.startswith(("str", "list[", "function-")))
+        if error.get("type") == "extra_forbidden":
+            text = f"unrecognized request argument supplied: {param}"
+        elif error.get("type") == "json_invalid":
+            param, text = "", f"the body is not valid JSON: {error.get('msg', '')}"
+        else:
+            text = f"{param}: {error.get('msg', 'invalid')}" if param else str(error.get("msg", "invalid"))
+        if text not in (t for _, t in problems):
+            problems.append((param, text))
+    message = "; ".join(t for _, t in problems[:10]) or "invalid request"
+    return error_response(400, message, problems[0][0] if problems and problems[0][0] else None, "invalid_request")
+
+
+class ObservedHttp:
+    """Pure ASGI middleware around the API: the request's SERVER span (continuing the caller's
+    `traceparent`), `x-request-id` and `x-trace-id` on every response, request metrics by route
+    and status, and the body size limit (413)."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        method, path = scope["method"], scope["path"]
+        route = path if path in ROUTES else MODEL if path.startswith("/v1/models/") else "other"
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+        request_id = next((v for k, v in headers if k == "x-request-id" and REQUEST_ID_RE.match(v)), uuid.uuid4().hex)
+        scope.setdefault("state", {})["request_id"] = request_id
+        attributes: dict[str, Any] = {"http.request.method": method, "http.route": route, "url.path": path}
+        if scope.get("client"):
+            attributes["client.address"], attributes["client.port"] = scope["client"][0], scope["client"][1]
+        span, token = start_server_span(f"{method} {route}", headers, attributes)
+        span_context = span.get_span_context()
+        extra = [(b"x-request-id", request_id.encode())]
+        if span_context.is_valid:
+            extra.append((b"x-trace-id", f"{span_context.trace_id:032x}".encode()))
+        status = 500
+
+        async def send_with_ids(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), *extra]}
+            await send(message)
+
+        try:
+            body = await self._bounded_body(scope, headers, receive)
+            if body is None:
+                limit = self.max_body_bytes
+                too_large = error_response(413, f"request body larger than {limit} bytes", None, "request_too_large")
+                await too_large(scope, receive, send_with_ids)
+            else:
+                await self.app(scope, body, send_with_ids)
+        finally:
+            span.set_attribute("http.response.status_code", status)
+            if status >= 500:
+                span.set_status(Status(StatusCode.ERROR, f"HTTP {status}"))
+            otel_context.detach(token)
+            span.end()
+            label = method if method in ("GET", "POST", "HEAD", "OPTIONS") else "other"  # bounded label values
+            metrics.HTTP_REQUESTS.labels(route, label, str(status)).inc()
+            metrics.HTTP_DURATION.labels(route).observe(time.perf_counter() - started)
+
+    async def _bounded_body(self, scope: Scope, headers: Sequence[tuple[str, str]], receive: Receive) -> Receive | None:
+        """`receive` when the body fits the limit (a chunked body is read here to know); None when not."""
+        length = next((v for k, v in headers if k == "content-length"), None)
+        if length is not None:
+            return receive if not length.isdigit() or int(length) <= self.max_body_bytes else None
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return receive
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return receive
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                return None
+            if not message.get("more_body", False):
+                break
+        replay: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed() -> Message:
+            return replay.pop() if replay else await receive()
+
+        return replayed
+
+
+class OpenAiApi:
+    """The API's routes over one Gateway."""
+
+    def __init__(self, gateway: Gateway, api_keys: ApiKeys, default_deadline: float) -> None:
+        self.gateway = gateway
+        self.api_keys = api_keys
+        self.default_deadline = default_deadline
+
+    def app(self, max_body_bytes: int) -> ASGIApp:
+        # Plain Starlette routes with pydantic models parsing the body straight from JSON: a
+        # framework's dependency injection and its own telemetry would cost more per cache hit
+        # than the rest of the HTTP path (the span and metrics here are llmesh's own).
+        routes = [
+            Route(CHAT, self.chat_completions, methods=["POST"]),
+            Route(COMPLETIONS, self.completions, methods=["POST"]),
+            Route(MODELS, self.list_models, methods=["GET"]),
+            Route(MODEL, self.get_model, methods=["GET"]),
+        ]
+
+        async def on_llmesh_error(request: Request, exc: Exception) -> Response:
+            assert isinstance(exc, LlmeshError)
+            return from_llmesh_error(exc, _prompt_param(request))
+
+        async def on_invalid(request: Request, exc: Exception) -> Response:
+            assert isinstance(exc, ValidationError)
+            return _validation_response(exc)
+
+        async def on_http(request: Request, exc: Exception) -> Response:
+            assert isinstance(exc, HTTPException)
+            return error_response(exc.status_code, str(exc.detail), None, None, dict(exc.headers or {}))
+
+        handlers = {LlmeshError: on_llmesh_error, ValidationError: on_invalid, HTTPException: on_http}
+        return ObservedHttp(Starlette(routes=routes, exception_handlers=handlers), max_body_bytes)
+
+    def _authenticated(self, request: Request) -> None:
+        # Before the body is parsed: a bad key is a 401 whatever the body says.
+        self.api_keys.authenticate(request.headers.get("authorization"))
+
+    async def chat_completions(self, request: Request) -> Response:
+        self._authenticated(request)
+        body = ChatCompletionRequest.model_validate_json(await request.body())
+        return await self.complete(request, body, body.to_generate, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        self._authenticated(request)
+        body = CompletionRequest.model_validate_json(await request.body())
+        return await self.complete(request, body, body.to_generate, chat=False)
+
+    async def list_models(self, request: Request) -> Response:
+        self._authenticated(request)
+        served = await self.gateway.served_models(Deadline.after(self.default_deadline))
+        body = {"object": "list", "data": [model_card(m) for m in served]}
+        return Response(_json(body), 200, media_type="application/json")
+
+    async def get_model(self, request: Request) -> Response:
+        self._authenticated(request)
+        model = request.path_params["model"]
+        await self.check_model(model, Deadline.after(self.default_deadline))
+        return Response(_json(model_card(model)), 200, media_type="application/json")
+
+    async def check_model(self, model: str, deadline: Deadline) -> None:
+        served = await self.gateway.served_models(deadline)
+        if model not in served:
+            raise NotFound(
+                f"The model {model!r} does not exist; this gateway serves {', '.join(served)}",
+                reason="MODEL_NOT_FOUND",
+            )
+
+    async def complete(self, request: Request, body: Sampling, translate: Any, chat: bool) -> Response:
+        deadline = Deadline.after(self.default_deadline)
+        tenant = self.api_keys.tenant_of(request.headers.get("authorization"), body.llmesh.tenant)
+        generate: gateway_pb2.GenerateRequest = translate(tenant)
+        await self.check_model(body.model, deadline)
+        answer = Answer(f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}", body.model, chat)
+        # An async generator: closed (the pipeline cancelled) when the caller goes away mid-stream.
+        events = cast(AsyncGenerator[Delta | Final, None], self.gateway.generate(generate, deadline))
+        if not body.stream:
+            final = None
+            async for event in events:
+                if isinstance(event, Final):
+                    final = event
+            assert final is not None
+            headers = {"server-timing": server_timing(final.timings)}
+            return Response(_json(answer.whole(final.response)), 200, headers, "application/json")
+        # The first event comes before any byte is sent: a refusal (shed, bad field) is a status.
+        try:
+            first = await anext(events)
+        except StopAsyncIteration:
+            raise LlmeshError("the pipeline ended without an answer") from None
+        stream = answer.stream(first, events, body.include_usage, _prompt_param(request))
+        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def model_card(model: str) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "llmesh"}
+
+
+def usage_of(response: gateway_pb2.GenerateResponse) -> dict[str, int]:
+    prompt, completion = response.usage.input_tokens, response.usage.output_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def extension_of(response: gateway_pb2.GenerateResponse) -> dict[str, Any]:
+    """What llmesh adds to an answer: the cache outcome, the sources, what was left out."""
+    cache = response.cache
+    return {
+        "cache": {
+            "hit": cache.hit,
+            "tier": common_pb2.CacheTier.Name(cache.tier).removeprefix("CACHE_TIER_").lower() if cache.hit else None,
+            "similarity": round(cache.similarity, 4) if cache.hit else None,
+        },
+        "sources": [
+            {"document_id": s.document_id, "chunk_index": s.chunk_index, "score": round(s.score, 4)}
+            for s in response.sources
+        ],
+        "degradations": list(response.degradations),
+        "trace_id": response.trace_id,
+        "model_key": response.model,
+    }
+
+
+class Answer:
+    """One answer in the OpenAI shapes: a whole completion, or its chunks."""
+
+    def __init__(self, answer_id: str, model: str, chat: bool) -> None:
+        self.id = answer_id
+        self.model = model
+        self.chat = chat
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def _choice(self, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else {}
+        if text and not first:
+            delta["content"] = text
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    def whole(self, response: gateway_pb2.GenerateResponse) -> dict[str, Any]:
+        finish = FINISH_REASONS.get(response.finish_reason, "stop")
+        if self.chat:
+            message = {"role": "assistant", "content": response.text, "refusal": None}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": response.text, "logprobs": None, "finish_reason": finish}
+        return {**self._envelope(self.object, [choice]), "usage": usage_of(response), "llmesh": extension_of(response)}
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return b"data: " + _json({**self._envelope(obj, choices), **extra}) + b"\n\n"
+
+    async def stream(
+        self,
+        first: Delta | Final,
+        events: AsyncGenerator[Delta | Final, None],
+        include_usage: bool,
+        prompt_param: str,
+    ) -> AsyncIterator[bytes]:
+        """Server-sent events: a chunk per text delta, a last chunk with the finish reason, a
+        usage chunk (empty choices) when asked for, then `[DONE]`. An error after the first byte
+        is an `error` event, as OpenAI's API sends."""
+        usage = {"usage": None} if include_usage else {}
+        try:
+            if self.chat:
+                yield self._chunk([self._choice("", None, first=True)], **usage)
+            event: Delta | Final | None = first
+            while event is not None:
+                if isinstance(event, Delta):
+                    if event.text:
+                        yield self._chunk([self._choice(event.text, None)], **usage)
+                else:
+                    response = event.response
+                    finish = FINISH_REASONS.get(response.finish_reason, "stop")
+                    yield self._chunk([self._choice(None, finish)], **usage, llmesh=extension_of(response))
+                    if include_usage:
+                        yield self._chunk([], usage=usage_of(response))
+                event = await anext(events, None)
+            yield DONE
+        except LlmeshError as exc:
+            error = from_llmesh_error(exc, prompt_param)
+            yield b"data: " + bytes(error.body) + b"\n\n"
+        finally:
+            await events.aclose()
+
+
+class _CoalescedWrites:
+    """A transport whose writes within one event-loop turn go out as one send: uvicorn writes a
+    response's head and body separately, two system calls where one does (a fifth of the CPU
+    time of a cached answer over HTTP)."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._pending: list[bytes] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._pending.append(bytes(data))
+
+    def flush(self) -> None:
+        if self._pending:
+            data = b"".join(self._pending)
+            self._pending.clear()
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class _CoalescingHttpTools(HttpToolsProtocol):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+        super().connection_made(cast(asyncio.Transport, _CoalescedWrites(cast(asyncio.Transport, transport))))
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn in the service's own event loop: signals stay the service's, which drains the
+    HTTP API alongside the gRPC server."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpServer:
+    """Serves an ASGI app on `listen` (host:port, port 0 picks one), TLS as the gRPC port has it."""
+
+    def __init__(
+        self, app: ASGIApp, listen: str, grace: float, cert: str = "", key: str = "", client_ca: str = ""
+    ) -> None:
+        host, _, port = listen.rpartition(":")
+        self.config = uvicorn.Config(
+            app,
+            host=host.strip("[]"),
+            port=int(port),
+            lifespan="off",
+            http=_CoalescingHttpTools,
+            log_config=None,  # the service's JSON logging stays as it is
+            access_log=False,
+            server_header=False,
+            timeout_graceful_shutdown=max(1, math.ceil(grace)),
+            ssl_certfile=cert or None,
+            ssl_keyfile=key or None,
+            ssl_ca_certs=client_ca or None,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if client_ca else ssl.CERT_NONE,
+        )
+        self.server = _EmbeddedServer(self.config)
+        self.port = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> int:
+        socket = self.config.bind_socket()  # bound now: the port is known, early clients queue
+        self.port = socket.getsockname()[1]
+        self._task = asyncio.create_task(self.server.serve(sockets=[socket]))
+        self._task.add_done_callback(self._ended)
+        return self.port
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("HTTP API stopped: %s", task.exception())
+
+    async def stop(self) -> None:
+        """Stops accepting, lets requests in flight finish (up to the grace time), then returns."""
+        if self._task is None:
+            return
+        self.server.should_exit = True
+        with contextlib.suppress(Exception):
+            await self._task
+        self._task = None
+
+
+def http_api(gateway: Gateway, api_keys: ApiKeys, settings: Any) -> HttpServer | None:
+    """The gateway's HTTP API per its settings; None when LLMESH_HTTP_LISTEN is empty."""
+    s = settings
+    if not s.http_listen:
+        return None
+    app = OpenAiApi(gateway, api_keys, s.default_deadline_seconds).app(s.max_message_bytes)
+    return HttpServer(app, s.http_listen, s.grace_seconds, s.tls_cert, s.tls_key, s.tls_client_ca)
+
+
+def announce(port: int) -> None:
+    # Machine-readable, whatever the log level: supervisors and tests read the port from it.
+    lifecycle.info("http listening", extra={"fields": {"event": "http_listening", "http_port": port}})

@@ -1,0 +1,233 @@
+"""Request bodies of the OpenAI-compatible HTTP API, validated by pydantic, and their translation
+into the gateway's GenerateRequest. No HTTP here.
+
+Types and shapes are checked here; values (temperature range, prompt size, stop sequences) are
+checked once, by the gateway's own validation, so both APIs accept and refuse the same requests.
+Parameters llmesh does not implement are refused with a 400 naming them, never ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmesh.errors import InvalidArgument
+from llmesh.v1 import common_pb2, gateway_pb2
+
+UINT32_MAX = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+SYSTEM_ROLES = ("system", "developer")
+# How earlier turns of a conversation are put before the last user message (the gateway's
+# pipeline answers one question, with an optional system prompt).
+TURN_LABELS = {"user": "User", "assistant": "Assistant"}
+
+
+class Strict(BaseModel):
+    # An unknown parameter is a 400 naming it, as OpenAI's API answers.
+    model_config = ConfigDict(extra="forbid")
+
+
+class LlmeshOptions(Strict):
+    """The `llmesh` extension object of a request body (`extra_body={"llmesh": {...}}` in the
+    openai client): the gateway's own knobs."""
+
+    collection: str = ""
+    use_retrieval: bool | None = None
+    use_cache: bool | None = None
+    top_k: int = Field(default=0, ge=0, le=UINT32_MAX)
+    tenant: str = ""
+    lane: str = ""
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ResponseFormat(Strict):
+    type: Literal["text"]
+
+
+class Sampling(Strict):
+    """Parameters chat and plain completions share."""
+
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    llmesh: LlmeshOptions = Field(default_factory=lambda: LlmeshOptions())
+    # Accepted at their defaults only (refused otherwise, see `unsupported`).
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        bad = []
+        if self.n not in (None, 1):
+            bad.append(("n", "only n=1 is supported"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                bad.append((name, "is not supported (leave it 0)"))
+        if self.logit_bias:
+            bad.append(("logit_bias", "is not supported"))
+        if self.stream_options is not None and not self.stream:
+            bad.append(("stream_options", "only allowed with stream=true"))
+        return bad
+
+    def generate_request(
+        self, prompt: str, system_prompt: str, tenant: str, max_tokens: int | None
+    ) -> gateway_pb2.GenerateRequest:
+        sampling = common_pb2.SamplingParams(
+            max_new_tokens=max_tokens or 0,
+            temperature=0.0 if self.temperature is None else self.temperature,
+            top_p=0.0 if self.top_p is None else self.top_p,
+            stop=[self.stop] if isinstance(self.stop, str) else (self.stop or []),
+        )
+        if self.seed is not None:
+            sampling.seed = self.seed
+        request = gateway_pb2.GenerateRequest(
+            prompt=prompt,
+            system_prompt=system_prompt,
+            sampling=sampling,
+            top_k=self.llmesh.top_k,
+            collection=self.llmesh.collection,
+            tenant=tenant,
+            lane=self.llmesh.lane,
+        )
+        if self.llmesh.use_cache is not None:
+            request.use_cache = self.llmesh.use_cache
+        if self.llmesh.use_retrieval is not None:
+            request.use_retrieval = self.llmesh.use_retrieval
+        return request
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    response_format: ResponseFormat | None = None
+    # Refused unless unset or off: llmesh has no tool calls, log probabilities or audio.
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    modalities: list[Literal["text"]] | None = None
+    audio: Any = None
+    prediction: Any = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        bad = super().unsupported()
+        if self.logprobs:
+            bad.append(("logprobs", "is not supported"))
+        for name in ("top_logprobs", "tools", "tool_choice", "functions", "function_call", "audio", "prediction"):
+            if getattr(self, name) is not None:
+                bad.append((name, "is not supported"))
+        if self.parallel_tool_calls:
+            bad.append(("parallel_tool_calls", "is not supported"))
+        if self.store:
+            bad.append(("store", "is not supported"))
+        return bad
+
+    def to_generate(self, tenant: str) -> gateway_pb2.GenerateRequest:
+        """System and developer messages become the system prompt; the last message must be the
+        user's question. Earlier turns go before it as a transcript, so the cache key, retrieval
+        query and prompt all carry the whole conversation."""
+        bad = self.unsupported()
+        system = [m.text() for m in self.messages if m.role in SYSTEM_ROLES]
+        turns = [m for m in self.messages if m.role not in SYSTEM_ROLES]
+        if not turns or turns[-1].role != "user":
+            bad.append(("messages", "the last message other than system messages must have role 'user'"))
+        if bad:
+            raise InvalidArgument(bad)
+        *history, question = turns
+        prompt = question.text()
+        if history:
+            transcript = "\n".join(f"{TURN_LABELS[m.role]}: {m.text()}" for m in history)
+            prompt = f"{transcript}\nUser: {prompt}"
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        return self.generate_request(prompt, "\n\n".join(system), tenant, max_tokens)
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str]
+    # Refused unless unset or off.
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        bad = super().unsupported()
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            bad.append(("prompt", "exactly one prompt per request"))
+        if self.logprobs is not None:
+            bad.append(("logprobs", "is not supported"))
+        if self.echo:
+            bad.append(("echo", "is not supported"))
+        if self.best_of not in (None, 1):
+            bad.append(("best_of", "only best_of=1 is supported"))
+        if self.suffix:
+            bad.append(("suffix", "is not supported"))
+        return bad
+
+    def to_generate(self, tenant: str) -> gateway_pb2.GenerateRequest:
+        """The prompt is answered as one user message (the served models are chat models)."""
+        bad = self.unsupported()
+        if bad:
+            raise InvalidArgument(bad)
+        prompt = self.prompt[0] if isinstance(self.prompt, list) else self.prompt
+        return self.generate_request(prompt, "", tenant, self.max_tokens)
+
+
+# Gateway field paths -> the request parameter a caller of this API knows them by.
+PARAMS = {
+    "sampling.max_new_tokens": "max_tokens",
+    "sampling.temperature": "temperature",
+    "sampling.top_p": "top_p",
+    "sampling.stop": "stop",
+    "sampling.seed": "seed",
+    "system_prompt": "messages",
+    "top_k": "llmesh.top_k",
+    "collection": "llmesh.collection",
+    "tenant": "llmesh.tenant",
+    "lane": "llmesh.lane",
+}
+
+
+def param_name(field_path: str, prompt_param: str) -> str:
+    """The API parameter of a gateway field path: "sampling.temperature" -> "temperature",
+    "prompt" -> "messages" (chat) or "prompt"; "sampling.stop[1]" -> "stop"."""
+    base = field_path.split("[", 1)[0]
+    if base == "prompt":
+        return prompt_param
+    return PARAMS.get(base, field_path)

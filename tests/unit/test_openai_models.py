@@ -1,0 +1,120 @@
+"""OpenAI request bodies -> the gateway's GenerateRequest, and what is refused before the pipeline."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from llmesh.errors import InvalidArgument
+from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, param_name
+
+
+def chat(**body: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", **body})
+
+
+def test_one_user_message_is_the_prompt_as_a_grpc_caller_sends_it() -> None:
+    request = chat(messages=[{"role": "user", "content": "What is 2 plus 2?"}]).to_generate("acme")
+    assert request.prompt == "What is 2 plus 2?" and request.system_prompt == "" and request.tenant == "acme"
+    # Omitted sampling is greedy, as in the gRPC API (and so shares its cache entries).
+    assert request.sampling.temperature == 0 and request.sampling.max_new_tokens == 0
+    assert not request.HasField("use_cache") and not request.HasField("use_retrieval")
+
+
+def test_system_messages_history_parts_and_extension() -> None:
+    request = chat(
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "developer", "content": [{"type": "text", "text": "Use French."}]},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Bonjour"},
+            {"role": "user", "content": [{"type": "text", "text": "How "}, {"type": "text", "text": "are you?"}]},
+        ],
+        max_tokens=8,
+        max_completion_tokens=16,
+        temperature=0.5,
+        top_p=0.9,
+        seed=7,
+        stop="END",
+        llmesh={"collection": "docs", "use_cache": False, "use_retrieval": True, "top_k": 3, "lane": "batch"},
+    ).to_generate("default")
+    assert request.system_prompt == "Be brief.\n\nUse French."
+    assert request.prompt == "User: Hi\nAssistant: Bonjour\nUser: How are you?"
+    s = request.sampling
+    assert (s.max_new_tokens, round(s.temperature, 3), round(s.top_p, 3), s.seed, list(s.stop)) == (
+        16,
+        0.5,
+        0.9,
+        7,
+        ["END"],
+    )
+    assert (request.collection, request.use_cache, request.use_retrieval, request.top_k, request.lane) == (
+        "docs",
+        False,
+        True,
+        3,
+        "batch",
+    )
+
+
+def test_completion_prompt_string_or_one_item_list() -> None:
+    body = {"model": "m", "max_tokens": 5}
+    for prompt in ("Say hi", ["Say hi"]):
+        request = CompletionRequest.model_validate({**body, "prompt": prompt}).to_generate("default")
+        assert request.prompt == "Say hi" and request.sampling.max_new_tokens == 5
+
+
+@pytest.mark.parametrize(
+    ("body", "fields"),
+    [
+        ({"n": 3, "logprobs": True, "tools": [{}]}, {"n", "logprobs", "tools"}),
+        ({"presence_penalty": 0.5, "logit_bias": {"1": 2}}, {"presence_penalty", "logit_bias"}),
+        ({"stream_options": {"include_usage": True}}, {"stream_options"}),
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, {"messages"}),
+    ],
+)
+def test_unsupported_parameters_are_named_not_ignored(body: dict, fields: set[str]) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        chat(**{"messages": [{"role": "user", "content": "a"}], **body}).to_generate("default")
+    assert {f for f, _ in info.value.violations} == fields
+
+
+def test_defaults_of_unsupported_parameters_are_accepted() -> None:
+    request = chat(
+        messages=[{"role": "user", "content": "a"}],
+        n=1,
+        presence_penalty=0,
+        frequency_penalty=0,
+        logprobs=False,
+        stream=True,
+        stream_options={"include_usage": True},
+        response_format={"type": "text"},
+        user="someone",
+    )
+    assert request.include_usage and request.to_generate("default").prompt == "a"
+    with pytest.raises(InvalidArgument):
+        CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"]}).to_generate("default")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": []},
+        {"messages": [{"role": "tool", "content": "x"}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        {"messages": [{"role": "user", "content": "a"}], "unknown_field": 1},
+        {"messages": [{"role": "user", "content": "a"}], "max_tokens": -1},
+        {"messages": [{"role": "user", "content": "a"}], "llmesh": {"colection": "typo"}},
+    ],
+)
+def test_shapes_and_types_are_refused_by_the_model(body: dict) -> None:
+    with pytest.raises(ValidationError):
+        chat(**body)
+
+
+def test_gateway_field_paths_map_to_api_parameters() -> None:
+    assert param_name("sampling.temperature", "messages") == "temperature"
+    assert param_name("sampling.stop[1]", "messages") == "stop"
+    assert param_name("prompt", "messages") == "messages"
+    assert param_name("prompt", "prompt") == "prompt"
+    assert param_name("collection", "prompt") == "llmesh.collection"
