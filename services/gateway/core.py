@@ -31,6 +31,7 @@ from services.gateway.admission import (
     Hold,
     RedisWeightWindow,
     RequestTooHeavy,
+    Ticket,
     WeightWindow,
 )
 from services.gateway.breaker import BreakerOpen
@@ -51,6 +52,8 @@ CONTEXT_INSTRUCTION = (
     "answer from general knowledge.\n\nContext:\n"
 )
 MODEL_INFO_TTL_S = 30.0
+# Cache stores run after the final message, in the background; past this many the rest are skipped.
+MAX_BACKGROUND_STORES = 64
 CACHEABLE_FINISH = (
     common_pb2.FINISH_REASON_STOP,
     common_pb2.FINISH_REASON_LENGTH,
@@ -68,6 +71,9 @@ class GatewayConfig:
     max_new_tokens: int
     default_max_new_tokens: int
     log_prompts: bool = False
+    # How long a learned collection version is trusted before it is refreshed (in the background).
+    version_ttl: float = 2.0
+    cache_store_budget: float = 0.5
 
 
 @dataclass
@@ -86,6 +92,8 @@ class Plan:
     degradations: list[str] = field(default_factory=list)
     # The predicted weight reserved from the precheck until the exact admission.
     hold: Hold | None = None
+    # The admitted reservation: progress reported as tokens arrive, finished on every exit path.
+    ticket: Ticket | None = None
     # Milliseconds spent per hop, returned to the caller as `server-timing` metadata.
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -235,6 +243,65 @@ def _ema(old: float, new: float, alpha: float) -> float:
     return old + alpha * (new - old)
 
 
+@dataclass
+class KnownVersion:
+    """A collection's version as last learned from retrieval."""
+
+    info: retrieval_pb2.CollectionInfo
+    learned_at: float
+    # The last refresh failed: answers grounded in this version are marked degraded.
+    unconfirmed: bool = False
+    refreshing: asyncio.Task[None] | None = None
+
+
+class CollectionVersions:
+    """Collection versions off the hit path: learned once, trusted for `ttl` seconds, then served
+    while a single background refresh asks retrieval again (stale-while-revalidate). An ingest
+    through this gateway forgets the entry, so the next request learns the new version at once;
+    other replicas learn it within `ttl`. While retrieval is down the last known version is kept
+    (marked unconfirmed), so cached answers for it still serve."""
+
+    MAX_ENTRIES = 4096
+
+    def __init__(self, peers: Peers, ttl: float) -> None:
+        self.peers = peers
+        self.ttl = ttl
+        self.known: dict[tuple[str, str], KnownVersion] = {}
+
+    async def get(self, collection: str, tenant: str, deadline: Deadline) -> KnownVersion:
+        """The known version (refreshed in the background when older than ttl); the first time,
+        retrieval is asked in the request's path and its errors are raised."""
+        key = (tenant, collection)
+        known = self.known.get(key)
+        if known is None:
+            info = await self.peers.collection_info(collection, tenant, deadline)
+            if len(self.known) >= self.MAX_ENTRIES:
+                self.known.pop(next(iter(self.known)))
+            known = self.known[key] = KnownVersion(info, time.monotonic())
+            return known
+        if time.monotonic() - known.learned_at >= self.ttl and known.refreshing is None:
+            known.refreshing = asyncio.get_running_loop().create_task(self._refresh(key, known))
+        return known
+
+    async def _refresh(self, key: tuple[str, str], known: KnownVersion) -> None:
+        tenant, collection = key
+        try:
+            info = await self.peers.collection_info(
+                collection, tenant, Deadline.after(self.peers.budgets.collection_info)
+            )
+        except (*DOWNSTREAM_ERRORS, LlmeshError) as exc:
+            known.unconfirmed = True
+            log.warning("collection version refresh failed, keeping version %d: %s", known.info.version, exc.message)
+        else:
+            known.info, known.unconfirmed = info, False
+        finally:
+            known.learned_at = time.monotonic()
+            known.refreshing = None
+
+    def forget(self, collection: str, tenant: str) -> None:
+        self.known.pop((tenant, collection), None)
+
+
 class Gateway:
     def __init__(self, peers: Peers, config: GatewayConfig, window: WeightWindow | RedisWeightWindow) -> None:
         self.peers = peers
@@ -243,7 +310,9 @@ class Gateway:
         metrics.ADMISSION_BUDGET.set(window.config.budget)
         self._model: tuple[float, str] | None = None
         self.predictor = InputTokenPredictor()
+        self.versions = CollectionVersions(peers, config.version_ttl)
         self._background: set[asyncio.Task[None]] = set()
+        self.stores_skipped = 0
 
     async def model_key(self, deadline: Deadline) -> str:
         """Model id + weights digest: new weights never serve answers cached from old ones."""
@@ -259,19 +328,23 @@ class Gateway:
         return self._model[1]
 
     async def _retrieval_scope(self, plan: Plan, deadline: Deadline) -> tuple[str, int]:
-        """(collection, version) the answer will be grounded in, or ("", 0) without retrieval."""
+        """(collection, version) the answer will be grounded in, or ("", 0) without retrieval.
+        While retrieval is down, the last known version: a cached answer for it still serves."""
         if not plan.use_retrieval:
             return "", 0
         try:
-            info = await self.peers.collection_info(plan.collection, plan.tenant, deadline)
+            known = await self.versions.get(plan.collection, plan.tenant, deadline)
         except DOWNSTREAM_ERRORS as exc:
             log.warning("retrieval unavailable, answering without context: %s", exc.message)
             plan.degrade("retrieval_unavailable")
             plan.use_retrieval = False
             return "", 0
+        info = known.info
         if not info.exists or info.points == 0:
             plan.use_retrieval = False
             return "", 0
+        if known.unconfirmed or self.peers.breakers["retrieval"].state.value == "open":
+            plan.degrade("retrieval_unavailable")
         return plan.collection, info.version
 
     def _scope(self, plan: Plan, model: str, collection: str, version: int) -> cache_pb2.CacheScope:
@@ -374,8 +447,11 @@ class Gateway:
             exc.extra_trailing.append(("server-timing", server_timing({**plan.timings, "total": total})))
             raise
         finally:
+            # Every exit path: what was held or reserved and not generated goes back.
             if plan.hold is not None:
                 plan.hold.release()
+            if plan.ticket is not None:
+                plan.ticket.finish()
 
     async def _pipeline(self, plan: Plan, deadline: Deadline) -> AsyncIterator[Delta | Final]:
         if plan.lane not in self.window.lanes:
@@ -386,12 +462,12 @@ class Gateway:
         span.set_attribute("gen_ai.request.temperature", plan.sampling.temperature)
         if self.config.log_prompts:
             span.set_attribute("llmesh.prompt", plan.prompt)
-        if not plan.use_cache:
-            # No cache hit is possible: shed before any downstream call.
-            with plan.timed("admission"):
-                self._precheck(plan)
         with plan.timed("model"):
             model = await self.model_key(deadline)
+        if not plan.use_cache:
+            # No cache hit is possible: shed before any other downstream call.
+            with plan.timed("admission"):
+                self._precheck(plan, model)
         with plan.timed("retrieval"):
             collection, version = await self._retrieval_scope(plan, deadline)
         scope = self._scope(plan, model, collection, version)
@@ -418,7 +494,13 @@ class Gateway:
             # Missed: shed before the expensive hops (retrieval search, tokenizer) when the predicted
             # weight does not fit.
             with plan.timed("admission"):
-                self._precheck(plan)
+                self._precheck(plan, model)
+        if "retrieval_unavailable" in plan.degradations and collection:
+            # Only a cached answer could use the last known version: generate without context,
+            # and store the answer under the scope it really has.
+            plan.use_retrieval = False
+            collection = ""
+            scope = self._scope(plan, model, "", 0)
         with plan.timed("retrieval"):
             sources = await self._retrieve(plan, collection, deadline)
         with plan.timed("tokenizer"):
@@ -430,7 +512,8 @@ class Gateway:
                 [("prompt", f"{input_tokens} tokens with context; the limit is {self.config.max_prompt_tokens}")]
             )
         with plan.timed("admission"):
-            admission = await self._admit(plan, input_tokens)
+            admission = await self._admit(plan, input_tokens, model)
+        plan.ticket = admission.ticket
         if admission.degraded:
             plan.sampling.max_new_tokens = admission.max_new_tokens or plan.sampling.max_new_tokens
             plan.degrade("max_new_tokens_capped")
@@ -440,6 +523,8 @@ class Gateway:
         request_id = uuid.uuid4().hex
         with plan.timed("inference"):
             async for message in self.peers.generate(prompt, plan.sampling, request_id, deadline):
+                if plan.ticket is not None:
+                    plan.ticket.progress(len(message.token_ids))
                 if message.text:
                     pieces.append(message.text)
                     yield Delta(message.text)
@@ -459,10 +544,12 @@ class Gateway:
             model=model,
             degradations=plan.degradations,
         )
-        # A capped answer is not the answer to the request as asked: do not cache it.
+        if plan.ticket is not None:
+            plan.ticket.finish()  # the weight not generated goes back before the caller hears
+        # A capped answer is not the answer to the request as asked: do not cache it. The store
+        # runs after, in the background: the caller's answer never waits for it.
         if plan.use_cache and not admission.degraded and finish in CACHEABLE_FINISH and text:
-            with plan.timed("cache_store"):
-                await self._store(plan, scope, response, deadline)
+            self._store_later(plan, scope, response)
         yield Final(response, plan.timings)
 
     async def _render(
@@ -482,13 +569,15 @@ class Gateway:
             text = render_chatml(messages)
             return text, estimate_tokens(text)
 
-    def _precheck(self, plan: Plan) -> None:
+    def _precheck(self, plan: Plan, model: str) -> None:
         """Sheds before the expensive hops (retrieval search, tokenizer) when the request's
         predicted weight does not fit next to what is admitted and what earlier requests on their
         way hold. A request that passes holds its prediction until its exact weight is admitted."""
         predicted = self.predictor.predict(plan)
         try:
-            plan.hold = self.window.precheck(plan.tenant, predicted, plan.sampling.max_new_tokens, plan.lane, True)
+            plan.hold = self.window.precheck(
+                plan.tenant, predicted, plan.sampling.max_new_tokens, plan.lane, True, model=model
+            )
         except RequestTooHeavy:
             pass  # decided exactly by _admit once the true token count is known
         except ResourceExhausted as exc:
@@ -503,12 +592,12 @@ class Gateway:
         span.set_attribute("llmesh.admission.reason", exc.reason)
         span.set_attribute("llmesh.admission.retry_after_s", exc.retry_after)
 
-    async def _admit(self, plan: Plan, input_tokens: int) -> Admission:
+    async def _admit(self, plan: Plan, input_tokens: int, model: str) -> Admission:
         span = trace.get_current_span()
         try:
             # The exact weight replaces the prediction this request has held since its precheck.
             decision = self.window.plan(
-                plan.tenant, input_tokens, plan.sampling.max_new_tokens, plan.lane, hold=plan.hold
+                plan.tenant, input_tokens, plan.sampling.max_new_tokens, plan.lane, hold=plan.hold, model=model
             )
             admission = await decision if asyncio.iscoroutine(decision) else decision
         except RequestTooHeavy as exc:
@@ -526,11 +615,32 @@ class Gateway:
             self._shed(exc, "shed")
             raise
         metrics.ADMISSION_WEIGHT.set(admission.occupancy)
+        capacity = self.window.capacity(model)
+        metrics.ADMISSION_IN_FLIGHT_LIMIT.set(capacity.limit())
+        span.set_attribute("llmesh.admission.in_flight_limit", capacity.limit())
         span.set_attribute("llmesh.admission.decision", "capped" if admission.degraded else "admitted")
         span.set_attribute("llmesh.admission.weight", admission.weight)
         span.set_attribute("llmesh.admission.occupancy", admission.occupancy)
         span.set_attribute("llmesh.admission.budget", admission.budget)
         return admission
+
+    def _store_later(self, plan: Plan, scope: cache_pb2.CacheScope, response: gateway_pb2.GenerateResponse) -> None:
+        """Stores the answer in the background, with the store hop's own budget (the caller's
+        deadline no longer matters: the caller has its answer)."""
+        if len(self._background) >= MAX_BACKGROUND_STORES:
+            self.stores_skipped += 1
+            metrics.DEGRADED.labels("cache_store_skipped").inc()
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._store(plan, scope, response, Deadline.after(self.config.cache_store_budget))
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def settle(self) -> None:
+        """Waits for background stores (tests, shutdown)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
 
     async def _store(
         self, plan: Plan, scope: cache_pb2.CacheScope, response: gateway_pb2.GenerateResponse, deadline: Deadline
@@ -545,7 +655,7 @@ class Gateway:
             await self.peers.cache_store(
                 cache_pb2.CacheStoreRequest(prompt=plan.prompt, scope=scope, answer=answer), deadline
             )
-        except DOWNSTREAM_ERRORS as exc:
+        except (*DOWNSTREAM_ERRORS, LlmeshError) as exc:
             log.warning("cache store failed: %s", exc.message)
 
     async def ingest(self, request: gateway_pb2.IngestRequest, deadline: Deadline) -> gateway_pb2.IngestResponse:
@@ -557,8 +667,12 @@ class Gateway:
             overlap_tokens=request.overlap_tokens,
         )
         last = retrieval_pb2.UpsertProgress()
-        async for progress in self.peers.upsert(upsert, deadline):
-            last = progress
+        try:
+            async for progress in self.peers.upsert(upsert, deadline):
+                last = progress
+        finally:
+            # The next request learns the new version (whatever happened: a part may have landed).
+            self.versions.forget(upsert.collection, upsert.tenant)
         if not last.done:
             raise LlmeshError("ingest ended before it was done")
         return gateway_pb2.IngestResponse(
@@ -581,5 +695,6 @@ class Gateway:
                 filter=request.filter,
             ),
             deadline,
+            optional=False,
         )
         return gateway_pb2.SearchResponse(results=found.results, trace_id=current_trace_id())

@@ -15,7 +15,7 @@ from services.gateway.admission import AdmissionConfig, RedisWeightWindow, Weigh
 from services.gateway.auth import ApiKeys
 from services.gateway.breaker import BreakerConfig, State, TransitionListener
 from services.gateway.core import Delta, Final, Gateway, GatewayConfig, server_timing
-from services.gateway.peers import Deadline, Peers
+from services.gateway.peers import Deadline, HopBudgets, Peers
 
 log = logging.getLogger("llmesh.gateway")
 BREAKER_STATE_VALUE = {State.CLOSED: 0, State.HALF_OPEN: 1, State.OPEN: 2}
@@ -114,10 +114,17 @@ class GatewayApp:
             "cache": s.cache_target,
             "retrieval": s.retrieval_target,
         }
-        self.peers = Peers(targets, s.max_message_bytes, breakers, breaker_listener, peer_credentials(s))
+        budgets = HopBudgets(
+            cache_lookup=s.hop_cache_lookup_seconds,
+            cache_store=s.hop_cache_store_seconds,
+            collection_info=s.hop_collection_info_seconds,
+            search=s.hop_search_seconds,
+            tokenizer=s.hop_tokenizer_seconds,
+        )
+        self.peers = Peers(targets, s.max_message_bytes, breakers, breaker_listener, peer_credentials(s), budgets)
         admission = AdmissionConfig.from_settings(s)
         self.window: WeightWindow | RedisWeightWindow = (
-            RedisWeightWindow(admission, connect_redis(s.admission_redis_url))
+            RedisWeightWindow(admission, connect_redis(s.admission_redis_url), replicas=s.admission_replicas)
             if s.admission_redis_url
             else WeightWindow(admission)
         )
@@ -130,6 +137,8 @@ class GatewayApp:
             max_new_tokens=s.max_new_tokens,
             default_max_new_tokens=s.default_max_new_tokens,
             log_prompts=s.log_prompts,
+            version_ttl=s.collection_version_ttl_seconds,
+            cache_store_budget=s.hop_cache_store_seconds,
         )
         self.gateway = Gateway(self.peers, config, self.window)
         self.servicer = GatewayServicer(self.gateway, s.default_deadline_seconds, ApiKeys.parse(s.api_keys))
@@ -141,6 +150,7 @@ class GatewayApp:
         return None
 
     async def stop(self) -> None:
+        await self.gateway.settle()
         await self.peers.close()
         if isinstance(self.window, RedisWeightWindow):
             await self.window.redis.aclose()
