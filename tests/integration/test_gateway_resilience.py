@@ -158,10 +158,7 @@ async def test_cancelled_stream_frees_the_inference_slot(models_dir: Path, tiny_
                     break
             assert engine.running_count == 1
             call.cancel()
-            for _ in range(100):
-                if engine.running_count == 0:
-                    break
-                await asyncio.sleep(0.02)
+            assert await asyncio.to_thread(engine.drain, 10.0)  # the engine's own idle event
             assert engine.running_count == 0
 
 
@@ -209,8 +206,18 @@ async def test_sigterm_drain_completes_in_flight_streams(models_dir: Path, tiny_
             call = stub.GenerateStream(request, timeout=60)
             first = await call.read()
             assert first.delta
+            not_serving = asyncio.Event()
+            set_serving = gw.set_serving
+
+            async def announce(serving: bool) -> None:
+                await set_serving(serving)
+                if not serving:
+                    not_serving.set()
+
+            gw.set_serving = announce  # type: ignore[method-assign]
             draining = asyncio.create_task(gw.stop(grace=20))
-            await asyncio.sleep(0.1)
+            # The host said NOT_SERVING and went straight on to stop the server (no await between).
+            await not_serving.wait()
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.Generate(ask("new work"), timeout=5)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
