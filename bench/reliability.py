@@ -119,7 +119,13 @@ RAG_QUESTIONS = (
     "Who built the telescope of the Orbek observatory?",
 )
 ALL_KINDS = ("cached", "rag", "plain")
-FAULTS = ("inference_kill", "retrieval_kill", "redis_stop", "inference_stall", "gateway_sigterm")
+FREEZE_KINDS = ("cached", "cached_rag", "rag", "plain")
+# Freezes run with cached RAG questions in the mix: their answers are cached for the last known
+# collection version, so they must keep succeeding while retrieval is frozen.
+FREEZE_MIX = {"cached": 0.3, "cached_rag": 0.3, "rag": 0.2, "plain": 0.2}
+FREEZES = ("retrieval_freeze", "cache_freeze", "tokenizer_freeze", "redis_freeze")
+FAULTS = ("inference_kill", "retrieval_kill", "redis_stop", "inference_stall", "gateway_sigterm", *FREEZES)
+FREEZE_RECOVERY_S = 2.0  # first success of an affected request after SIGCONT
 TOPICS = ("volcanoes", "tides", "owls", "glaciers", "bridges", "comets", "coral", "deserts", "rivers", "clouds")
 
 
@@ -514,6 +520,10 @@ class Load:
             return gateway_pb2.GenerateRequest(
                 prompt=rng.choice(RAG_QUESTIONS), sampling=sampling, collection=DOCS, tenant=TENANT, use_cache=False
             )
+        if kind == "cached_rag":
+            return gateway_pb2.GenerateRequest(
+                prompt=rng.choice(RAG_QUESTIONS), sampling=sampling, collection=DOCS, tenant=TENANT
+            )
         self._counter += 1
         prompt = f"Tell me one fact about {rng.choice(TOPICS)} (question {self._counter})."
         return gateway_pb2.GenerateRequest(
@@ -724,6 +734,19 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
 _SAMPLE = re.compile(r"^(\w+)\{([^}]*)\}\s+([-+.\deE]+|NaN)")
 
 
+def gauge(port: int, name: str) -> float | None:
+    """One unlabelled sample from a Prometheus endpoint."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
 def scrape(port: int) -> dict[str, Any]:
     """Breaker states and transition counts from the gateway's Prometheus endpoint."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as reply:
@@ -922,6 +945,8 @@ class Reliability:
         for name in self.stopped:
             if name in self.mesh.procs:
                 self.mesh.procs[name].proc.send_signal(signal.SIGCONT)
+            elif name == "redis" and self.redis is not None:
+                self.redis.send_signal(signal.SIGCONT)
         self.mesh.stop()
         self.kill_redis()
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -959,6 +984,7 @@ class Reliability:
         recovered: Callable[[Outcome], bool],
         peer: str | None,
         down_kinds: Sequence[str] = (),
+        mix: dict[str, float] | None = None,
     ) -> dict[str, Any]:
         """One fault under load: warm up, inject (which restores and sets t_back), then run on until
         the affected requests succeed again (or the phase times out)."""
@@ -968,7 +994,7 @@ class Reliability:
         stop = asyncio.Event()
         watch = BreakerWatch(self.mesh)
         watch.start()
-        task = asyncio.create_task(self.load.run(args.fault_clients, stop, sink, deadline=args.fault_deadline))
+        task = asyncio.create_task(self.load.run(args.fault_clients, stop, sink, mix=mix, deadline=args.fault_deadline))
         await asyncio.sleep(args.fault_warmup)
         result = FaultResult(name, t_inject=now())
         try:
@@ -1028,8 +1054,24 @@ class Reliability:
         ]
         if name == "redis_stop":
             out["seconds_to_cache_not_degraded"] = round(min(not_degraded) - result.t_back, 3) if not_degraded else None
+        if name in FREEZES:
+            out.update(freeze_figures(sink, result, down_kinds))
         out.update(result.extra)
         return out
+
+    async def fault_freeze(self, name: str, result: FaultResult) -> None:
+        """SIGSTOP for --freeze-seconds, then SIGCONT: the process is there, and answers nothing."""
+        proc = self.redis if name == "redis" else self.mesh.procs[name].proc
+        assert proc is not None
+        self.stopped.add(name)
+        proc.send_signal(signal.SIGSTOP)
+        result.t_down = now()
+        try:
+            await asyncio.sleep(self.args.freeze_seconds)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+            self.stopped.discard(name)
+        result.t_back = now()
 
     async def fault_kill(self, name: str, result: FaultResult) -> None:
         await asyncio.to_thread(self.mesh.stop_one, name, 10.0, signal.SIGKILL)
@@ -1166,12 +1208,41 @@ class Reliability:
                 ALL_KINDS,
             ),
             ("gateway_sigterm", self.fault_gateway, lambda o: o.ok, None, ()),
+            (
+                "retrieval_freeze",
+                lambda r: self.fault_freeze("retrieval", r),
+                lambda o: o.ok and o.kind == "rag" and "retrieval_unavailable" not in o.degradations,
+                "retrieval",
+                FREEZE_KINDS,
+            ),
+            (
+                "cache_freeze",
+                lambda r: self.fault_freeze("cache", r),
+                lambda o: o.ok and o.kind == "cached" and o.cache_hit and "cache_unavailable" not in o.degradations,
+                "cache",
+                FREEZE_KINDS,
+            ),
+            (
+                "tokenizer_freeze",
+                lambda r: self.fault_freeze("tokenizer", r),
+                lambda o: o.ok and o.kind == "plain" and "tokenizer_estimate" not in o.degradations,
+                "tokenizer",
+                FREEZE_KINDS,
+            ),
+            (
+                "redis_freeze",
+                lambda r: self.fault_freeze("redis", r),
+                lambda o: o.ok and o.kind == "cached" and o.cache_hit and "cache_unavailable" not in o.degradations,
+                "cache",
+                FREEZE_KINDS,
+            ),
         ]
         for name, inject, recovered, peer, kinds in plan:
             if name not in which:
                 continue
             print(f"fault: {name}", flush=True)
-            result = await self.run_fault(name, inject, recovered, peer, kinds)
+            mix = FREEZE_MIX if name in FREEZES else None
+            result = await self.run_fault(name, inject, recovered, peer, kinds, mix)
             if name == "retrieval_kill":
                 result["rag_grounded_after_restart"] = await self.grounded()
             crashed = self.crashed()
@@ -1274,6 +1345,31 @@ class Reliability:
         await self.restart_gateway()  # the faults run with the default admission budget
         return calibration, load
 
+    async def default_budget(self) -> dict[str, Any]:
+        """The load phase on default settings (no calibrated budget): what the gateway learns, and
+        whether overload is shed rather than timed out."""
+        assert self.load is not None
+        args = self.args
+        await self.restart_gateway()
+        print(f"default budget: {args.clients} clients for {args.duration:.0f}s", flush=True)
+        with process_niceness(args.client_nice):
+            outcomes, elapsed = await self.load.for_seconds(args.clients, args.duration, deadline=args.deadline)
+        limit = gauge(self.mesh.procs["gateway"].metrics_port, "llmesh_gateway_admission_in_flight_limit")
+        out = summarize(outcomes)
+        generated = [o for o in outcomes if o.ok and o.weight]
+        out.update(
+            {
+                "clients": args.clients,
+                "seconds": round(elapsed, 1),
+                "requests_per_s": round(len(outcomes) / elapsed, 1),
+                "deadline_exceeded": sum(o.code == "DEADLINE_EXCEEDED" for o in outcomes),
+                "generated_weight_per_s": round(sum(o.weight for o in generated) / max(elapsed, 1e-9), 1),
+                "learned_in_flight_limit": limit,
+                "default_window_budget": "LLMESH_ADMISSION_BUDGET default (cap only)",
+            }
+        )
+        return out
+
     async def main(self) -> dict[str, Any]:
         args = self.args
         t0 = now()
@@ -1287,6 +1383,11 @@ class Reliability:
             await self.ingest()
             if "load" in args.only:
                 result["calibration"], result["load"] = await self.load_phase()
+            if "default_budget" in args.only:
+                result["default_budget"] = await self.default_budget()
+                if "calibration" in result:
+                    result["default_budget"]["calibrated_budget"] = result["calibration"]["admission_budget"]
+                    result["default_budget"]["calibrated_weight_per_s"] = result["calibration"]["weight_per_s"]
             if args.faults:
                 result["faults"] = await self.faults(args.faults)
             if "bad_input" in args.only:
@@ -1305,6 +1406,7 @@ class Reliability:
             "bad_input_deadline_s": args.bad_input_deadline,
             "down_seconds": args.down_seconds,
             "stall_seconds": args.stall_seconds,
+            "freeze_seconds": args.freeze_seconds,
             "long_streams": args.long_streams,
             "gateway_nice": args.gateway_nice,
             "client_nice": args.client_nice,
@@ -1313,7 +1415,7 @@ class Reliability:
             "admission_window_s": ADMISSION_WINDOW_S,
             "shed_fraction_of_capacity": SHED_FRACTION,
             "lost_grace_s": LOST_GRACE_S,
-            "fault_admission_budget": "default (LLMESH_ADMISSION_BUDGET=2e7)",
+            "fault_admission_budget": "default settings (learned in-flight limit, LLMESH_ADMISSION_BUDGET=2e7 cap)",
         }
         result["wall_seconds"] = round(now() - t0, 1)
         result["machine"] = machine()
@@ -1362,7 +1464,60 @@ def passes(result: dict[str, Any]) -> dict[str, bool]:
         )
     if faults:
         out["no_crashes_in_faults"] = all(not f["crashed_after"] for f in faults.values())
+    for name in FREEZES:
+        if name in faults:
+            f = faults[name]
+            out[f"{name}_no_deadline_exceeded"] = f["deadline_exceeded"] == 0
+            out[f"{name}_only_ok_or_shed_with_retry_info"] = (
+                f["other_errors_during"] == 0 and f["shed_without_retry_info"] == 0
+            )
+            out[f"{name}_shed_p99_le_50ms"] = f["shed_during"] == 0 or (f["shed_p99_s"] or 0) <= 0.050
+            first = f["seconds_to_first_success"]
+            out[f"{name}_first_success_within_{FREEZE_RECOVERY_S:g}s_of_sigcont"] = (
+                first is not None and first <= FREEZE_RECOVERY_S
+            )
+    if "retrieval_freeze" in faults:
+        out["retrieval_freeze_cached_rag_ok_every_second"] = all(
+            n > 0 for n in faults["retrieval_freeze"]["ok_per_second_by_kind"]["cached_rag"]
+        )
+    if "tokenizer_freeze" in faults:
+        out["tokenizer_freeze_plain_ok_every_second"] = all(
+            n > 0 for n in faults["tokenizer_freeze"]["ok_per_second_by_kind"]["plain"]
+        )
+    default = result.get("default_budget")
+    if default is not None:
+        out["default_budget_sheds"] = default["shed"] > 0
+        out["default_budget_no_deadline_exceeded"] = default["deadline_exceeded"] == 0
+        out["default_budget_lost_zero"] = default["lost"] == 0
     return out
+
+
+def freeze_figures(sink: Sequence[Outcome], fault: FaultResult, kinds: Sequence[str]) -> dict[str, Any]:
+    """Per second of a freeze: successes (in all and per kind), sheds and their p99, deadline errors."""
+    during = [o for o in sink if fault.t_down <= o.ended < fault.t_back]
+    seconds = max(1, math.floor(fault.t_back - fault.t_down))
+    per_second: dict[str, list[int]] = {kind: [0] * seconds for kind in kinds}
+    total = [0] * seconds
+    for o in during:
+        i = int(o.ended - fault.t_down)
+        if o.ok and i < seconds:
+            total[i] += 1
+            if o.kind in per_second:
+                per_second[o.kind][i] += 1
+    sheds = [o for o in during if o.shed]
+    started_during = [o for o in sink if fault.t_down <= o.started < fault.t_back]
+    return {
+        "freeze_seconds": round(fault.t_back - fault.t_down, 2),
+        "ok_per_second": round(sum(total) / max(fault.t_back - fault.t_down, 1e-9), 1),
+        "ok_each_second": total,
+        "ok_per_second_by_kind": per_second,
+        "shed_during": len(sheds),
+        "shed_p99_s": round(percentile([o.latency for o in sheds], 0.99), 4) if sheds else None,
+        "shed_without_retry_info": sum(not o.retry_info for o in sheds),
+        "deadline_exceeded": sum(o.code == "DEADLINE_EXCEEDED" for o in sink if o.ended >= fault.t_down),
+        "other_errors_during": sum(o.error for o in started_during),
+        "degradations_during": dict(Counter(d for o in during if o.ok for d in o.degradations)),
+    }
 
 
 def _finite(value: Any) -> Any:
@@ -1404,6 +1559,18 @@ def print_result(result: dict[str, Any]) -> None:
         )
     if rows:
         print_table(rows, "faults (ok/requests per kind while down)")
+    freezes = {
+        name: f"ok/s {f['ok_per_second']:>6}  min ok in a second {min(f['ok_each_second'], default=0):>3}  "
+        f"shed {f['shed_during']:>4}  shed p99 {_s(f['shed_p99_s'])}  deadline errors {f['deadline_exceeded']}  "
+        f"first success after SIGCONT {_s(f['seconds_to_first_success'])}"
+        for name, f in result.get("faults", {}).items()
+        if name in FREEZES
+    }
+    if freezes:
+        print_table(freezes, "freezes (SIGSTOP, then SIGCONT)")
+    default = result.get("default_budget")
+    if default is not None:
+        print_table({k: v for k, v in default.items() if not isinstance(v, dict | list)}, "load on default settings")
     bad = result.get("bad_input")
     if bad is not None:
         print_table({k: v for k, v in bad.items() if not isinstance(v, dict | list)}, "bad input")
@@ -1424,7 +1591,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--bad-inputs", type=int, default=None, help="bad inputs to send (default 1500, quick 1000)")
     parser.add_argument(
-        "--only", default="load,faults,bad_input", help="phases: load, faults (or fault names), bad_input"
+        "--only",
+        default="load,default_budget,faults,bad_input",
+        help="phases: load, default_budget, faults (or fault names), bad_input",
     )
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here instead of bench/results")
     parser.add_argument(
@@ -1458,6 +1627,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.bad_input_deadline = 60.0
     args.down_seconds = 2.0
     args.stall_seconds = 4.0
+    args.freeze_seconds = 4.0 if args.quick else 6.0
     args.long_streams = 8
     bench = Reliability(args)
     try:
@@ -1466,7 +1636,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         bench.cleanup()
     result = _finite(result)
     print_result(result)
-    complete = {"load", "bad_input"} <= args.only and len(args.faults) == len(FAULTS)
+    complete = {"load", "default_budget", "bad_input"} <= args.only and len(args.faults) == len(FAULTS)
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
