@@ -958,6 +958,15 @@ class Reliability:
         docs = [common_pb2.Document(id=i, text=t) for i, t in DOCUMENTS]
         await stub.Ingest(gateway_pb2.IngestRequest(collection=DOCS, tenant=TENANT, documents=docs), timeout=120)
 
+    async def prime(self) -> None:
+        """Answers every RAG question once with the cache on, so cached RAG requests hit."""
+        assert self.load is not None
+        stub = gateway_pb2_grpc.GatewayStub(self.load.channels[0])
+        sampling = common_pb2.SamplingParams(max_new_tokens=self.args.new_tokens)
+        for question in RAG_QUESTIONS:
+            request = gateway_pb2.GenerateRequest(prompt=question, sampling=sampling, collection=DOCS, tenant=TENANT)
+            await stub.Generate(request, timeout=120)
+
     async def calibrate(self, seconds: float) -> dict[str, Any]:
         assert self.load is not None
         outcomes, elapsed = await self.load.for_seconds(self.args.clients, seconds)
@@ -1389,6 +1398,8 @@ class Reliability:
                     result["default_budget"]["calibrated_budget"] = result["calibration"]["admission_budget"]
                     result["default_budget"]["calibrated_weight_per_s"] = result["calibration"]["weight_per_s"]
             if args.faults:
+                if set(args.faults) & set(FREEZES):
+                    await self.prime()
                 result["faults"] = await self.faults(args.faults)
             if "bad_input" in args.only:
                 print("bad input", flush=True)

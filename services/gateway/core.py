@@ -54,6 +54,9 @@ CONTEXT_INSTRUCTION = (
 MODEL_INFO_TTL_S = 30.0
 # Cache stores run after the final message, in the background; past this many the rest are skipped.
 MAX_BACKGROUND_STORES = 64
+# A request that would be shed on a miss waits for the cache only this long: a refusal is fast
+# whatever state the cache is in (frozen, or its breaker still deciding).
+SHED_RISK_LOOKUP_S = 0.02
 CACHEABLE_FINISH = (
     common_pb2.FINISH_REASON_STOP,
     common_pb2.FINISH_REASON_LENGTH,
@@ -226,6 +229,14 @@ class InputTokenPredictor:
         guess = size * self.tokens_per_byte + context
         return max(floor, int(guess))
 
+    def estimate(self, rendered: str) -> int:
+        """Tokens of a rendered prompt while the tokenizer is away: the learned rate with a 10 %
+        margin, or the conservative `estimate_tokens` before anything was learned."""
+        if not self.tokens_per_byte:
+            return estimate_tokens(rendered)
+        size = len(rendered.encode("utf-8"))
+        return max(1, size // 8, math.ceil(size * self.tokens_per_byte * 1.1))
+
     def observe(self, plan: Plan, input_tokens: int, with_context: bool) -> None:
         size = max(1, self.text_bytes(plan))
         if not with_context:
@@ -259,7 +270,8 @@ class CollectionVersions:
     while a single background refresh asks retrieval again (stale-while-revalidate). An ingest
     through this gateway forgets the entry, so the next request learns the new version at once;
     other replicas learn it within `ttl`. While retrieval is down the last known version is kept
-    (marked unconfirmed), so cached answers for it still serve."""
+    (marked unconfirmed, and asked again on every request until retrieval answers), so cached
+    answers for it still serve."""
 
     MAX_ENTRIES = 4096
 
@@ -279,7 +291,10 @@ class CollectionVersions:
                 self.known.pop(next(iter(self.known)))
             known = self.known[key] = KnownVersion(info, time.monotonic())
             return known
-        if time.monotonic() - known.learned_at >= self.ttl and known.refreshing is None:
+        # An unconfirmed version is asked again at once (one call at a time): retrieval's return
+        # is noticed on the next request, not a TTL later.
+        stale = known.unconfirmed or time.monotonic() - known.learned_at >= self.ttl
+        if stale and known.refreshing is None:
             known.refreshing = asyncio.get_running_loop().create_task(self._refresh(key, known))
         return known
 
@@ -353,14 +368,19 @@ class Gateway:
         )
 
     async def _lookup(
-        self, plan: Plan, scope: cache_pb2.CacheScope, deadline: Deadline
+        self, plan: Plan, scope: cache_pb2.CacheScope, deadline: Deadline, wait: float | None = None
     ) -> cache_pb2.CacheLookupResponse | None:
+        """A hit, or None (a miss, or the cache unavailable). `wait`: give up on the cache after
+        this long (the request is shed on a miss, so it only waits as long as a refusal may take)."""
         # Attributes go on the request span: the client span of the RPC already times the hop.
         span = trace.get_current_span()
+        lookup = self.peers.cache_lookup(
+            cache_pb2.CacheLookupRequest(prompt=plan.prompt, scope=scope, allow_semantic=True), deadline
+        )
         try:
-            found = await self.peers.cache_lookup(
-                cache_pb2.CacheLookupRequest(prompt=plan.prompt, scope=scope, allow_semantic=True), deadline
-            )
+            found = await (lookup if wait is None else asyncio.wait_for(lookup, wait))
+        except TimeoutError:
+            return None
         except DOWNSTREAM_ERRORS as exc:
             log.warning("cache unavailable: %s", exc.message)
             plan.degrade("cache_unavailable")
@@ -473,7 +493,9 @@ class Gateway:
         scope = self._scope(plan, model, collection, version)
         if plan.use_cache:
             with plan.timed("cache"):
-                hit = await self._lookup(plan, scope, deadline)
+                hit = await self._lookup(
+                    plan, scope, deadline, SHED_RISK_LOOKUP_S if self._shed_risk(plan, model) else None
+                )
             if hit is not None:
                 answer = hit.answer
                 yield Delta(answer.text)
@@ -567,7 +589,19 @@ class Gateway:
             log.warning("tokenizer unavailable, estimating tokens locally: %s", exc.message)
             plan.degrade("tokenizer_estimate")
             text = render_chatml(messages)
-            return text, estimate_tokens(text)
+            return text, self.predictor.estimate(text)
+
+    def _shed_risk(self, plan: Plan, model: str) -> bool:
+        """Whether the request would be shed if the cache missed (decides nothing, holds nothing)."""
+        try:
+            self.window.precheck(
+                plan.tenant, self.predictor.predict(plan), plan.sampling.max_new_tokens, plan.lane, model=model
+            )
+        except RequestTooHeavy:
+            return False
+        except ResourceExhausted:
+            return True
+        return False
 
     def _precheck(self, plan: Plan, model: str) -> None:
         """Sheds before the expensive hops (retrieval search, tokenizer) when the request's

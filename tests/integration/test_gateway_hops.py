@@ -366,6 +366,25 @@ async def test_a_cancelled_request_releases_its_hold_and_reservation() -> None:
         no_weight_left(app)
 
 
+async def test_a_request_that_would_be_shed_on_a_miss_does_not_wait_for_a_frozen_cache() -> None:
+    env = {"LLMESH_HOP_CACHE_LOOKUP_SECONDS": "5", "LLMESH_ADMISSION_INITIAL_IN_FLIGHT": "640"}
+    async with fake_mesh(**env) as (fake, app, _):
+        fake.generate.mode = "hang"
+        busy = asyncio.create_task(run(app, ask(max_new_tokens=64, use_cache=False, use_retrieval=False), 10))
+        await fake.generate.called.wait()  # the in-flight limit is now full
+        fake.lookup.mode = "hang"
+        deadline = Deadline.after(10)
+        with pytest.raises(LlmeshError) as shed:
+            async for _ in app.gateway.generate(ask(max_new_tokens=64, use_retrieval=False), deadline):
+                pass
+        assert shed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert deadline.remaining() > 9  # not the cache's 5 s budget: it would be shed on a miss anyway
+        busy.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await busy
+        no_weight_left(app)
+
+
 # --- the cache store comes after the final message ----------------------------------------------------
 
 
