@@ -1374,6 +1374,8 @@ class Reliability:
                 "deadline_exceeded": sum(o.code == "DEADLINE_EXCEEDED" for o in outcomes),
                 "generated_weight_per_s": round(sum(o.weight for o in generated) / max(elapsed, 1e-9), 1),
                 "learned_in_flight_limit": limit,
+                # The limit is measured throughput x LLMESH_ADMISSION_TARGET_SECONDS (default 3 s).
+                "learned_weight_per_s": None if limit is None else round(limit / 3.0, 1),
                 "default_window_budget": "LLMESH_ADMISSION_BUDGET default (cap only)",
             }
         )

@@ -57,6 +57,9 @@ MAX_BACKGROUND_STORES = 64
 # A request that would be shed on a miss waits for the cache only this long: a refusal is fast
 # whatever state the cache is in (frozen, or its breaker still deciding).
 SHED_RISK_LOOKUP_S = 0.02
+# After the cache failed or answered degraded, requests decide admission before looking it up
+# for this long.
+CACHE_SUSPECT_S = 1.0
 CACHEABLE_FINISH = (
     common_pb2.FINISH_REASON_STOP,
     common_pb2.FINISH_REASON_LENGTH,
@@ -328,6 +331,7 @@ class Gateway:
         self.versions = CollectionVersions(peers, config.version_ttl)
         self._background: set[asyncio.Task[None]] = set()
         self.stores_skipped = 0
+        self._cache_slow_until = 0.0
 
     async def model_key(self, deadline: Deadline) -> str:
         """Model id + weights digest: new weights never serve answers cached from old ones."""
@@ -382,10 +386,12 @@ class Gateway:
         except TimeoutError:
             return None
         except DOWNSTREAM_ERRORS as exc:
+            self._cache_slow_until = time.monotonic() + CACHE_SUSPECT_S
             log.warning("cache unavailable: %s", exc.message)
             plan.degrade("cache_unavailable")
             return None
         if found.degraded:
+            self._cache_slow_until = time.monotonic() + CACHE_SUSPECT_S
             plan.degrade("cache_unavailable")
         span.set_attribute("llmesh.cache.hit", found.hit)
         if found.hit:
@@ -492,10 +498,15 @@ class Gateway:
             collection, version = await self._retrieval_scope(plan, deadline)
         scope = self._scope(plan, model, collection, version)
         if plan.use_cache:
+            suspect = self._cache_suspect()
+            if suspect:
+                # The cache is failing or slow: a miss is likely, so decide (and reserve) first
+                # rather than after waiting for it.
+                with plan.timed("admission"):
+                    self._precheck(plan, model)
+            wait = SHED_RISK_LOOKUP_S if not suspect and self._shed_risk(plan, model) else None
             with plan.timed("cache"):
-                hit = await self._lookup(
-                    plan, scope, deadline, SHED_RISK_LOOKUP_S if self._shed_risk(plan, model) else None
-                )
+                hit = await self._lookup(plan, scope, deadline, wait)
             if hit is not None:
                 answer = hit.answer
                 yield Delta(answer.text)
@@ -515,8 +526,9 @@ class Gateway:
                 return
             # Missed: shed before the expensive hops (retrieval search, tokenizer) when the predicted
             # weight does not fit.
-            with plan.timed("admission"):
-                self._precheck(plan, model)
+            if not suspect:
+                with plan.timed("admission"):
+                    self._precheck(plan, model)
         if "retrieval_unavailable" in plan.degradations and collection:
             # Only a cached answer could use the last known version: generate without context,
             # and store the answer under the scope it really has.
@@ -590,6 +602,11 @@ class Gateway:
             plan.degrade("tokenizer_estimate")
             text = render_chatml(messages)
             return text, self.predictor.estimate(text)
+
+    def _cache_suspect(self) -> bool:
+        """The cache failed, ran out of budget or answered degraded in the last CACHE_SUSPECT_S,
+        or its breaker is not closed."""
+        return time.monotonic() < self._cache_slow_until or self.peers.breakers["cache"].state.value != "closed"
 
     def _shed_risk(self, plan: Plan, model: str) -> bool:
         """Whether the request would be shed if the cache missed (decides nothing, holds nothing)."""

@@ -267,6 +267,18 @@ async def test_a_long_stream_is_judged_by_its_pace_not_its_length() -> None:
         assert breaker.metrics().slow == 0
 
 
+async def test_streams_that_stall_between_tokens_trip_the_breaker() -> None:
+    async with fake_mesh(**BREAKER) as (fake, app, _):
+        fake.tokens, fake.token_interval = 3, 0.6  # each gap longer than the 0.3 s slow-call threshold
+        breaker = app.peers.breakers["inference"]
+        for _ in range(2):
+            await run(app, ask(max_new_tokens=3, use_cache=False, use_retrieval=False), 10)
+        assert breaker.state.value == "open"
+        with pytest.raises(LlmeshError) as cut_off:
+            await run(app, ask(use_cache=False, use_retrieval=False), 10)
+        assert cut_off.value.reason == "CIRCUIT_OPEN"
+
+
 async def test_a_frozen_inference_is_cut_off_after_the_minimum_calls() -> None:
     async with fake_mesh(**BREAKER) as (fake, app, _):
         fake.generate.mode = "hang"
