@@ -122,7 +122,9 @@ ALL_KINDS = ("cached", "rag", "plain")
 FREEZE_KINDS = ("cached", "cached_rag", "rag", "plain")
 # Freezes run with cached RAG questions in the mix: their answers are cached for the last known
 # collection version, so they must keep succeeding while retrieval is frozen.
-FREEZE_MIX = {"cached": 0.3, "cached_rag": 0.3, "rag": 0.2, "plain": 0.2}
+# Each client asks one kind only (4 clients per kind with 16), so a kind's successes per second do
+# not depend on how many clients happen to be waiting for slower kinds.
+FREEZE_MIX = {"cached": 0.25, "cached_rag": 0.25, "rag": 0.25, "plain": 0.25}
 FREEZES = ("retrieval_freeze", "cache_freeze", "tokenizer_freeze", "redis_freeze")
 FAULTS = ("inference_kill", "retrieval_kill", "redis_stop", "inference_stall", "gateway_sigterm", *FREEZES)
 FREEZE_RECOVERY_S = 2.0  # first success of an affected request after SIGCONT
@@ -591,13 +593,19 @@ class Load:
         )
 
     async def client(
-        self, index: int, stop: asyncio.Event, sink: list[Outcome], mix: dict[str, float], deadline: float
+        self,
+        index: int,
+        stop: asyncio.Event,
+        sink: list[Outcome],
+        mix: dict[str, float],
+        deadline: float,
+        pinned: bool = False,
     ) -> None:
         rng = random.Random(index * 7919 + 1)
         await asyncio.sleep(rng.random())  # users arrive spread over a second, not in one instant
         kinds, weights = list(mix), list(mix.values())
         while not stop.is_set():
-            kind = rng.choices(kinds, weights)[0]
+            kind = kinds[index % len(kinds)] if pinned else rng.choices(kinds, weights)[0]
             stream = kind == "plain" and rng.random() < 0.5
             outcome = await self.call(kind, self.request(kind, rng), stream, deadline, index)
             sink.append(outcome)
@@ -613,9 +621,11 @@ class Load:
         sink: list[Outcome],
         mix: dict[str, float] | None = None,
         deadline: float = 15.0,
+        pinned: bool = False,
     ) -> None:
+        """`pinned`: client i asks only the i-th kind of the mix (round robin)."""
         mix = mix or {"cached": 0.4, "rag": 0.3, "plain": 0.3}
-        await asyncio.gather(*(self.client(i, stop, sink, mix, deadline) for i in range(clients)))
+        await asyncio.gather(*(self.client(i, stop, sink, mix, deadline, pinned) for i in range(clients)))
 
     async def for_seconds(self, clients: int, seconds: float, **kw: Any) -> tuple[list[Outcome], float]:
         sink: list[Outcome] = []
@@ -1003,7 +1013,9 @@ class Reliability:
         stop = asyncio.Event()
         watch = BreakerWatch(self.mesh)
         watch.start()
-        task = asyncio.create_task(self.load.run(args.fault_clients, stop, sink, mix=mix, deadline=args.fault_deadline))
+        task = asyncio.create_task(
+            self.load.run(args.fault_clients, stop, sink, mix=mix, deadline=args.fault_deadline, pinned=mix is not None)
+        )
         await asyncio.sleep(args.fault_warmup)
         result = FaultResult(name, t_inject=now())
         try:
