@@ -556,9 +556,16 @@ class Gateway:
         usage = common_pb2.Usage(input_tokens=input_tokens)
         request_id = uuid.uuid4().hex
         with plan.timed("inference"):
+            generated = 0
             async for message in self.peers.generate(prompt, plan.sampling, request_id, deadline):
+                # Tokens as they come (a backend that sends text only: a message is a token); the
+                # final usage settles the count.
+                step = len(message.token_ids) or (1 if message.text else 0)
+                if message.finish_reason and message.usage.output_tokens:
+                    step = max(step, message.usage.output_tokens - generated)
+                generated += step
                 if plan.ticket is not None:
-                    plan.ticket.progress(len(message.token_ids))
+                    plan.ticket.progress(step)
                 if message.text:
                     pieces.append(message.text)
                     yield Delta(message.text)

@@ -153,4 +153,5 @@ class GatewayApp:
         await self.gateway.settle()
         await self.peers.close()
         if isinstance(self.window, RedisWeightWindow):
+            await self.window.settle()
             await self.window.redis.aclose()
