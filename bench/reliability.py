@@ -973,9 +973,17 @@ class Reliability:
         assert self.load is not None
         stub = gateway_pb2_grpc.GatewayStub(self.load.channels[0])
         sampling = common_pb2.SamplingParams(max_new_tokens=self.args.new_tokens)
-        for question in RAG_QUESTIONS:
-            request = gateway_pb2.GenerateRequest(prompt=question, sampling=sampling, collection=DOCS, tenant=TENANT)
-            await stub.Generate(request, timeout=120)
+        requests = [
+            gateway_pb2.GenerateRequest(prompt=question, sampling=sampling, collection=DOCS, tenant=TENANT)
+            for question in RAG_QUESTIONS
+        ]
+        for request in requests:  # a shed or failed one is asked again
+            for _ in range(20):
+                try:
+                    await stub.Generate(request, timeout=60)
+                    break
+                except grpc.aio.AioRpcError:
+                    await asyncio.sleep(0.5)
 
     async def calibrate(self, seconds: float) -> dict[str, Any]:
         assert self.load is not None
@@ -1081,7 +1089,10 @@ class Reliability:
         return out
 
     async def fault_freeze(self, name: str, result: FaultResult) -> None:
-        """SIGSTOP for --freeze-seconds, then SIGCONT: the process is there, and answers nothing."""
+        """SIGSTOP for --freeze-seconds, then SIGCONT: the process is there, and answers nothing.
+        Before freezing retrieval, every RAG question's answer is cached for the current version."""
+        if name == "retrieval":
+            await self.prime()
         proc = self.redis if name == "redis" else self.mesh.procs[name].proc
         assert proc is not None
         self.stopped.add(name)
@@ -1412,8 +1423,6 @@ class Reliability:
                     result["default_budget"]["calibrated_budget"] = result["calibration"]["admission_budget"]
                     result["default_budget"]["calibrated_weight_per_s"] = result["calibration"]["weight_per_s"]
             if args.faults:
-                if set(args.faults) & set(FREEZES):
-                    await self.prime()
                 result["faults"] = await self.faults(args.faults)
             if "bad_input" in args.only:
                 print("bad input", flush=True)

@@ -75,6 +75,7 @@ REASON_BUDGET = "WEIGHT_BUDGET_EXCEEDED"
 REASON_TENANT = "TENANT_BUDGET_EXCEEDED"
 REASON_TOO_HEAVY = "REQUEST_TOO_HEAVY"
 REASON_IN_FLIGHT = "IN_FLIGHT_LIMIT"
+REASON_DEADLINE = "DEADLINE_TOO_SHORT"
 
 SOURCE_LOCAL = "local"
 SOURCE_REDIS = "redis"
@@ -366,6 +367,13 @@ class CapacityLimit:
             rate = self._done / self._busy
             self.throughput = rate if not self.throughput else self.throughput + self.alpha * (rate - self.throughput)
             self._busy = self._done = 0.0
+
+    def drain_seconds(self, extra: float) -> float:
+        """Seconds until what is in flight, and `extra` more, is generated at the measured
+        throughput (a request's expected time in the system); 0 until measured."""
+        if self.throughput <= 0 or not self.adaptive:
+            return 0.0
+        return (self.in_flight + self.held + extra) / self.throughput
 
     def retry_after(self, need: float, window_seconds: float) -> float:
         """Time for `need` weight in flight to drain at the measured throughput."""

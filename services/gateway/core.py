@@ -27,6 +27,7 @@ from llmesh.v1 import cache_pb2, common_pb2, gateway_pb2, retrieval_pb2
 from services.gateway import metrics
 from services.gateway.admission import (
     INTERACTIVE,
+    REASON_DEADLINE,
     Admission,
     Hold,
     RedisWeightWindow,
@@ -60,6 +61,9 @@ SHED_RISK_LOOKUP_S = 0.02
 # After the cache failed or answered degraded, requests decide admission before looking it up
 # for this long.
 CACHE_SUSPECT_S = 1.0
+# Background calls (version refresh, cache store) have no caller: a deadline well past any hop
+# budget, so the budget bounds them and its timeout counts against the hop.
+BACKGROUND_DEADLINE_S = 30.0
 CACHEABLE_FINISH = (
     common_pb2.FINISH_REASON_STOP,
     common_pb2.FINISH_REASON_LENGTH,
@@ -304,9 +308,8 @@ class CollectionVersions:
     async def _refresh(self, key: tuple[str, str], known: KnownVersion) -> None:
         tenant, collection = key
         try:
-            info = await self.peers.collection_info(
-                collection, tenant, Deadline.after(self.peers.budgets.collection_info)
-            )
+            # No caller waits: the hop's own budget bounds the call, and its timeout is a verdict.
+            info = await self.peers.collection_info(collection, tenant, Deadline.after(BACKGROUND_DEADLINE_S))
         except (*DOWNSTREAM_ERRORS, LlmeshError) as exc:
             known.unconfirmed = True
             log.warning("collection version refresh failed, keeping version %d: %s", known.info.version, exc.message)
@@ -546,7 +549,7 @@ class Gateway:
                 [("prompt", f"{input_tokens} tokens with context; the limit is {self.config.max_prompt_tokens}")]
             )
         with plan.timed("admission"):
-            admission = await self._admit(plan, input_tokens, model)
+            admission = await self._admit(plan, input_tokens, model, deadline)
         plan.ticket = admission.ticket
         if admission.degraded:
             plan.sampling.max_new_tokens = admission.max_new_tokens or plan.sampling.max_new_tokens
@@ -650,8 +653,22 @@ class Gateway:
         span.set_attribute("llmesh.admission.reason", exc.reason)
         span.set_attribute("llmesh.admission.retry_after_s", exc.retry_after)
 
-    async def _admit(self, plan: Plan, input_tokens: int, model: str) -> Admission:
+    async def _admit(self, plan: Plan, input_tokens: int, model: str, deadline: Deadline) -> Admission:
         span = trace.get_current_span()
+        capacity = self.window.capacity(model)
+        own_hold = plan.hold.weight if plan.hold is not None and not plan.hold.released else 0
+        expected = capacity.drain_seconds(input_tokens * plan.sampling.max_new_tokens - own_hold)
+        if expected > deadline.remaining():
+            # At the measured throughput the request would not finish in time: refuse it now
+            # rather than let it run into the caller's deadline.
+            exc = ResourceExhausted(
+                f"expected to take {expected:.1f}s at the measured throughput; "
+                f"{deadline.remaining():.1f}s of the deadline left",
+                retry_after=min(expected - deadline.remaining(), self.window.config.window_seconds),
+                reason=REASON_DEADLINE,
+            )
+            self._shed(exc, "shed_deadline")
+            raise exc
         try:
             # The exact weight replaces the prediction this request has held since its precheck.
             decision = self.window.plan(
@@ -673,7 +690,6 @@ class Gateway:
             self._shed(exc, "shed")
             raise
         metrics.ADMISSION_WEIGHT.set(admission.occupancy)
-        capacity = self.window.capacity(model)
         metrics.ADMISSION_IN_FLIGHT_LIMIT.set(capacity.limit())
         span.set_attribute("llmesh.admission.in_flight_limit", capacity.limit())
         span.set_attribute("llmesh.admission.decision", "capped" if admission.degraded else "admitted")
@@ -690,7 +706,7 @@ class Gateway:
             metrics.DEGRADED.labels("cache_store_skipped").inc()
             return
         task = asyncio.get_running_loop().create_task(
-            self._store(plan, scope, response, Deadline.after(self.config.cache_store_budget))
+            self._store(plan, scope, response, Deadline.after(BACKGROUND_DEADLINE_S))
         )
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -397,6 +397,19 @@ async def test_a_request_that_would_be_shed_on_a_miss_does_not_wait_for_a_frozen
         no_weight_left(app)
 
 
+async def test_a_request_that_could_not_finish_in_time_is_shed_not_timed_out() -> None:
+    async with fake_mesh() as (fake, app, _):
+        capacity = app.window.capacity(MODEL)  # type: ignore[union-attr]
+        capacity.throughput = 100.0  # measured: 100 weight per second
+        with pytest.raises(LlmeshError) as shed:
+            await run(app, ask(max_new_tokens=64, use_cache=False, use_retrieval=False), 3.0)  # 6.4 s of work
+        assert shed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and shed.value.reason == "DEADLINE_TOO_SHORT"
+        assert fake.generate.calls == 0
+        final = await run(app, ask(max_new_tokens=16, use_cache=False, use_retrieval=False), 3.0)  # 1.6 s
+        assert final.response.text
+        no_weight_left(app)
+
+
 # --- the cache store comes after the final message ----------------------------------------------------
 
 
