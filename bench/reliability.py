@@ -1351,10 +1351,13 @@ class Reliability:
         """Calibrates, restarts the gateway with a budget that sheds, runs the load, restores the budget."""
         assert self.load is not None
         args = self.args
+        # Calibration measures the mesh, not the gateway's learned limit: that one is off here
+        # and in the calibrated load phase (the default_budget phase runs with it).
+        await self.restart_gateway(LLMESH_ADMISSION_ADAPTIVE="false")
         calibration = await self.calibrate(args.calibrate_seconds)
         print(f"calibration: {calibration}", flush=True)
         budget = calibration["admission_budget"]
-        await self.restart_gateway(LLMESH_ADMISSION_BUDGET=str(budget))
+        await self.restart_gateway(LLMESH_ADMISSION_BUDGET=str(budget), LLMESH_ADMISSION_ADAPTIVE="false")
         print(f"load: {args.clients} clients for {args.duration:.0f}s", flush=True)
         stop, lags = asyncio.Event(), []
         lag_task = asyncio.create_task(loop_lag(stop, lags))
