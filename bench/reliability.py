@@ -977,11 +977,11 @@ class Reliability:
             gateway_pb2.GenerateRequest(prompt=question, sampling=sampling, collection=DOCS, tenant=TENANT)
             for question in RAG_QUESTIONS
         ]
-        for request in requests:  # a shed or failed one is asked again
-            for _ in range(20):
+        for request in requests:  # asked until the answer comes from the cache (shed, capped: again)
+            for _ in range(40):
                 try:
-                    await stub.Generate(request, timeout=60)
-                    break
+                    if (await stub.Generate(request, timeout=60)).cache.hit:
+                        break
                 except grpc.aio.AioRpcError:
                     await asyncio.sleep(0.5)
 
@@ -1164,6 +1164,9 @@ class Reliability:
             first_delta[i].set()
             finished.append((code, now(), deltas))
 
+        # This fault is about the drain, not admission: the learned in-flight limit would shed the
+        # long streams on a slow machine, so it is off until the gateway is restarted after it.
+        await self.restart_gateway(LLMESH_ADMISSION_ADAPTIVE="false")
         # Size the streams to the speed under this load: long enough to be cut by the SIGTERM, short
         # enough to finish inside the grace period (about 0.4 of it after their first token).
         probe_tokens = 64
