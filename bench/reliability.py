@@ -1003,6 +1003,10 @@ class Reliability:
     async def restart_gateway(self, **extra_env: str) -> None:
         await asyncio.to_thread(self.mesh.stop_one, "gateway")
         await asyncio.to_thread(self.restart, "gateway", **extra_env)
+        if self.load is not None:  # the clients' channels reconnect before the next phase counts
+            for channel in self.load.channels:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(channel.channel_ready(), 15)
 
     async def run_fault(
         self,
