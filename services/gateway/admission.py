@@ -314,6 +314,7 @@ class CapacityLimit:
         "initial",
         "requests",
         "sample_seconds",
+        "streaming",
         "target_seconds",
         "throughput",
     )
@@ -337,6 +338,7 @@ class CapacityLimit:
         self.alpha = alpha
         self.in_flight = 0.0  # reserved weight of admitted requests not yet generated
         self.requests = 0  # admitted requests not yet finished
+        self.streaming = 0  # of those, the ones whose tokens have started to come back
         self.held = 0  # weight held by requests between precheck and admission
         self.throughput = 0.0  # weight per second while busy; 0 until measured
         self._busy = 0.0
@@ -357,9 +359,10 @@ class CapacityLimit:
         return self.limit() - taken
 
     def advance(self, now: float, generated: float = 0.0) -> None:
-        """Time passes (and `generated` weight came back): busy time only counts with requests
-        in flight, so an idle model's throughput is not diluted, and a stalled one's drops."""
-        if self.requests:
+        """Time passes (and `generated` weight came back): busy time only counts while requests
+        are streaming, so neither idle time nor a prefill dilutes the throughput, and a stall
+        mid-stream lowers it."""
+        if self.streaming:
             self._busy += max(0.0, now - self._last)
         self._last = now
         self._done += generated
@@ -386,7 +389,18 @@ class Ticket:
     """An admitted request's reservation. `progress` as tokens come back; `finish` once on every
     exit path: the weight not generated leaves the flight and is refunded from the window."""
 
-    __slots__ = ("_entry", "_window", "finished", "model", "on_refund", "reserved", "tenant", "unit", "used")
+    __slots__ = (
+        "_entry",
+        "_window",
+        "finished",
+        "model",
+        "on_refund",
+        "reserved",
+        "streaming",
+        "tenant",
+        "unit",
+        "used",
+    )
 
     def __init__(
         self, window: WeightWindow, tenant: str, model: str, unit: int, reserved: int, entry: list[float]
@@ -399,6 +413,7 @@ class Ticket:
         self.reserved = reserved
         self.used = 0
         self.finished = False
+        self.streaming = False
         # Called with the refunded weight (a cluster window refunds it in Redis too).
         self.on_refund: Callable[[int], None] | None = None
 
@@ -604,6 +619,11 @@ class WeightWindow:
         with self._lock:
             capacity = self.capacity(ticket.model)
             capacity.in_flight -= weight
+            if not ticket.streaming:
+                # Its first tokens: the time until now was its queue and prefill, not a stall.
+                capacity.advance(self.clock())
+                ticket.streaming = True
+                capacity.streaming += 1
             capacity.advance(self.clock(), weight)
 
     def _finished(self, ticket: Ticket, refund: int) -> None:
@@ -612,6 +632,8 @@ class WeightWindow:
             capacity.advance(self.clock())
             capacity.in_flight -= refund
             capacity.requests -= 1
+            if ticket.streaming:
+                capacity.streaming -= 1
         if refund:
             self.refund(ticket.tenant, ticket._entry, refund)
 

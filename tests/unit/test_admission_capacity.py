@@ -75,7 +75,7 @@ def test_a_cold_limit_is_conservative_and_opens_up_as_throughput_is_measured() -
     now = Clock(0.0)
     cap = CapacityLimit(cap=1e9, adaptive=True, target_seconds=2.0, initial=1000, now=now.t)
     assert cap.limit() == 1000
-    cap.requests = 1
+    cap.requests = cap.streaming = 1
     for _ in range(10):  # 2,000 weight per second while busy
         now.t += 0.5
         cap.advance(now.t, 1000)
@@ -86,7 +86,7 @@ def test_a_cold_limit_is_conservative_and_opens_up_as_throughput_is_measured() -
 def test_a_stalled_downstream_shrinks_the_limit_to_its_floor() -> None:
     now = Clock(0.0)
     cap = CapacityLimit(cap=1e9, adaptive=True, target_seconds=2.0, initial=1000, now=now.t)
-    cap.requests = 1
+    cap.requests = cap.streaming = 1
     for _ in range(4):
         now.t += 0.5
         cap.advance(now.t, 5000)
@@ -101,10 +101,10 @@ def test_a_stalled_downstream_shrinks_the_limit_to_its_floor() -> None:
 def test_idle_time_does_not_dilute_the_measured_throughput() -> None:
     now = Clock(0.0)
     cap = CapacityLimit(cap=1e9, adaptive=True, target_seconds=1.0, initial=1000, now=now.t)
-    cap.requests = 1
+    cap.requests = cap.streaming = 1
     now.t += 1.0
     cap.advance(now.t, 3000)
-    cap.requests = 0
+    cap.requests = cap.streaming = 0
     now.t += 60.0  # idle
     cap.advance(now.t)
     assert cap.throughput == pytest.approx(3000)
@@ -244,3 +244,16 @@ async def test_the_local_fallback_enforces_this_replicas_share() -> None:
     with pytest.raises(ResourceExhausted):
         await w.plan("t", 10, 100)  # a quarter of the budget is this replica's while Redis is down
     await dead.aclose()
+
+
+def test_a_long_prefill_does_not_dilute_the_measured_throughput() -> None:
+    clock = Clock(0.0)
+    w = WeightWindow(cfg(adaptive=True, initial_in_flight=1e6), clock=clock)
+    a = w.plan("t", 100, 100)
+    assert a.ticket is not None
+    clock.t += 10.0  # queued and prefilling: no tokens yet, and not a stall
+    for _ in range(5):
+        clock.t += 0.125
+        a.ticket.progress(1)  # 100 weight every 0.125 s once streaming
+    # The first tokens' weight arrives with no streaming time before it: 500 weight in 0.5 s.
+    assert w.capacity().throughput == pytest.approx(1000)
