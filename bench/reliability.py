@@ -119,7 +119,15 @@ RAG_QUESTIONS = (
     "Who built the telescope of the Orbek observatory?",
 )
 ALL_KINDS = ("cached", "rag", "plain")
-FAULTS = ("inference_kill", "retrieval_kill", "redis_stop", "inference_stall", "gateway_sigterm")
+FREEZE_KINDS = ("cached", "cached_rag", "rag", "plain")
+# Freezes run with cached RAG questions in the mix: their answers are cached for the last known
+# collection version, so they must keep succeeding while retrieval is frozen.
+# Each client asks one kind only (4 clients per kind with 16), so a kind's successes per second do
+# not depend on how many clients happen to be waiting for slower kinds.
+FREEZE_MIX = {"cached": 0.25, "cached_rag": 0.25, "rag": 0.25, "plain": 0.25}
+FREEZES = ("retrieval_freeze", "cache_freeze", "tokenizer_freeze", "redis_freeze")
+FAULTS = ("inference_kill", "retrieval_kill", "redis_stop", "inference_stall", "gateway_sigterm", *FREEZES)
+FREEZE_RECOVERY_S = 2.0  # first success of an affected request after SIGCONT
 TOPICS = ("volcanoes", "tides", "owls", "glaciers", "bridges", "comets", "coral", "deserts", "rivers", "clouds")
 
 
@@ -514,6 +522,10 @@ class Load:
             return gateway_pb2.GenerateRequest(
                 prompt=rng.choice(RAG_QUESTIONS), sampling=sampling, collection=DOCS, tenant=TENANT, use_cache=False
             )
+        if kind == "cached_rag":
+            return gateway_pb2.GenerateRequest(
+                prompt=rng.choice(RAG_QUESTIONS), sampling=sampling, collection=DOCS, tenant=TENANT
+            )
         self._counter += 1
         prompt = f"Tell me one fact about {rng.choice(TOPICS)} (question {self._counter})."
         return gateway_pb2.GenerateRequest(
@@ -581,13 +593,19 @@ class Load:
         )
 
     async def client(
-        self, index: int, stop: asyncio.Event, sink: list[Outcome], mix: dict[str, float], deadline: float
+        self,
+        index: int,
+        stop: asyncio.Event,
+        sink: list[Outcome],
+        mix: dict[str, float],
+        deadline: float,
+        pinned: bool = False,
     ) -> None:
         rng = random.Random(index * 7919 + 1)
         await asyncio.sleep(rng.random())  # users arrive spread over a second, not in one instant
         kinds, weights = list(mix), list(mix.values())
         while not stop.is_set():
-            kind = rng.choices(kinds, weights)[0]
+            kind = kinds[index % len(kinds)] if pinned else rng.choices(kinds, weights)[0]
             stream = kind == "plain" and rng.random() < 0.5
             outcome = await self.call(kind, self.request(kind, rng), stream, deadline, index)
             sink.append(outcome)
@@ -603,9 +621,11 @@ class Load:
         sink: list[Outcome],
         mix: dict[str, float] | None = None,
         deadline: float = 15.0,
+        pinned: bool = False,
     ) -> None:
+        """`pinned`: client i asks only the i-th kind of the mix (round robin)."""
         mix = mix or {"cached": 0.4, "rag": 0.3, "plain": 0.3}
-        await asyncio.gather(*(self.client(i, stop, sink, mix, deadline) for i in range(clients)))
+        await asyncio.gather(*(self.client(i, stop, sink, mix, deadline, pinned) for i in range(clients)))
 
     async def for_seconds(self, clients: int, seconds: float, **kw: Any) -> tuple[list[Outcome], float]:
         sink: list[Outcome] = []
@@ -722,6 +742,19 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
 # --- gateway metrics -----------------------------------------------------------------------------
 
 _SAMPLE = re.compile(r"^(\w+)\{([^}]*)\}\s+([-+.\deE]+|NaN)")
+
+
+def gauge(port: int, name: str) -> float | None:
+    """One unlabelled sample from a Prometheus endpoint."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
 
 
 def scrape(port: int) -> dict[str, Any]:
@@ -922,6 +955,8 @@ class Reliability:
         for name in self.stopped:
             if name in self.mesh.procs:
                 self.mesh.procs[name].proc.send_signal(signal.SIGCONT)
+            elif name == "redis" and self.redis is not None:
+                self.redis.send_signal(signal.SIGCONT)
         self.mesh.stop()
         self.kill_redis()
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -932,6 +967,23 @@ class Reliability:
         stub = gateway_pb2_grpc.GatewayStub(self.load.channels[0])  # type: ignore[union-attr]
         docs = [common_pb2.Document(id=i, text=t) for i, t in DOCUMENTS]
         await stub.Ingest(gateway_pb2.IngestRequest(collection=DOCS, tenant=TENANT, documents=docs), timeout=120)
+
+    async def prime(self) -> None:
+        """Answers every RAG question once with the cache on, so cached RAG requests hit."""
+        assert self.load is not None
+        stub = gateway_pb2_grpc.GatewayStub(self.load.channels[0])
+        sampling = common_pb2.SamplingParams(max_new_tokens=self.args.new_tokens)
+        requests = [
+            gateway_pb2.GenerateRequest(prompt=question, sampling=sampling, collection=DOCS, tenant=TENANT)
+            for question in RAG_QUESTIONS
+        ]
+        for request in requests:  # asked until the answer comes from the cache (shed, capped: again)
+            for _ in range(40):
+                try:
+                    if (await stub.Generate(request, timeout=60)).cache.hit:
+                        break
+                except grpc.aio.AioRpcError:
+                    await asyncio.sleep(0.5)
 
     async def calibrate(self, seconds: float) -> dict[str, Any]:
         assert self.load is not None
@@ -951,6 +1003,10 @@ class Reliability:
     async def restart_gateway(self, **extra_env: str) -> None:
         await asyncio.to_thread(self.mesh.stop_one, "gateway")
         await asyncio.to_thread(self.restart, "gateway", **extra_env)
+        if self.load is not None:  # the clients' channels reconnect before the next phase counts
+            for channel in self.load.channels:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(channel.channel_ready(), 15)
 
     async def run_fault(
         self,
@@ -959,6 +1015,7 @@ class Reliability:
         recovered: Callable[[Outcome], bool],
         peer: str | None,
         down_kinds: Sequence[str] = (),
+        mix: dict[str, float] | None = None,
     ) -> dict[str, Any]:
         """One fault under load: warm up, inject (which restores and sets t_back), then run on until
         the affected requests succeed again (or the phase times out)."""
@@ -968,7 +1025,9 @@ class Reliability:
         stop = asyncio.Event()
         watch = BreakerWatch(self.mesh)
         watch.start()
-        task = asyncio.create_task(self.load.run(args.fault_clients, stop, sink, deadline=args.fault_deadline))
+        task = asyncio.create_task(
+            self.load.run(args.fault_clients, stop, sink, mix=mix, deadline=args.fault_deadline, pinned=mix is not None)
+        )
         await asyncio.sleep(args.fault_warmup)
         result = FaultResult(name, t_inject=now())
         try:
@@ -1028,8 +1087,27 @@ class Reliability:
         ]
         if name == "redis_stop":
             out["seconds_to_cache_not_degraded"] = round(min(not_degraded) - result.t_back, 3) if not_degraded else None
+        if name in FREEZES:
+            out.update(freeze_figures(sink, result, down_kinds))
         out.update(result.extra)
         return out
+
+    async def fault_freeze(self, name: str, result: FaultResult) -> None:
+        """SIGSTOP for --freeze-seconds, then SIGCONT: the process is there, and answers nothing.
+        Before freezing retrieval, every RAG question's answer is cached for the current version."""
+        if name == "retrieval":
+            await self.prime()
+        proc = self.redis if name == "redis" else self.mesh.procs[name].proc
+        assert proc is not None
+        self.stopped.add(name)
+        proc.send_signal(signal.SIGSTOP)
+        result.t_down = now()
+        try:
+            await asyncio.sleep(self.args.freeze_seconds)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+            self.stopped.discard(name)
+        result.t_back = now()
 
     async def fault_kill(self, name: str, result: FaultResult) -> None:
         await asyncio.to_thread(self.mesh.stop_one, name, 10.0, signal.SIGKILL)
@@ -1090,6 +1168,9 @@ class Reliability:
             first_delta[i].set()
             finished.append((code, now(), deltas))
 
+        # This fault is about the drain, not admission: the learned in-flight limit would shed the
+        # long streams on a slow machine, so it is off until the gateway is restarted after it.
+        await self.restart_gateway(LLMESH_ADMISSION_ADAPTIVE="false")
         # Size the streams to the speed under this load: long enough to be cut by the SIGTERM, short
         # enough to finish inside the grace period (about 0.4 of it after their first token).
         probe_tokens = 64
@@ -1166,12 +1247,41 @@ class Reliability:
                 ALL_KINDS,
             ),
             ("gateway_sigterm", self.fault_gateway, lambda o: o.ok, None, ()),
+            (
+                "retrieval_freeze",
+                lambda r: self.fault_freeze("retrieval", r),
+                lambda o: o.ok and o.kind == "rag" and "retrieval_unavailable" not in o.degradations,
+                "retrieval",
+                FREEZE_KINDS,
+            ),
+            (
+                "cache_freeze",
+                lambda r: self.fault_freeze("cache", r),
+                lambda o: o.ok and o.kind == "cached" and o.cache_hit and "cache_unavailable" not in o.degradations,
+                "cache",
+                FREEZE_KINDS,
+            ),
+            (
+                "tokenizer_freeze",
+                lambda r: self.fault_freeze("tokenizer", r),
+                lambda o: o.ok and o.kind == "plain" and "tokenizer_estimate" not in o.degradations,
+                "tokenizer",
+                FREEZE_KINDS,
+            ),
+            (
+                "redis_freeze",
+                lambda r: self.fault_freeze("redis", r),
+                lambda o: o.ok and o.kind == "cached" and o.cache_hit and "cache_unavailable" not in o.degradations,
+                "cache",
+                FREEZE_KINDS,
+            ),
         ]
         for name, inject, recovered, peer, kinds in plan:
             if name not in which:
                 continue
             print(f"fault: {name}", flush=True)
-            result = await self.run_fault(name, inject, recovered, peer, kinds)
+            mix = FREEZE_MIX if name in FREEZES else None
+            result = await self.run_fault(name, inject, recovered, peer, kinds, mix)
             if name == "retrieval_kill":
                 result["rag_grounded_after_restart"] = await self.grounded()
             crashed = self.crashed()
@@ -1248,10 +1358,13 @@ class Reliability:
         """Calibrates, restarts the gateway with a budget that sheds, runs the load, restores the budget."""
         assert self.load is not None
         args = self.args
+        # Calibration measures the mesh, not the gateway's learned limit: that one is off here
+        # and in the calibrated load phase (the default_budget phase runs with it).
+        await self.restart_gateway(LLMESH_ADMISSION_ADAPTIVE="false")
         calibration = await self.calibrate(args.calibrate_seconds)
         print(f"calibration: {calibration}", flush=True)
         budget = calibration["admission_budget"]
-        await self.restart_gateway(LLMESH_ADMISSION_BUDGET=str(budget))
+        await self.restart_gateway(LLMESH_ADMISSION_BUDGET=str(budget), LLMESH_ADMISSION_ADAPTIVE="false")
         print(f"load: {args.clients} clients for {args.duration:.0f}s", flush=True)
         stop, lags = asyncio.Event(), []
         lag_task = asyncio.create_task(loop_lag(stop, lags))
@@ -1274,6 +1387,33 @@ class Reliability:
         await self.restart_gateway()  # the faults run with the default admission budget
         return calibration, load
 
+    async def default_budget(self) -> dict[str, Any]:
+        """The load phase on default settings (no calibrated budget): what the gateway learns, and
+        whether overload is shed rather than timed out."""
+        assert self.load is not None
+        args = self.args
+        await self.restart_gateway()
+        print(f"default budget: {args.clients} clients for {args.duration:.0f}s", flush=True)
+        with process_niceness(args.client_nice):
+            outcomes, elapsed = await self.load.for_seconds(args.clients, args.duration, deadline=args.deadline)
+        limit = gauge(self.mesh.procs["gateway"].metrics_port, "llmesh_gateway_admission_in_flight_limit")
+        out = summarize(outcomes)
+        generated = [o for o in outcomes if o.ok and o.weight]
+        out.update(
+            {
+                "clients": args.clients,
+                "seconds": round(elapsed, 1),
+                "requests_per_s": round(len(outcomes) / elapsed, 1),
+                "deadline_exceeded": sum(o.code == "DEADLINE_EXCEEDED" for o in outcomes),
+                "generated_weight_per_s": round(sum(o.weight for o in generated) / max(elapsed, 1e-9), 1),
+                "learned_in_flight_limit": limit,
+                # The limit is measured throughput x LLMESH_ADMISSION_TARGET_SECONDS (default 3 s).
+                "learned_weight_per_s": None if limit is None else round(limit / 3.0, 1),
+                "default_window_budget": "LLMESH_ADMISSION_BUDGET default (cap only)",
+            }
+        )
+        return out
+
     async def main(self) -> dict[str, Any]:
         args = self.args
         t0 = now()
@@ -1287,6 +1427,11 @@ class Reliability:
             await self.ingest()
             if "load" in args.only:
                 result["calibration"], result["load"] = await self.load_phase()
+            if "default_budget" in args.only:
+                result["default_budget"] = await self.default_budget()
+                if "calibration" in result:
+                    result["default_budget"]["calibrated_budget"] = result["calibration"]["admission_budget"]
+                    result["default_budget"]["calibrated_weight_per_s"] = result["calibration"]["weight_per_s"]
             if args.faults:
                 result["faults"] = await self.faults(args.faults)
             if "bad_input" in args.only:
@@ -1305,6 +1450,7 @@ class Reliability:
             "bad_input_deadline_s": args.bad_input_deadline,
             "down_seconds": args.down_seconds,
             "stall_seconds": args.stall_seconds,
+            "freeze_seconds": args.freeze_seconds,
             "long_streams": args.long_streams,
             "gateway_nice": args.gateway_nice,
             "client_nice": args.client_nice,
@@ -1313,7 +1459,7 @@ class Reliability:
             "admission_window_s": ADMISSION_WINDOW_S,
             "shed_fraction_of_capacity": SHED_FRACTION,
             "lost_grace_s": LOST_GRACE_S,
-            "fault_admission_budget": "default (LLMESH_ADMISSION_BUDGET=2e7)",
+            "fault_admission_budget": "default settings (learned in-flight limit, LLMESH_ADMISSION_BUDGET=2e7 cap)",
         }
         result["wall_seconds"] = round(now() - t0, 1)
         result["machine"] = machine()
@@ -1362,7 +1508,60 @@ def passes(result: dict[str, Any]) -> dict[str, bool]:
         )
     if faults:
         out["no_crashes_in_faults"] = all(not f["crashed_after"] for f in faults.values())
+    for name in FREEZES:
+        if name in faults:
+            f = faults[name]
+            out[f"{name}_no_deadline_exceeded"] = f["deadline_exceeded"] == 0
+            out[f"{name}_only_ok_or_shed_with_retry_info"] = (
+                f["other_errors_during"] == 0 and f["shed_without_retry_info"] == 0
+            )
+            out[f"{name}_shed_p99_le_50ms"] = f["shed_during"] == 0 or (f["shed_p99_s"] or 0) <= 0.050
+            first = f["seconds_to_first_success"]
+            out[f"{name}_first_success_within_{FREEZE_RECOVERY_S:g}s_of_sigcont"] = (
+                first is not None and first <= FREEZE_RECOVERY_S
+            )
+    if "retrieval_freeze" in faults:
+        out["retrieval_freeze_cached_rag_ok_every_second"] = all(
+            n > 0 for n in faults["retrieval_freeze"]["ok_per_second_by_kind"]["cached_rag"]
+        )
+    if "tokenizer_freeze" in faults:
+        out["tokenizer_freeze_plain_ok_every_second"] = all(
+            n > 0 for n in faults["tokenizer_freeze"]["ok_per_second_by_kind"]["plain"]
+        )
+    default = result.get("default_budget")
+    if default is not None:
+        out["default_budget_sheds"] = default["shed"] > 0
+        out["default_budget_no_deadline_exceeded"] = default["deadline_exceeded"] == 0
+        out["default_budget_lost_zero"] = default["lost"] == 0
     return out
+
+
+def freeze_figures(sink: Sequence[Outcome], fault: FaultResult, kinds: Sequence[str]) -> dict[str, Any]:
+    """Per second of a freeze: successes (in all and per kind), sheds and their p99, deadline errors."""
+    during = [o for o in sink if fault.t_down <= o.ended < fault.t_back]
+    seconds = max(1, math.floor(fault.t_back - fault.t_down))
+    per_second: dict[str, list[int]] = {kind: [0] * seconds for kind in kinds}
+    total = [0] * seconds
+    for o in during:
+        i = int(o.ended - fault.t_down)
+        if o.ok and i < seconds:
+            total[i] += 1
+            if o.kind in per_second:
+                per_second[o.kind][i] += 1
+    sheds = [o for o in during if o.shed]
+    started_during = [o for o in sink if fault.t_down <= o.started < fault.t_back]
+    return {
+        "freeze_seconds": round(fault.t_back - fault.t_down, 2),
+        "ok_per_second": round(sum(total) / max(fault.t_back - fault.t_down, 1e-9), 1),
+        "ok_each_second": total,
+        "ok_per_second_by_kind": per_second,
+        "shed_during": len(sheds),
+        "shed_p99_s": round(percentile([o.latency for o in sheds], 0.99), 4) if sheds else None,
+        "shed_without_retry_info": sum(not o.retry_info for o in sheds),
+        "deadline_exceeded": sum(o.code == "DEADLINE_EXCEEDED" for o in sink if o.ended >= fault.t_down),
+        "other_errors_during": sum(o.error for o in started_during),
+        "degradations_during": dict(Counter(d for o in during if o.ok for d in o.degradations)),
+    }
 
 
 def _finite(value: Any) -> Any:
@@ -1404,6 +1603,18 @@ def print_result(result: dict[str, Any]) -> None:
         )
     if rows:
         print_table(rows, "faults (ok/requests per kind while down)")
+    freezes = {
+        name: f"ok/s {f['ok_per_second']:>6}  min ok in a second {min(f['ok_each_second'], default=0):>3}  "
+        f"shed {f['shed_during']:>4}  shed p99 {_s(f['shed_p99_s'])}  deadline errors {f['deadline_exceeded']}  "
+        f"first success after SIGCONT {_s(f['seconds_to_first_success'])}"
+        for name, f in result.get("faults", {}).items()
+        if name in FREEZES
+    }
+    if freezes:
+        print_table(freezes, "freezes (SIGSTOP, then SIGCONT)")
+    default = result.get("default_budget")
+    if default is not None:
+        print_table({k: v for k, v in default.items() if not isinstance(v, dict | list)}, "load on default settings")
     bad = result.get("bad_input")
     if bad is not None:
         print_table({k: v for k, v in bad.items() if not isinstance(v, dict | list)}, "bad input")
@@ -1424,7 +1635,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--bad-inputs", type=int, default=None, help="bad inputs to send (default 1500, quick 1000)")
     parser.add_argument(
-        "--only", default="load,faults,bad_input", help="phases: load, faults (or fault names), bad_input"
+        "--only",
+        default="load,default_budget,faults,bad_input",
+        help="phases: load, default_budget, faults (or fault names), bad_input",
     )
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here instead of bench/results")
     parser.add_argument(
@@ -1458,6 +1671,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.bad_input_deadline = 60.0
     args.down_seconds = 2.0
     args.stall_seconds = 4.0
+    args.freeze_seconds = 4.0 if args.quick else 6.0
     args.long_streams = 8
     bench = Reliability(args)
     try:
@@ -1466,7 +1680,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         bench.cleanup()
     result = _finite(result)
     print_result(result)
-    complete = {"load", "bad_input"} <= args.only and len(args.faults) == len(FAULTS)
+    complete = {"load", "default_budget", "bad_input"} <= args.only and len(args.faults) == len(FAULTS)
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")

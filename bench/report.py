@@ -54,6 +54,16 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "bad_input.bad_inputs_tried",
         "bad_input.crashes",
         "bad_input.unexpected_codes",
+        "calibration.admission_budget",
+        "default_budget.learned_in_flight_limit",
+        "default_budget.ok",
+        "default_budget.shed",
+        "default_budget.deadline_exceeded",
+        "default_budget.shed_p99_s",
+        "faults.retrieval_freeze.ok_per_second",
+        "faults.cache_freeze.ok_per_second",
+        "faults.tokenizer_freeze.ok_per_second",
+        "faults.redis_freeze.ok_per_second",
     ),
 }
 

@@ -320,7 +320,7 @@ DECLARED: tuple[Setting, ...] = (
     Setting(
         "LLMESH_ADMISSION_BUDGET",
         "2e7",
-        "Request weight admitted per window, all tenants together.",
+        "Request weight admitted per window, all tenants together; also caps the learned in-flight limit.",
         ("gateway",),
         parse_budget,
     ),
@@ -365,6 +365,63 @@ DECLARED: tuple[Setting, ...] = (
         "`embedded`: the embedded Redis).",
         ("gateway",),
     ),
+    Setting(
+        "LLMESH_ADMISSION_ADAPTIVE",
+        "true",
+        "Learn a limit on the weight in flight from inference's measured throughput (docs/reliability.md).",
+        ("gateway",),
+        _bool,
+    ),
+    Setting(
+        "LLMESH_ADMISSION_TARGET_SECONDS",
+        "3",
+        "Latency the learned in-flight limit aims at: measured weight throughput x this.",
+        ("gateway",),
+        _positive_float,
+    ),
+    Setting(
+        "LLMESH_ADMISSION_INITIAL_IN_FLIGHT",
+        "65536",
+        "Weight in flight a cold gateway allows before it has measured anything.",
+        ("gateway",),
+        parse_budget,
+    ),
+    Setting(
+        "LLMESH_ADMISSION_REPLICAS",
+        "1",
+        "Gateway replicas sharing the Redis window; while Redis is down each enforces budget / replicas.",
+        ("gateway",),
+        _positive_int,
+    ),
+    # Time budgets per optional hop: past it the gateway goes on without the hop.
+    Setting("LLMESH_HOP_CACHE_LOOKUP_SECONDS", "0.25", "Budget of a cache lookup.", ("gateway",), _positive_float),
+    Setting(
+        "LLMESH_HOP_CACHE_STORE_SECONDS", "0.5", "Budget of a background cache store.", ("gateway",), _positive_float
+    ),
+    Setting(
+        "LLMESH_HOP_COLLECTION_INFO_SECONDS",
+        "0.25",
+        "Budget of a collection-version or model-info lookup.",
+        ("gateway",),
+        _positive_float,
+    ),
+    Setting(
+        "LLMESH_HOP_SEARCH_SECONDS", "1", "Budget of the retrieval search for context.", ("gateway",), _positive_float
+    ),
+    Setting(
+        "LLMESH_HOP_TOKENIZER_SECONDS",
+        "0.25",
+        "Budget of the chat-template call (past it: the local token estimate).",
+        ("gateway",),
+        _positive_float,
+    ),
+    Setting(
+        "LLMESH_COLLECTION_VERSION_TTL_SECONDS",
+        "2",
+        "How long the gateway trusts a collection version it learned (ingests through it refresh at once).",
+        ("gateway",),
+        _positive_float,
+    ),
     # Gateway circuit breakers, one per downstream (resilience4j semantics).
     Setting("LLMESH_BREAKER_WINDOW", "20", "Calls in each breaker's sliding window.", ("gateway",), _positive_int),
     Setting(
@@ -374,8 +431,8 @@ DECLARED: tuple[Setting, ...] = (
     Setting("LLMESH_BREAKER_SLOW_CALL_RATE", "0.8", "Slow-call rate that opens a breaker.", ("gateway",), _unit_float),
     Setting(
         "LLMESH_BREAKER_SLOW_CALL_SECONDS",
-        "30",
-        "A call at least this long counts as slow.",
+        "5",
+        "A unary call, or a stream's wait for its first message or between two messages, this long counts as slow.",
         ("gateway",),
         _positive_float,
     ),

@@ -118,6 +118,7 @@ class OtlpReceiver:
         self.count = 0
         self.spans: list[dict[str, object]] = []
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)  # notified on every export
 
         class TraceService(trace_service_pb2_grpc.TraceServiceServicer):
             def Export(self, request, context):  # type: ignore[no-untyped-def]
@@ -164,6 +165,12 @@ class OtlpReceiver:
         with self._lock:
             self.spans.extend(found)
             self.count += len(found)
+            self._arrived.notify_all()
+
+    def wait_for(self, predicate: Callable[[list[dict[str, object]]], bool], timeout: float) -> bool:
+        """Blocks until `predicate(spans)` holds (checked on every export) or `timeout` passes."""
+        with self._arrived:
+            return self._arrived.wait_for(lambda: predicate(self.spans), timeout)
 
     def trace(self, trace_id: str) -> list[dict[str, object]]:
         with self._lock:

@@ -25,6 +25,18 @@ Degrade
     ``plan`` caps ``max_new_tokens`` down (not below ``min_new_tokens``) to the largest value that fits
     now, before refusing.
 
+Reservation and refund
+    ``plan`` reserves the request's whole weight (input x max_new_tokens) and returns it as a
+    ``Ticket``. As tokens come back the ticket reports progress; ``Ticket.finish`` (on every exit
+    path: finished early, failed, refused downstream, breaker open, cancelled) refunds from the
+    window what was not used, so a request that stops early, or never ran, pays only for what it
+    generated and a retry does not pay twice.
+
+Weight in flight
+    Besides the rate, the weight admitted and not yet generated is bounded, per model, by a limit
+    learned from what inference is measured to deliver (``CapacityLimit``: throughput x target
+    latency, Little's law). ``budget`` caps it; without ``adaptive`` the cap is the limit.
+
 ``WeightWindow`` is the in-process window (sync, no awaits). ``RedisWeightWindow`` has the same
 methods as coroutines and enforces one budget across gateway replicas with a Redis sorted set and
 an atomic Lua script; when Redis is unreachable it falls back to its local ``WeightWindow``.
@@ -33,6 +45,7 @@ an atomic Lua script; when Redis is unreachable it falls back to its local ``Wei
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import threading
@@ -61,6 +74,8 @@ DEFAULT_LANES: Mapping[str, float] = {INTERACTIVE: 1.0, BATCH: 0.5}
 REASON_BUDGET = "WEIGHT_BUDGET_EXCEEDED"
 REASON_TENANT = "TENANT_BUDGET_EXCEEDED"
 REASON_TOO_HEAVY = "REQUEST_TOO_HEAVY"
+REASON_IN_FLIGHT = "IN_FLIGHT_LIMIT"
+REASON_DEADLINE = "DEADLINE_TOO_SHORT"
 
 SOURCE_LOCAL = "local"
 SOURCE_REDIS = "redis"
@@ -84,6 +99,9 @@ class AdmissionConfig:
     lanes: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_LANES))
     degrade: bool = True
     min_new_tokens: int = 16
+    adaptive: bool = False
+    target_seconds: float = 3.0
+    initial_in_flight: float = 65536.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.budget) and self.budget > 0):
@@ -116,6 +134,9 @@ class AdmissionConfig:
             lanes=settings.admission_lanes,
             degrade=settings.admission_degrade,
             min_new_tokens=settings.admission_min_new_tokens,
+            adaptive=getattr(settings, "admission_adaptive", False),
+            target_seconds=getattr(settings, "admission_target_seconds", 3.0),
+            initial_in_flight=getattr(settings, "admission_initial_in_flight", 65536.0),
         )
 
     def lane_limit(self, lane: str) -> float:
@@ -149,6 +170,8 @@ class Admission:
     degraded: bool = False  # plan() capped max_new_tokens
     source: str = SOURCE_LOCAL  # local | redis | local_fallback
     admitted: bool = True
+    # The reservation to report progress on and finish (plan() only).
+    ticket: Ticket | None = field(default=None, compare=False)
 
 
 class Hold:
@@ -156,12 +179,13 @@ class Hold:
     (retrieval, tokenizer). Later prechecks and plans count it, so a burst that arrives together
     is shed at once instead of each request paying for its hops before finding the window full."""
 
-    __slots__ = ("_window", "released", "tenant", "weight")
+    __slots__ = ("_window", "model", "released", "tenant", "weight")
 
-    def __init__(self, window: WeightWindow, tenant: str, weight: int) -> None:
+    def __init__(self, window: WeightWindow, tenant: str, weight: int, model: str = "") -> None:
         self._window = window
         self.tenant = tenant
         self.weight = weight
+        self.model = model
         self.released = False
 
     def release(self) -> None:
@@ -227,21 +251,33 @@ def _request(
 
 
 def _refusal(
-    config: AdmissionConfig, req: _Request, scope: str, occupancy: float, retry_after: float
+    config: AdmissionConfig,
+    req: _Request,
+    scope: str,
+    occupancy: float,
+    retry_after: float,
+    flight_limit: float = math.inf,
 ) -> ResourceExhausted:
     weight = req.unit * req.least
-    limit = config.tenant_limit(req.tenant) if scope == "tenant" else config.lane_limit(req.lane)
-    reason = REASON_TENANT if scope == "tenant" else REASON_BUDGET
-    what = f"tenant {req.tenant!r}" if scope == "tenant" else f"lane {req.lane!r}"
+    if scope == "in_flight":
+        limit, reason, what = flight_limit, REASON_IN_FLIGHT, "in flight"
+        text = f"{what}: weight {weight} + {_num(round(occupancy))} in flight exceeds the limit {_num(round(limit))}"
+    else:
+        limit = config.tenant_limit(req.tenant) if scope == "tenant" else config.lane_limit(req.lane)
+        reason = REASON_TENANT if scope == "tenant" else REASON_BUDGET
+        what = f"tenant {req.tenant!r}" if scope == "tenant" else f"lane {req.lane!r}"
+        text = (
+            f"{what}: weight {weight} + {_num(occupancy)} admitted in the last {config.window_seconds:g}s or on its "
+            f"way exceeds {_num(limit)}"
+        )
     return ResourceExhausted(
-        f"{what}: weight {weight} + {_num(occupancy)} admitted in the last {config.window_seconds:g}s or on its way "
-        f"exceeds {_num(limit)}; retry in {retry_after:.3f}s",
+        f"{text}; retry in {retry_after:.3f}s",
         retry_after=retry_after,
         reason=reason,
         metadata={
             "weight": str(weight),
-            "occupancy": _num(occupancy),
-            "budget": _num(limit),
+            "occupancy": _num(round(occupancy) if scope == "in_flight" else occupancy),
+            "budget": _num(round(limit) if scope == "in_flight" else limit),
             "scope": scope,
             "tenant": req.tenant,
             "lane": req.lane,
@@ -252,27 +288,179 @@ def _refusal(
 # --- in-process window ---------------------------------------------------------------------------
 
 
+class CapacityLimit:
+    """How much weight one model may have in flight from this gateway, learned from what it is
+    measured to deliver.
+
+    Throughput is the weight generated per second (input tokens x tokens streamed back), measured
+    only while requests are in flight and smoothed over samples of `sample_seconds`. By Little's
+    law a limit of ``throughput x target_seconds`` keeps a request's time in the system near
+    `target_seconds`: below capacity, requests finish faster than the target, so the limit sits
+    above what is in flight and opens up as throughput follows demand; at capacity, the queue
+    stays bounded and the surplus is shed. A cold gateway allows `initial` until it has measured;
+    the limit never drops below `initial / 4` (and one request always runs when none is in
+    flight), so a gateway that measured nothing recently can still learn. `cap` bounds it all;
+    without `adaptive` the cap is the limit."""
+
+    __slots__ = (
+        "_busy",
+        "_done",
+        "_last",
+        "adaptive",
+        "alpha",
+        "cap",
+        "held",
+        "in_flight",
+        "initial",
+        "requests",
+        "sample_seconds",
+        "streaming",
+        "target_seconds",
+        "throughput",
+    )
+
+    def __init__(
+        self,
+        *,
+        cap: float,
+        adaptive: bool,
+        target_seconds: float,
+        initial: float,
+        now: float,
+        sample_seconds: float = 0.5,
+        alpha: float = 0.3,
+    ) -> None:
+        self.cap = cap
+        self.adaptive = adaptive
+        self.target_seconds = target_seconds
+        self.initial = min(initial, cap)
+        self.sample_seconds = sample_seconds
+        self.alpha = alpha
+        self.in_flight = 0.0  # reserved weight of admitted requests not yet generated
+        self.requests = 0  # admitted requests not yet finished
+        self.streaming = 0  # of those, the ones whose tokens have started to come back
+        self.held = 0  # weight held by requests between precheck and admission
+        self.throughput = 0.0  # weight per second while busy; 0 until measured
+        self._busy = 0.0
+        self._done = 0.0
+        self._last = now
+
+    def limit(self) -> float:
+        if not self.adaptive:
+            return self.cap
+        if not self.throughput:
+            return self.initial
+        return min(self.cap, max(self.initial / 4, self.throughput * self.target_seconds))
+
+    def room(self, with_holds: bool) -> float:
+        taken = self.in_flight + (self.held if with_holds else 0)
+        if not self.requests and not (with_holds and self.held):
+            return math.inf if self.adaptive else self.cap  # work-conserving: one always runs
+        return self.limit() - taken
+
+    def advance(self, now: float, generated: float = 0.0) -> None:
+        """Time passes (and `generated` weight came back): busy time only counts while requests
+        are streaming, so neither idle time nor a prefill dilutes the throughput, and a stall
+        mid-stream lowers it."""
+        if self.streaming:
+            self._busy += max(0.0, now - self._last)
+        self._last = now
+        self._done += generated
+        if self._busy >= self.sample_seconds:
+            rate = self._done / self._busy
+            self.throughput = rate if not self.throughput else self.throughput + self.alpha * (rate - self.throughput)
+            self._busy = self._done = 0.0
+
+    def drain_seconds(self, extra: float) -> float:
+        """Seconds until what is in flight, and `extra` more, is generated at the measured
+        throughput (a request's expected time in the system); 0 until measured."""
+        if self.throughput <= 0 or not self.adaptive:
+            return 0.0
+        return (self.in_flight + self.held + extra) / self.throughput
+
+    def retry_after(self, need: float, window_seconds: float) -> float:
+        """Time for `need` weight in flight to drain at the measured throughput."""
+        if self.throughput <= 0:
+            return min(window_seconds, self.target_seconds)
+        return min(window_seconds, max(0.05, need / self.throughput))
+
+
+class Ticket:
+    """An admitted request's reservation. `progress` as tokens come back; `finish` once on every
+    exit path: the weight not generated leaves the flight and is refunded from the window."""
+
+    __slots__ = (
+        "_entry",
+        "_window",
+        "finished",
+        "model",
+        "on_refund",
+        "reserved",
+        "streaming",
+        "tenant",
+        "unit",
+        "used",
+    )
+
+    def __init__(
+        self, window: WeightWindow, tenant: str, model: str, unit: int, reserved: int, entry: list[float]
+    ) -> None:
+        self._window = window
+        self._entry = entry
+        self.tenant = tenant
+        self.model = model
+        self.unit = unit
+        self.reserved = reserved
+        self.used = 0
+        self.finished = False
+        self.streaming = False
+        # Called with the refunded weight (a cluster window refunds it in Redis too).
+        self.on_refund: Callable[[int], None] | None = None
+
+    def progress(self, tokens: int) -> None:
+        """`tokens` more were generated."""
+        if self.finished or tokens <= 0:
+            return
+        step = min(self.unit * tokens, self.reserved - self.used)
+        self.used += step
+        self._window._progressed(self, step)
+
+    def finish(self) -> int:
+        """Idempotent; returns the weight refunded."""
+        if self.finished:
+            return 0
+        self.finished = True
+        refund = self.reserved - self.used
+        self._window._finished(self, refund)
+        if refund and self.on_refund is not None:
+            self.on_refund(refund)
+        return refund
+
+
 class _Series:
-    """Entries (timestamp, weight) in time order with their running sum."""
+    """Entries [timestamp, weight] in time order with their running sum. An entry may shrink
+    (refund) while it is in the window."""
 
     __slots__ = ("entries", "total")
 
     def __init__(self) -> None:
-        self.entries: deque[tuple[float, int]] = deque()
+        self.entries: deque[list[float]] = deque()
         self.total = 0
 
     def trim(self, cutoff: float) -> None:
         entries = self.entries
         while entries and entries[0][0] <= cutoff:
-            self.total -= entries.popleft()[1]
+            self.total -= int(entries.popleft()[1])
 
-    def add(self, ts: float, weight: int) -> None:
-        self.entries.append((ts, weight))
+    def add(self, ts: float, weight: int, entry: list[float] | None = None) -> list[float]:
+        entry = entry if entry is not None else [ts, weight]
+        self.entries.append(entry)
         self.total += weight
+        return entry
 
     def leaves_at(self, need: float) -> float | None:
         """Timestamp of the entry whose departure frees `need` weight (oldest first)."""
-        freed = 0
+        freed = 0.0
         for ts, weight in self.entries:
             freed += weight
             if freed >= need:
@@ -281,7 +469,8 @@ class _Series:
 
 
 class WeightWindow:
-    """Sliding-window weight admission in one process. Sync and lock-protected (no awaits)."""
+    """Sliding-window weight admission in one process, with the weight in flight bounded per model.
+    Sync and lock-protected (no awaits)."""
 
     def __init__(self, config: AdmissionConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
@@ -290,6 +479,7 @@ class WeightWindow:
         self._tenants: dict[str, _Series] = {}
         self._held = 0
         self._held_by_tenant: dict[str, int] = {}
+        self._capacity: dict[str, CapacityLimit] = {}
         self._lock = threading.Lock()
         self.source = SOURCE_LOCAL
 
@@ -303,6 +493,20 @@ class WeightWindow:
     def max_weight(self, tenant: str | None = None, lane: str = INTERACTIVE) -> float:
         return self.config.max_weight(tenant, lane)
 
+    def capacity(self, model: str = "") -> CapacityLimit:
+        """The in-flight limit learned for `model` (created on first use)."""
+        found = self._capacity.get(model)
+        if found is None:
+            cfg = self.config
+            found = self._capacity[model] = CapacityLimit(
+                cap=cfg.budget,
+                adaptive=cfg.adaptive,
+                target_seconds=cfg.target_seconds,
+                initial=cfg.initial_in_flight,
+                now=self.clock(),
+            )
+        return found
+
     def admit(self, tenant: str, weight: int, lane: str = INTERACTIVE) -> Admission:
         """Records `weight` or raises ResourceExhausted / RequestTooHeavy."""
         return self._take(_request(self.config, tenant, weight, 1, lane, False, planned=False))
@@ -315,22 +519,30 @@ class WeightWindow:
         lane: str = INTERACTIVE,
         allow_degrade: bool | None = None,
         hold: Hold | None = None,
+        model: str = "",
     ) -> Admission:
         """Admits the request, capping max_new_tokens (not below min_new_tokens) when the full weight
         does not fit and degrading is allowed (default: config.degrade); else raises. `hold` is the
-        request's own reservation from `precheck`: it is released, and the others' are counted."""
+        request's own reservation from `precheck`: it is released, and the others' are counted.
+        The admission carries a Ticket: report progress on it and finish it on every exit path."""
         degrade = self.config.degrade if allow_degrade is None else allow_degrade
         unit, want = max(1, int(input_tokens)), max(1, int(max_new_tokens))
         req = _request(self.config, tenant, unit, want, lane, degrade, planned=True)
         if hold is None:
-            return self._take(req)
+            return self._take(req, model=model)
         # The request's own reservation turns into its admission; the reservations of requests
         # still on their way are counted, so this one cannot take the room they were promised.
         hold.release()
-        return self._take(req, with_holds=True)
+        return self._take(req, with_holds=True, model=model)
 
     def precheck(
-        self, tenant: str, input_tokens: int, max_new_tokens: int, lane: str = INTERACTIVE, hold: bool = False
+        self,
+        tenant: str,
+        input_tokens: int,
+        max_new_tokens: int,
+        lane: str = INTERACTIVE,
+        hold: bool = False,
+        model: str = "",
     ) -> Hold | None:
         """Raises what `plan` would raise for a request of at least this size, counting the holds
         of requests still on their way to `plan`; records nothing in the window.
@@ -344,34 +556,86 @@ class WeightWindow:
         true size outgrows the prediction by more than capping absorbs."""
         unit, want = max(1, int(input_tokens)), max(1, int(max_new_tokens))
         req = _request(self.config, tenant, unit, want, lane, self.config.degrade, planned=True)
-        fits = self._take(req, record=False, with_holds=True)
+        fits = self._take(req, record=False, with_holds=True, model=model)
         if not hold:
             return None
-        held = Hold(self, tenant, fits.weight)
+        held = Hold(self, tenant, fits.weight, model)
         with self._lock:
             self._held += held.weight
             self._held_by_tenant[tenant] = self._held_by_tenant.get(tenant, 0) + held.weight
+            self.capacity(model).held += held.weight
         return held
 
     def held(self, tenant: str | None = None) -> int:
         with self._lock:
             return self._held if tenant is None else self._held_by_tenant.get(tenant, 0)
 
+    def in_flight(self, model: str = "") -> float:
+        with self._lock:
+            return self.capacity(model).in_flight
+
     def _unhold(self, hold: Hold) -> None:
         with self._lock:
             self._held -= hold.weight
+            self.capacity(hold.model).held -= hold.weight
             left = self._held_by_tenant.get(hold.tenant, 0) - hold.weight
             if left > 0:
                 self._held_by_tenant[hold.tenant] = left
             else:
                 self._held_by_tenant.pop(hold.tenant, None)
 
-    def record(self, tenant: str, weight: int, lane: str = INTERACTIVE) -> None:
-        """Adds weight without checking (mirrors what a cluster window admitted)."""
+    def record(self, tenant: str, weight: int, lane: str = INTERACTIVE) -> list[float]:
+        """Adds weight without checking (mirrors what a cluster window admitted); returns its entry."""
         with self._lock:
             now = self.clock()
-            self._all.add(now, weight)
-            self._tenants.setdefault(tenant, _Series()).add(now, weight)
+            entry = self._all.add(now, weight)
+            self._tenants.setdefault(tenant, _Series()).add(now, weight, entry)
+            return entry
+
+    def ticket(self, tenant: str, model: str, unit: int, weight: int, entry: list[float]) -> Ticket:
+        """Puts an admitted weight in flight (a cluster window's admission, mirrored here)."""
+        with self._lock:
+            capacity = self.capacity(model)
+            capacity.advance(self.clock())
+            capacity.in_flight += weight
+            capacity.requests += 1
+        return Ticket(self, tenant, model, unit, weight, entry)
+
+    def refund(self, tenant: str, entry: list[float], weight: float) -> None:
+        """Takes `weight` off an admitted entry still in the window."""
+        with self._lock:
+            cutoff = self.clock() - self.config.window_seconds
+            self._all.trim(cutoff)
+            weight = min(weight, entry[1])
+            if weight <= 0 or entry[0] <= cutoff:
+                return
+            entry[1] -= weight
+            self._all.total -= int(weight)
+            series = self._tenant(tenant, cutoff)
+            if series is not None:
+                series.total -= int(weight)
+
+    def _progressed(self, ticket: Ticket, weight: int) -> None:
+        with self._lock:
+            capacity = self.capacity(ticket.model)
+            capacity.in_flight -= weight
+            if not ticket.streaming:
+                # Its first tokens: the time until now was its queue and prefill, not a stall.
+                capacity.advance(self.clock())
+                ticket.streaming = True
+                capacity.streaming += 1
+            capacity.advance(self.clock(), weight)
+
+    def _finished(self, ticket: Ticket, refund: int) -> None:
+        with self._lock:
+            capacity = self.capacity(ticket.model)
+            capacity.advance(self.clock())
+            capacity.in_flight -= refund
+            capacity.requests -= 1
+            if ticket.streaming:
+                capacity.streaming -= 1
+        if refund:
+            self.refund(ticket.tenant, ticket._entry, refund)
 
     def occupancy(self, tenant: str | None = None) -> float:
         with self._lock:
@@ -391,7 +655,19 @@ class WeightWindow:
                 return None
         return series
 
-    def _take(self, req: _Request, record: bool = True, with_holds: bool = False) -> Admission:
+    def flight_room(self, req: _Request, model: str, with_holds: bool, own_hold: int = 0) -> tuple[int, float]:
+        """(max_new_tokens that fit in the in-flight limit now, retry_after when fewer than
+        `least` do): the cap a cluster window applies before asking Redis. `own_hold`: the
+        request's own hold, not counted against it."""
+        with self._lock:
+            capacity = self.capacity(model)
+            capacity.advance(self.clock())
+            room = capacity.room(with_holds) + own_hold
+            n = req.want if req.unit * req.want <= room else max(0, math.floor(room / req.unit))
+            retry = capacity.retry_after(req.unit * req.least - room, self.config.window_seconds)
+            return n, retry
+
+    def _take(self, req: _Request, record: bool = True, with_holds: bool = False, model: str = "") -> Admission:
         config = self.config
         lane_limit, tenant_limit = config.lane_limit(req.lane), config.tenant_limit(req.tenant)
         with self._lock:
@@ -401,14 +677,23 @@ class WeightWindow:
             series = self._tenant(req.tenant, cutoff) or _Series()
             held = self._held if with_holds else 0
             tenant_held = self._held_by_tenant.get(req.tenant, 0) if with_holds else 0
-            room = min(lane_limit - self._all.total - held, tenant_limit - series.total - tenant_held)
+            capacity = self.capacity(model)
+            capacity.advance(now)
+            flight = capacity.room(with_holds)
+            window_room = min(lane_limit - self._all.total - held, tenant_limit - series.total - tenant_held)
+            room = min(window_room, flight)
             n = req.want if req.unit * req.want <= room else math.floor(room / req.unit)
             if n >= req.least:
                 weight = req.unit * n
+                ticket = None
                 if record:
-                    self._all.add(now, weight)
-                    series.add(now, weight)
+                    entry = self._all.add(now, weight)
+                    series.add(now, weight, entry)
                     self._tenants[req.tenant] = series
+                    if req.planned:
+                        capacity.in_flight += weight
+                        capacity.requests += 1
+                        ticket = Ticket(self, req.tenant, model, req.unit, weight, entry)
                 return Admission(
                     tenant=req.tenant,
                     lane=req.lane,
@@ -420,6 +705,7 @@ class WeightWindow:
                     max_new_tokens=n if req.planned else None,
                     degraded=n < req.want,
                     source=self.source,
+                    ticket=ticket,
                 )
             weight = req.unit * req.least
             worst: tuple[float, str, float] = (-1.0, "", 0.0)
@@ -434,7 +720,11 @@ class WeightWindow:
                     retry = config.window_seconds if ts is None else ts + config.window_seconds - now
                     if retry > worst[0]:  # ties: report the global scope
                         worst = (retry, scope, s.total + ahead)
-        raise _refusal(config, req, worst[1], worst[2], worst[0])
+            if weight > flight:
+                retry = capacity.retry_after(weight - flight, config.window_seconds)
+                if retry > worst[0]:
+                    worst = (retry, "in_flight", capacity.in_flight + (capacity.held if with_holds else 0))
+        raise _refusal(config, req, worst[1], worst[2], worst[0], capacity.limit())
 
 
 # --- cluster-wide window on Redis ----------------------------------------------------------------
@@ -530,6 +820,47 @@ return {0, w, scope_occ, best, scope}
 """
 
 
+# KEYS as above. ARGV: 1 member "<weight>:<lane>:<id>", 2 weight to refund.
+# The member is replaced by one with the weight left (removed when none is), same score.
+_REFUND_LUA = r"""
+local refund = tonumber(ARGV[2])
+local weight = tonumber(string.match(ARGV[1], '^(%d+):'))
+local rest = string.match(ARGV[1], '^%d+(:.*)$')
+local left = weight - refund
+for i = 1, 3, 2 do
+  local score = redis.call('ZSCORE', KEYS[i], ARGV[1])
+  if score then
+    redis.call('ZREM', KEYS[i], ARGV[1])
+    if left > 0 then redis.call('ZADD', KEYS[i], score, string.format('%.0f', left) .. rest) end
+    if redis.call('EXISTS', KEYS[i + 1]) == 1 then redis.call('DECRBY', KEYS[i + 1], refund) end
+  end
+end
+return left
+"""
+
+# KEYS as above. ARGV: 1 ":<id>". Removes whatever an admit script call that timed out on our
+# side recorded under that id (the request was decided by the local fallback instead).
+_RECONCILE_LUA = r"""
+local removed = 0
+for i = 1, 3, 2 do
+  local cursor = '0'
+  repeat
+    local page = redis.call('ZSCAN', KEYS[i], cursor, 'MATCH', '*' .. ARGV[1])
+    cursor = page[1]
+    for j = 1, #page[2], 2 do
+      local member = page[2][j]
+      redis.call('ZREM', KEYS[i], member)
+      if redis.call('EXISTS', KEYS[i + 1]) == 1 then
+        redis.call('DECRBY', KEYS[i + 1], tonumber(string.match(member, '^(%d+):')))
+      end
+      if i == 1 then removed = removed + 1 end
+    end
+  until cursor == '0'
+end
+return removed
+"""
+
+
 class _RedisDown(Exception):
     pass
 
@@ -547,11 +878,19 @@ class RedisWeightWindow:
 
     Methods are coroutines (admit, plan, occupancy); fits_ever/max_weight are plain. Keys live under
     ``{prefix}`` (a hash tag, so a Redis Cluster keeps them in one slot). Time is Redis TIME unless a
-    `clock` is given (tests). When Redis fails or times out (`op_timeout`), the call is served by
-    `fallback` (a local WeightWindow that also mirrors what Redis admitted here), the Admission says
-    ``source="local_fallback"``, `on_fallback(exc)` is called once per outage and Redis is tried
-    again after `retry_interval` seconds. Consider giving the fallback a smaller budget (about
-    budget / replicas), since every replica then enforces it on its own.
+    `clock` is given (tests).
+
+    Each request is decided atomically in Redis: its precheck hold is released only once Redis
+    has decided (so a burst arriving meanwhile still sees it), and the weight in flight is this
+    replica's own (`fallback.capacity`: each replica learns what inference delivers to it).
+
+    When Redis fails or times out (`op_timeout`), the call is decided by `outage`, a local window
+    holding `budget / replicas` (this replica's share; it also mirrors what Redis admitted here),
+    the Admission says ``source="local_fallback"``, `on_fallback(exc)` is called once per outage
+    and Redis is tried again after `retry_interval` seconds. A script call that timed out on our
+    side may still have run in Redis: its id is remembered and whatever it recorded is removed
+    once Redis answers again, so no request is admitted twice. `fallback` (full budget) mirrors
+    this replica's admissions for the precheck.
     """
 
     def __init__(
@@ -565,6 +904,7 @@ class RedisWeightWindow:
         op_timeout: float = 0.25,
         retry_interval: float = 1.0,
         on_fallback: Callable[[BaseException], None] | None = None,
+        replicas: int = 1,
     ) -> None:
         self.config = config
         self.redis = redis
@@ -573,13 +913,24 @@ class RedisWeightWindow:
         self._local_clock = clock or time.monotonic
         self.fallback = fallback or WeightWindow(config, clock=self._local_clock)
         self.fallback.source = SOURCE_FALLBACK
+        share = dataclasses.replace(
+            config,
+            budget=config.budget / replicas,
+            tenant_budgets={k: v / replicas for k, v in config.tenant_budgets.items()},
+            adaptive=False,
+        )
+        self.outage = WeightWindow(share, clock=self._local_clock)
+        self.outage.source = SOURCE_FALLBACK
         self.op_timeout = op_timeout
         self.retry_interval = retry_interval
         self.on_fallback = on_fallback
         self.fallbacks = 0  # calls served by the local fallback
+        self.reconciled = 0  # records removed from Redis after a timed-out call
         self.redis_ok = True
         self._retry_at = 0.0
-        self._script: Any = None
+        self._scripts: dict[str, Any] = {}
+        self._unreconciled: list[tuple[str, str]] = []
+        self._background: set[asyncio.Task[Any]] = set()
         self._errors: tuple[type[BaseException], ...] = (*_redis_errors(), _RedisDown)
 
     @property
@@ -592,9 +943,18 @@ class RedisWeightWindow:
     def max_weight(self, tenant: str | None = None, lane: str = INTERACTIVE) -> float:
         return self.config.max_weight(tenant, lane)
 
+    def capacity(self, model: str = "") -> CapacityLimit:
+        return self.fallback.capacity(model)
+
     async def admit(self, tenant: str, weight: int, lane: str = INTERACTIVE) -> Admission:
         req = _request(self.config, tenant, weight, 1, lane, False, planned=False)
-        return await self._take(req, lambda: self.fallback.admit(tenant, weight, lane))
+
+        def local() -> Admission:
+            admission = self.outage.admit(tenant, weight, lane)
+            self.fallback.record(tenant, admission.weight, lane)
+            return admission
+
+        return await self._take(req, local)
 
     async def plan(
         self,
@@ -604,26 +964,50 @@ class RedisWeightWindow:
         lane: str = INTERACTIVE,
         allow_degrade: bool | None = None,
         hold: Hold | None = None,
+        model: str = "",
     ) -> Admission:
         degrade = self.config.degrade if allow_degrade is None else allow_degrade
         unit, want = max(1, int(input_tokens)), max(1, int(max_new_tokens))
         req = _request(self.config, tenant, unit, want, lane, degrade, planned=True)
-        if hold is not None:
-            hold.release()  # holds are this replica's own: the shared window in Redis has none
-        return await self._take(
-            req, lambda: self.fallback.plan(tenant, input_tokens, max_new_tokens, lane, degrade, hold)
-        )
+        try:
+            # The weight in flight is this replica's: cap (or refuse) before asking Redis.
+            own = hold.weight if hold is not None and not hold.released else 0
+            fits, retry = self.fallback.flight_room(req, model, with_holds=True, own_hold=own)
+            if fits < req.least:
+                capacity = self.capacity(model)
+                raise _refusal(self.config, req, "in_flight", capacity.in_flight, retry, capacity.limit())
+            req = dataclasses.replace(req, want=fits)
+
+            def local() -> Admission:
+                admission = self.outage.plan(tenant, unit, req.want, lane, degrade)
+                entry = self.fallback.record(tenant, admission.weight, lane)
+                ticket = self.fallback.ticket(tenant, model, unit, admission.weight, entry)
+                return dataclasses.replace(admission, ticket=ticket, degraded=admission.max_new_tokens != want)
+
+            admission = await self._take(req, local, model=model)
+            if admission.max_new_tokens is not None and admission.max_new_tokens < want:
+                admission = dataclasses.replace(admission, degraded=True)
+            return admission
+        finally:
+            if hold is not None:
+                hold.release()  # only now: a burst arriving while Redis decided still saw it
 
     def precheck(
-        self, tenant: str, input_tokens: int, max_new_tokens: int, lane: str = INTERACTIVE, hold: bool = False
+        self,
+        tenant: str,
+        input_tokens: int,
+        max_new_tokens: int,
+        lane: str = INTERACTIVE,
+        hold: bool = False,
+        model: str = "",
     ) -> Hold | None:
         """Like WeightWindow.precheck, against this replica's own recent admissions (mirrored
         locally) and its own holds: a lower bound of the shared occupancy."""
-        return self.fallback.precheck(tenant, input_tokens, max_new_tokens, lane, hold)
+        return self.fallback.precheck(tenant, input_tokens, max_new_tokens, lane, hold, model)
 
     async def occupancy(self, tenant: str | None = None) -> float:
         try:
-            occ, tocc = await self._eval(tenant or "", "peek")
+            occ, tocc = await self._eval(_LUA, tenant or "", "peek")
         except self._errors as exc:
             self._down(exc)
             return self.fallback.occupancy(tenant)
@@ -633,37 +1017,73 @@ class RedisWeightWindow:
         base = "{" + self.prefix + "}"
         return [f"{base}:all", f"{base}:sum", f"{base}:tz:{tenant}", f"{base}:ts:{tenant}"]
 
-    async def _eval(self, tenant: str, mode: str, *args: Any) -> list[Any]:
+    async def _run(self, source: str, keys: list[str], args: list[Any], timeout: float) -> Any:
+        script = self._scripts.get(source)
+        if script is None:
+            script = self._scripts[source] = self.redis.register_script(source)
+        async with asyncio.timeout(timeout):
+            return await script(keys=keys, args=args)
+
+    async def _eval(self, source: str, tenant: str, mode: str, *args: Any) -> list[Any]:
         if not self.redis_ok and self._local_clock() < self._retry_at:
             raise _RedisDown("redis marked down")
-        if self._script is None:
-            self._script = self.redis.register_script(_LUA)
         now = "" if self.clock is None else str(round(self.clock() * 1_000_000))
         window_us = str(round(self.config.window_seconds * 1_000_000))
-        async with asyncio.timeout(self.op_timeout):
-            result = await self._script(keys=self._keys(tenant), args=[now, window_us, mode, *args])
+        result = await self._run(source, self._keys(tenant), [now, window_us, mode, *args], self.op_timeout)
         if not self.redis_ok:
             self.redis_ok = True
             log.info("admission: redis reachable again, cluster-wide budget restored")
+        if self._unreconciled:
+            self._spawn(self._reconcile())
         return list(result)
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _reconcile(self) -> None:
+        pending, self._unreconciled = self._unreconciled, []
+        for i, (tenant, request_id) in enumerate(pending):
+            try:
+                self.reconciled += int(
+                    await self._run(_RECONCILE_LUA, self._keys(tenant), [f":{request_id}"], self.op_timeout * 4)
+                )
+            except self._errors as exc:
+                log.warning("admission: reconciling timed-out admissions failed (%r); will retry", exc)
+                self._unreconciled.extend(pending[i:])
+                return
+
+    async def _refund(self, tenant: str, member: str, weight: int) -> None:
+        try:
+            await self._run(_REFUND_LUA, self._keys(tenant), [member, weight], self.op_timeout * 4)
+        except self._errors as exc:
+            log.debug("admission: refund not recorded in redis (%r); it ages out with the window", exc)
+
+    async def settle(self) -> None:
+        """Waits for refunds and reconciliations in progress (tests, shutdown)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
 
     def _down(self, exc: BaseException) -> None:
         self.fallbacks += 1
         self._retry_at = self._local_clock() + self.retry_interval
         if self.redis_ok and not isinstance(exc, _RedisDown):
             self.redis_ok = False
-            log.warning("admission: redis unavailable (%r); enforcing the budget locally", exc)
+            log.warning("admission: redis unavailable (%r); enforcing this replica's share locally", exc)
             if self.on_fallback is not None:
                 try:
                     self.on_fallback(exc)
                 except Exception:
                     log.exception("admission: on_fallback callback failed")
 
-    async def _take(self, req: _Request, local: Callable[[], Admission]) -> Admission:
+    async def _take(self, req: _Request, local: Callable[[], Admission], model: str = "") -> Admission:
         config = self.config
         lane_limit, tenant_limit = config.lane_limit(req.lane), config.tenant_limit(req.tenant)
+        request_id = uuid.uuid4().hex
         try:
             result = await self._eval(
+                _LUA,
                 req.tenant,
                 "admit",
                 req.unit,
@@ -672,14 +1092,24 @@ class RedisWeightWindow:
                 _num(lane_limit),
                 _num(tenant_limit),
                 req.lane,
-                uuid.uuid4().hex,
+                request_id,
             )
         except self._errors as exc:
+            if not isinstance(exc, _RedisDown):
+                # The script may have run before our timeout: undo it once Redis answers again.
+                self._unreconciled.append((req.tenant, request_id))
             self._down(exc)
             return local()
         if int(result[0]) == 1:
             n, weight, occ, tocc = (int(v) for v in result[1:5])
-            self.fallback.record(req.tenant, weight, req.lane)
+            entry = self.fallback.record(req.tenant, weight, req.lane)
+            self.outage.record(req.tenant, weight, req.lane)
+            ticket = None
+            if req.planned:
+                ticket = self.fallback.ticket(req.tenant, model, req.unit, weight, entry)
+                member = f"{weight}:{req.lane}:{request_id}"
+                tenant = req.tenant
+                ticket.on_refund = lambda refund: self._spawn(self._refund(tenant, member, refund))
             return Admission(
                 tenant=req.tenant,
                 lane=req.lane,
@@ -691,6 +1121,7 @@ class RedisWeightWindow:
                 max_new_tokens=n if req.planned else None,
                 degraded=n < req.want,
                 source=SOURCE_REDIS,
+                ticket=ticket,
             )
         _, _, scope_occ, retry_us, scope = result
         scope = scope.decode() if isinstance(scope, bytes) else str(scope)

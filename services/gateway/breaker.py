@@ -16,7 +16,9 @@ HALF_OPEN
 
 Outcomes of calls admitted under an earlier state (a permit from before a transition) are ignored,
 so a slow call started while CLOSED cannot decide a HALF_OPEN trial. A permit released without an
-outcome (cancelled call) frees its trial slot.
+outcome (cancelled call, or the caller's own deadline) frees its trial slot. What a call's
+"duration" is belongs to the caller: the gateway reports a stream's time to first message and
+its longest stall between messages, never its whole length (see `services/gateway/peers.py`).
 """
 
 from __future__ import annotations
@@ -111,13 +113,16 @@ def _all_exceptions(exc: BaseException) -> bool:
 class Permit:
     """Permission for one call; report its outcome once (later reports are ignored)."""
 
-    __slots__ = ("_breaker", "_done", "_generation", "started")
+    __slots__ = ("_breaker", "_done", "_generation", "started", "trial")
 
-    def __init__(self, breaker: CircuitBreaker, generation: int) -> None:
+    def __init__(self, breaker: CircuitBreaker, generation: int, trial: bool = False) -> None:
         self._breaker = breaker
         self._generation = generation
         self._done = False
         self.started = breaker.clock()
+        # A half-open trial: callers report it as soon as they can judge (a stream: its first
+        # message), so trials are short whatever the length of the call.
+        self.trial = trial
 
     def _elapsed(self, duration: float | None) -> float:
         return self._breaker.clock() - self.started if duration is None else duration
@@ -249,7 +254,7 @@ class CircuitBreaker:
             return None
         if state is State.HALF_OPEN:
             self._trials_granted += 1
-        return Permit(self, self._generation)
+        return Permit(self, self._generation, trial=state is State.HALF_OPEN)
 
     def acquire(self) -> Permit:
         """A permit for one call, or BreakerOpen."""

@@ -27,10 +27,12 @@ from llmesh.v1 import cache_pb2, common_pb2, gateway_pb2, retrieval_pb2
 from services.gateway import metrics
 from services.gateway.admission import (
     INTERACTIVE,
+    REASON_DEADLINE,
     Admission,
     Hold,
     RedisWeightWindow,
     RequestTooHeavy,
+    Ticket,
     WeightWindow,
 )
 from services.gateway.breaker import BreakerOpen
@@ -51,6 +53,17 @@ CONTEXT_INSTRUCTION = (
     "answer from general knowledge.\n\nContext:\n"
 )
 MODEL_INFO_TTL_S = 30.0
+# Cache stores run after the final message, in the background; past this many the rest are skipped.
+MAX_BACKGROUND_STORES = 64
+# A request that would be shed on a miss waits for the cache only this long: a refusal is fast
+# whatever state the cache is in (frozen, or its breaker still deciding).
+SHED_RISK_LOOKUP_S = 0.02
+# After the cache failed or answered degraded, requests decide admission before looking it up
+# for this long.
+CACHE_SUSPECT_S = 1.0
+# Background calls (version refresh, cache store) have no caller: a deadline well past any hop
+# budget, so the budget bounds them and its timeout counts against the hop.
+BACKGROUND_DEADLINE_S = 30.0
 CACHEABLE_FINISH = (
     common_pb2.FINISH_REASON_STOP,
     common_pb2.FINISH_REASON_LENGTH,
@@ -68,6 +81,9 @@ class GatewayConfig:
     max_new_tokens: int
     default_max_new_tokens: int
     log_prompts: bool = False
+    # How long a learned collection version is trusted before it is refreshed (in the background).
+    version_ttl: float = 2.0
+    cache_store_budget: float = 0.5
 
 
 @dataclass
@@ -86,6 +102,8 @@ class Plan:
     degradations: list[str] = field(default_factory=list)
     # The predicted weight reserved from the precheck until the exact admission.
     hold: Hold | None = None
+    # The admitted reservation: progress reported as tokens arrive, finished on every exit path.
+    ticket: Ticket | None = None
     # Milliseconds spent per hop, returned to the caller as `server-timing` metadata.
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -218,6 +236,14 @@ class InputTokenPredictor:
         guess = size * self.tokens_per_byte + context
         return max(floor, int(guess))
 
+    def estimate(self, rendered: str) -> int:
+        """Tokens of a rendered prompt while the tokenizer is away: the learned rate with a 10 %
+        margin, or the conservative `estimate_tokens` before anything was learned."""
+        if not self.tokens_per_byte:
+            return estimate_tokens(rendered)
+        size = len(rendered.encode("utf-8"))
+        return max(1, size // 8, math.ceil(size * self.tokens_per_byte * 1.1))
+
     def observe(self, plan: Plan, input_tokens: int, with_context: bool) -> None:
         size = max(1, self.text_bytes(plan))
         if not with_context:
@@ -235,6 +261,68 @@ def _ema(old: float, new: float, alpha: float) -> float:
     return old + alpha * (new - old)
 
 
+@dataclass
+class KnownVersion:
+    """A collection's version as last learned from retrieval."""
+
+    info: retrieval_pb2.CollectionInfo
+    learned_at: float
+    # The last refresh failed: answers grounded in this version are marked degraded.
+    unconfirmed: bool = False
+    refreshing: asyncio.Task[None] | None = None
+
+
+class CollectionVersions:
+    """Collection versions off the hit path: learned once, trusted for `ttl` seconds, then served
+    while a single background refresh asks retrieval again (stale-while-revalidate). An ingest
+    through this gateway forgets the entry, so the next request learns the new version at once;
+    other replicas learn it within `ttl`. While retrieval is down the last known version is kept
+    (marked unconfirmed, and asked again on every request until retrieval answers), so cached
+    answers for it still serve."""
+
+    MAX_ENTRIES = 4096
+
+    def __init__(self, peers: Peers, ttl: float) -> None:
+        self.peers = peers
+        self.ttl = ttl
+        self.known: dict[tuple[str, str], KnownVersion] = {}
+
+    async def get(self, collection: str, tenant: str, deadline: Deadline) -> KnownVersion:
+        """The known version (refreshed in the background when older than ttl); the first time,
+        retrieval is asked in the request's path and its errors are raised."""
+        key = (tenant, collection)
+        known = self.known.get(key)
+        if known is None:
+            info = await self.peers.collection_info(collection, tenant, deadline)
+            if len(self.known) >= self.MAX_ENTRIES:
+                self.known.pop(next(iter(self.known)))
+            known = self.known[key] = KnownVersion(info, time.monotonic())
+            return known
+        # An unconfirmed version is asked again at once (one call at a time): retrieval's return
+        # is noticed on the next request, not a TTL later.
+        stale = known.unconfirmed or time.monotonic() - known.learned_at >= self.ttl
+        if stale and known.refreshing is None:
+            known.refreshing = asyncio.get_running_loop().create_task(self._refresh(key, known))
+        return known
+
+    async def _refresh(self, key: tuple[str, str], known: KnownVersion) -> None:
+        tenant, collection = key
+        try:
+            # No caller waits: the hop's own budget bounds the call, and its timeout is a verdict.
+            info = await self.peers.collection_info(collection, tenant, Deadline.after(BACKGROUND_DEADLINE_S))
+        except (*DOWNSTREAM_ERRORS, LlmeshError) as exc:
+            known.unconfirmed = True
+            log.warning("collection version refresh failed, keeping version %d: %s", known.info.version, exc.message)
+        else:
+            known.info, known.unconfirmed = info, False
+        finally:
+            known.learned_at = time.monotonic()
+            known.refreshing = None
+
+    def forget(self, collection: str, tenant: str) -> None:
+        self.known.pop((tenant, collection), None)
+
+
 class Gateway:
     def __init__(self, peers: Peers, config: GatewayConfig, window: WeightWindow | RedisWeightWindow) -> None:
         self.peers = peers
@@ -243,7 +331,10 @@ class Gateway:
         metrics.ADMISSION_BUDGET.set(window.config.budget)
         self._model: tuple[float, str] | None = None
         self.predictor = InputTokenPredictor()
+        self.versions = CollectionVersions(peers, config.version_ttl)
         self._background: set[asyncio.Task[None]] = set()
+        self.stores_skipped = 0
+        self._cache_slow_until = 0.0
 
     async def model_key(self, deadline: Deadline) -> str:
         """Model id + weights digest: new weights never serve answers cached from old ones."""
@@ -263,19 +354,23 @@ class Gateway:
         return [(await self.model_key(deadline)).rpartition("@")[0]]
 
     async def _retrieval_scope(self, plan: Plan, deadline: Deadline) -> tuple[str, int]:
-        """(collection, version) the answer will be grounded in, or ("", 0) without retrieval."""
+        """(collection, version) the answer will be grounded in, or ("", 0) without retrieval.
+        While retrieval is down, the last known version: a cached answer for it still serves."""
         if not plan.use_retrieval:
             return "", 0
         try:
-            info = await self.peers.collection_info(plan.collection, plan.tenant, deadline)
+            known = await self.versions.get(plan.collection, plan.tenant, deadline)
         except DOWNSTREAM_ERRORS as exc:
             log.warning("retrieval unavailable, answering without context: %s", exc.message)
             plan.degrade("retrieval_unavailable")
             plan.use_retrieval = False
             return "", 0
+        info = known.info
         if not info.exists or info.points == 0:
             plan.use_retrieval = False
             return "", 0
+        if known.unconfirmed or self.peers.breakers["retrieval"].state.value == "open":
+            plan.degrade("retrieval_unavailable")
         return plan.collection, info.version
 
     def _scope(self, plan: Plan, model: str, collection: str, version: int) -> cache_pb2.CacheScope:
@@ -284,19 +379,26 @@ class Gateway:
         )
 
     async def _lookup(
-        self, plan: Plan, scope: cache_pb2.CacheScope, deadline: Deadline
+        self, plan: Plan, scope: cache_pb2.CacheScope, deadline: Deadline, wait: float | None = None
     ) -> cache_pb2.CacheLookupResponse | None:
+        """A hit, or None (a miss, or the cache unavailable). `wait`: give up on the cache after
+        this long (the request is shed on a miss, so it only waits as long as a refusal may take)."""
         # Attributes go on the request span: the client span of the RPC already times the hop.
         span = trace.get_current_span()
+        lookup = self.peers.cache_lookup(
+            cache_pb2.CacheLookupRequest(prompt=plan.prompt, scope=scope, allow_semantic=True), deadline
+        )
         try:
-            found = await self.peers.cache_lookup(
-                cache_pb2.CacheLookupRequest(prompt=plan.prompt, scope=scope, allow_semantic=True), deadline
-            )
+            found = await (lookup if wait is None else asyncio.wait_for(lookup, wait))
+        except TimeoutError:
+            return None
         except DOWNSTREAM_ERRORS as exc:
+            self._cache_slow_until = time.monotonic() + CACHE_SUSPECT_S
             log.warning("cache unavailable: %s", exc.message)
             plan.degrade("cache_unavailable")
             return None
         if found.degraded:
+            self._cache_slow_until = time.monotonic() + CACHE_SUSPECT_S
             plan.degrade("cache_unavailable")
         span.set_attribute("llmesh.cache.hit", found.hit)
         if found.hit:
@@ -378,8 +480,11 @@ class Gateway:
             exc.extra_trailing.append(("server-timing", server_timing({**plan.timings, "total": total})))
             raise
         finally:
+            # Every exit path: what was held or reserved and not generated goes back.
             if plan.hold is not None:
                 plan.hold.release()
+            if plan.ticket is not None:
+                plan.ticket.finish()
 
     async def _pipeline(self, plan: Plan, deadline: Deadline) -> AsyncIterator[Delta | Final]:
         if plan.lane not in self.window.lanes:
@@ -390,18 +495,25 @@ class Gateway:
         span.set_attribute("gen_ai.request.temperature", plan.sampling.temperature)
         if self.config.log_prompts:
             span.set_attribute("llmesh.prompt", plan.prompt)
-        if not plan.use_cache:
-            # No cache hit is possible: shed before any downstream call.
-            with plan.timed("admission"):
-                self._precheck(plan)
         with plan.timed("model"):
             model = await self.model_key(deadline)
+        if not plan.use_cache:
+            # No cache hit is possible: shed before any other downstream call.
+            with plan.timed("admission"):
+                self._precheck(plan, model)
         with plan.timed("retrieval"):
             collection, version = await self._retrieval_scope(plan, deadline)
         scope = self._scope(plan, model, collection, version)
         if plan.use_cache:
+            suspect = self._cache_suspect()
+            if suspect:
+                # The cache is failing or slow: a miss is likely, so decide (and reserve) first
+                # rather than after waiting for it.
+                with plan.timed("admission"):
+                    self._precheck(plan, model)
+            wait = SHED_RISK_LOOKUP_S if not suspect and self._shed_risk(plan, model) else None
             with plan.timed("cache"):
-                hit = await self._lookup(plan, scope, deadline)
+                hit = await self._lookup(plan, scope, deadline, wait)
             if hit is not None:
                 answer = hit.answer
                 yield Delta(answer.text)
@@ -421,8 +533,15 @@ class Gateway:
                 return
             # Missed: shed before the expensive hops (retrieval search, tokenizer) when the predicted
             # weight does not fit.
-            with plan.timed("admission"):
-                self._precheck(plan)
+            if not suspect:
+                with plan.timed("admission"):
+                    self._precheck(plan, model)
+        if "retrieval_unavailable" in plan.degradations and collection:
+            # Only a cached answer could use the last known version: generate without context,
+            # and store the answer under the scope it really has.
+            plan.use_retrieval = False
+            collection = ""
+            scope = self._scope(plan, model, "", 0)
         with plan.timed("retrieval"):
             sources = await self._retrieve(plan, collection, deadline)
         with plan.timed("tokenizer"):
@@ -434,7 +553,8 @@ class Gateway:
                 [("prompt", f"{input_tokens} tokens with context; the limit is {self.config.max_prompt_tokens}")]
             )
         with plan.timed("admission"):
-            admission = await self._admit(plan, input_tokens)
+            admission = await self._admit(plan, input_tokens, model, deadline)
+        plan.ticket = admission.ticket
         if admission.degraded:
             plan.sampling.max_new_tokens = admission.max_new_tokens or plan.sampling.max_new_tokens
             plan.degrade("max_new_tokens_capped")
@@ -443,7 +563,16 @@ class Gateway:
         usage = common_pb2.Usage(input_tokens=input_tokens)
         request_id = uuid.uuid4().hex
         with plan.timed("inference"):
+            generated = 0
             async for message in self.peers.generate(prompt, plan.sampling, request_id, deadline):
+                # Tokens as they come (a backend that sends text only: a message is a token); the
+                # final usage settles the count.
+                step = len(message.token_ids) or (1 if message.text else 0)
+                if message.finish_reason and message.usage.output_tokens:
+                    step = max(step, message.usage.output_tokens - generated)
+                generated += step
+                if plan.ticket is not None:
+                    plan.ticket.progress(step)
                 if message.text:
                     pieces.append(message.text)
                     yield Delta(message.text)
@@ -463,10 +592,12 @@ class Gateway:
             model=model,
             degradations=plan.degradations,
         )
-        # A capped answer is not the answer to the request as asked: do not cache it.
+        if plan.ticket is not None:
+            plan.ticket.finish()  # the weight not generated goes back before the caller hears
+        # A capped answer is not the answer to the request as asked: do not cache it. The store
+        # runs after, in the background: the caller's answer never waits for it.
         if plan.use_cache and not admission.degraded and finish in CACHEABLE_FINISH and text:
-            with plan.timed("cache_store"):
-                await self._store(plan, scope, response, deadline)
+            self._store_later(plan, scope, response)
         yield Final(response, plan.timings)
 
     async def _render(
@@ -484,15 +615,34 @@ class Gateway:
             log.warning("tokenizer unavailable, estimating tokens locally: %s", exc.message)
             plan.degrade("tokenizer_estimate")
             text = render_chatml(messages)
-            return text, estimate_tokens(text)
+            return text, self.predictor.estimate(text)
 
-    def _precheck(self, plan: Plan) -> None:
+    def _cache_suspect(self) -> bool:
+        """The cache failed, ran out of budget or answered degraded in the last CACHE_SUSPECT_S,
+        or its breaker is not closed."""
+        return time.monotonic() < self._cache_slow_until or self.peers.breakers["cache"].state.value != "closed"
+
+    def _shed_risk(self, plan: Plan, model: str) -> bool:
+        """Whether the request would be shed if the cache missed (decides nothing, holds nothing)."""
+        try:
+            self.window.precheck(
+                plan.tenant, self.predictor.predict(plan), plan.sampling.max_new_tokens, plan.lane, model=model
+            )
+        except RequestTooHeavy:
+            return False
+        except ResourceExhausted:
+            return True
+        return False
+
+    def _precheck(self, plan: Plan, model: str) -> None:
         """Sheds before the expensive hops (retrieval search, tokenizer) when the request's
         predicted weight does not fit next to what is admitted and what earlier requests on their
         way hold. A request that passes holds its prediction until its exact weight is admitted."""
         predicted = self.predictor.predict(plan)
         try:
-            plan.hold = self.window.precheck(plan.tenant, predicted, plan.sampling.max_new_tokens, plan.lane, True)
+            plan.hold = self.window.precheck(
+                plan.tenant, predicted, plan.sampling.max_new_tokens, plan.lane, True, model=model
+            )
         except RequestTooHeavy:
             pass  # decided exactly by _admit once the true token count is known
         except ResourceExhausted as exc:
@@ -507,12 +657,26 @@ class Gateway:
         span.set_attribute("llmesh.admission.reason", exc.reason)
         span.set_attribute("llmesh.admission.retry_after_s", exc.retry_after)
 
-    async def _admit(self, plan: Plan, input_tokens: int) -> Admission:
+    async def _admit(self, plan: Plan, input_tokens: int, model: str, deadline: Deadline) -> Admission:
         span = trace.get_current_span()
+        capacity = self.window.capacity(model)
+        own_hold = plan.hold.weight if plan.hold is not None and not plan.hold.released else 0
+        expected = capacity.drain_seconds(input_tokens * plan.sampling.max_new_tokens - own_hold)
+        if expected > deadline.remaining():
+            # At the measured throughput the request would not finish in time: refuse it now
+            # rather than let it run into the caller's deadline.
+            exc = ResourceExhausted(
+                f"expected to take {expected:.1f}s at the measured throughput; "
+                f"{deadline.remaining():.1f}s of the deadline left",
+                retry_after=min(expected - deadline.remaining(), self.window.config.window_seconds),
+                reason=REASON_DEADLINE,
+            )
+            self._shed(exc, "shed_deadline")
+            raise exc
         try:
             # The exact weight replaces the prediction this request has held since its precheck.
             decision = self.window.plan(
-                plan.tenant, input_tokens, plan.sampling.max_new_tokens, plan.lane, hold=plan.hold
+                plan.tenant, input_tokens, plan.sampling.max_new_tokens, plan.lane, hold=plan.hold, model=model
             )
             admission = await decision if asyncio.iscoroutine(decision) else decision
         except RequestTooHeavy as exc:
@@ -530,11 +694,31 @@ class Gateway:
             self._shed(exc, "shed")
             raise
         metrics.ADMISSION_WEIGHT.set(admission.occupancy)
+        metrics.ADMISSION_IN_FLIGHT_LIMIT.set(capacity.limit())
+        span.set_attribute("llmesh.admission.in_flight_limit", capacity.limit())
         span.set_attribute("llmesh.admission.decision", "capped" if admission.degraded else "admitted")
         span.set_attribute("llmesh.admission.weight", admission.weight)
         span.set_attribute("llmesh.admission.occupancy", admission.occupancy)
         span.set_attribute("llmesh.admission.budget", admission.budget)
         return admission
+
+    def _store_later(self, plan: Plan, scope: cache_pb2.CacheScope, response: gateway_pb2.GenerateResponse) -> None:
+        """Stores the answer in the background, with the store hop's own budget (the caller's
+        deadline no longer matters: the caller has its answer)."""
+        if len(self._background) >= MAX_BACKGROUND_STORES:
+            self.stores_skipped += 1
+            metrics.DEGRADED.labels("cache_store_skipped").inc()
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._store(plan, scope, response, Deadline.after(BACKGROUND_DEADLINE_S))
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def settle(self) -> None:
+        """Waits for background stores (tests, shutdown)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
 
     async def _store(
         self, plan: Plan, scope: cache_pb2.CacheScope, response: gateway_pb2.GenerateResponse, deadline: Deadline
@@ -549,7 +733,7 @@ class Gateway:
             await self.peers.cache_store(
                 cache_pb2.CacheStoreRequest(prompt=plan.prompt, scope=scope, answer=answer), deadline
             )
-        except DOWNSTREAM_ERRORS as exc:
+        except (*DOWNSTREAM_ERRORS, LlmeshError) as exc:
             log.warning("cache store failed: %s", exc.message)
 
     async def ingest(self, request: gateway_pb2.IngestRequest, deadline: Deadline) -> gateway_pb2.IngestResponse:
@@ -561,8 +745,12 @@ class Gateway:
             overlap_tokens=request.overlap_tokens,
         )
         last = retrieval_pb2.UpsertProgress()
-        async for progress in self.peers.upsert(upsert, deadline):
-            last = progress
+        try:
+            async for progress in self.peers.upsert(upsert, deadline):
+                last = progress
+        finally:
+            # The next request learns the new version (whatever happened: a part may have landed).
+            self.versions.forget(upsert.collection, upsert.tenant)
         if not last.done:
             raise LlmeshError("ingest ended before it was done")
         return gateway_pb2.IngestResponse(
@@ -585,5 +773,6 @@ class Gateway:
                 filter=request.filter,
             ),
             deadline,
+            optional=False,
         )
         return gateway_pb2.SearchResponse(results=found.results, trace_id=current_trace_id())

@@ -13,6 +13,10 @@ REQUEST_DURATION = Histogram(
 )
 ADMISSION_WEIGHT = Gauge("llmesh_gateway_admission_weight", "Request weight admitted in the current window.")
 ADMISSION_BUDGET = Gauge("llmesh_gateway_admission_budget", "Request weight the window admits at most.")
+ADMISSION_IN_FLIGHT_LIMIT = Gauge(
+    "llmesh_gateway_admission_in_flight_limit",
+    "Weight in flight the gateway allows, learned from inference's measured throughput.",
+)
 SHED = Counter("llmesh_gateway_shed", "Requests refused before any work, by reason.", ["reason"])
 DEGRADED = Counter("llmesh_gateway_degraded", "Requests answered with a part left out, by what.", ["what"])
 BREAKER_STATE = Gauge(

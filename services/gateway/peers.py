@@ -15,7 +15,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from llmesh.channels import peer_channel
-from llmesh.errors import LlmeshError, from_rpc_error
+from llmesh.errors import DeadlineExceeded, LlmeshError, from_rpc_error
 from llmesh.v1 import (
     cache_pb2,
     cache_pb2_grpc,
@@ -27,11 +27,9 @@ from llmesh.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
-from services.gateway.breaker import BreakerConfig, CircuitBreaker, TransitionListener
+from services.gateway.breaker import BreakerConfig, CircuitBreaker, Permit, TransitionListener
 
 T = TypeVar("T")
-# Cache and metadata lookups are cheap; past this the gateway goes on without them.
-CACHE_TIMEOUT_S = 2.0
 # Lookups that queue behind these many in flight go together in one LookupBatch call.
 LOOKUPS_IN_FLIGHT = 2
 MAX_LOOKUP_BATCH = 64
@@ -49,7 +47,31 @@ class Deadline:
         return cls(time.monotonic() + seconds)
 
     def remaining(self) -> float:
-        return max(0.001, self.expires_at - time.monotonic())
+        return max(0.0, self.expires_at - time.monotonic())
+
+    def check(self, what: str) -> float:
+        """The time left, or DeadlineExceeded at once when it is spent: no call starts after that."""
+        left = self.remaining()
+        if left <= 0:
+            raise CallerDeadline(f"{what}: the request's deadline is spent")
+        return left
+
+
+class CallerDeadline(DeadlineExceeded):
+    """The caller's own deadline ran out (not the hop's budget): no verdict on the downstream."""
+
+
+@dataclass(frozen=True)
+class HopBudgets:
+    """Seconds each optional hop may take before the gateway goes on without it (as when the
+    service is down). Inference has none: it keeps the caller's deadline, and its breaker judges
+    the time to first token and the stalls between tokens (`BreakerConfig.slow_call_duration`)."""
+
+    cache_lookup: float = 0.25
+    cache_store: float = 0.5
+    collection_info: float = 0.25
+    search: float = 1.0
+    tokenizer: float = 0.25
 
 
 class PeerCallError(LlmeshError):
@@ -75,25 +97,76 @@ def counts_as_failure(exc: BaseException) -> bool:
     return isinstance(exc, PeerCallError) and exc.code in BREAKER_FAILURE_CODES
 
 
-async def _unary(breaker: CircuitBreaker, call: Callable[[], Awaitable[T]]) -> T:
-    async with breaker.guard():
-        try:
-            return await call()
-        except grpc.aio.AioRpcError as err:
-            raise PeerCallError(from_rpc_error(breaker.name, err)) from err
+async def _unary(
+    breaker: CircuitBreaker, call: Callable[[float], Awaitable[T]], deadline: Deadline, budget: float | None = None
+) -> T:
+    """One unary call with min(the caller's remaining deadline, the hop's budget). The breaker
+    hears the hop's own errors and timeouts; the caller's spent deadline or cancellation gives
+    no verdict (`CallerDeadline` is raised instead of a peer error)."""
+    remaining = deadline.check(breaker.name)
+    caller_bound = budget is None or remaining <= budget
+    permit = breaker.acquire()
+    try:
+        result = await call(remaining if caller_bound else budget)  # type: ignore[arg-type]
+    except grpc.aio.AioRpcError as err:
+        raise _judge(permit, breaker.name, err, caller_bound, deadline) from err
+    except BaseException:
+        permit.release()
+        raise
+    permit.success()
+    return result
 
 
-async def _stream(breaker: CircuitBreaker, start: Callable[[], Any]) -> AsyncIterator[Any]:
-    async with breaker.guard():
-        call = start()
-        try:
-            async for message in call:
-                yield message
-        except grpc.aio.AioRpcError as err:
-            raise PeerCallError(from_rpc_error(breaker.name, err)) from err
-        finally:
-            # Our caller went away (or we failed): cancel downstream now, freeing its resources.
-            call.cancel()
+def _judge(permit: Permit, name: str, err: grpc.aio.AioRpcError, caller_bound: bool, deadline: Deadline) -> LlmeshError:
+    """Reports a failed call to the breaker and returns the error to raise."""
+    if err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED) and (
+        caller_bound or deadline.remaining() <= 0
+    ):
+        permit.release()  # the caller's deadline, not the hop's: no verdict
+        return CallerDeadline(f"{name}: the request's deadline ran out")
+    error = PeerCallError(from_rpc_error(name, err))
+    if counts_as_failure(error):
+        permit.failure()
+    else:
+        permit.success()  # e.g. INVALID_ARGUMENT, RESOURCE_EXHAUSTED: the downstream answered
+    return error
+
+
+async def _stream(breaker: CircuitBreaker, start: Callable[[float], Any], deadline: Deadline) -> AsyncIterator[Any]:
+    """A server stream with the caller's deadline. The breaker judges the hop by its time to first
+    message and the longest stall between messages, not by the stream's length: a wait past
+    `slow_call_duration` is reported slow at once (while the call goes on), so a frozen service is
+    cut off after the breaker's minimum calls; a half-open trial is decided by its first message."""
+    remaining = deadline.check(breaker.name)
+    permit = breaker.acquire()
+    slow_after = breaker.config.slow_call_duration
+    loop = asyncio.get_running_loop()
+    call = start(remaining)
+    last = loop.time()
+    worst = 0.0
+
+    def stalled() -> None:
+        permit.success(max(slow_after, loop.time() - last))
+
+    timer = loop.call_later(slow_after, stalled)
+    try:
+        async for message in call:
+            now = loop.time()
+            worst = max(worst, now - last)
+            last = now
+            timer.cancel()
+            if permit.trial:
+                permit.success(worst)
+            timer = loop.call_later(slow_after, stalled)
+            yield message
+        permit.success(worst)
+    except grpc.aio.AioRpcError as err:
+        raise _judge(permit, breaker.name, err, True, deadline) from err
+    finally:
+        timer.cancel()
+        permit.release()  # no verdict yet (cancelled, or our caller went away): none is given
+        # Our caller went away (or we failed): cancel downstream now, freeing its resources.
+        call.cancel()
 
 
 LookupRequest = cache_pb2.CacheLookupRequest
@@ -120,9 +193,9 @@ class LookupCoalescer:
 
     def __init__(
         self,
-        lookup: Callable[[cache_pb2.CacheLookupRequest, float], Awaitable[cache_pb2.CacheLookupResponse]],
+        lookup: Callable[[cache_pb2.CacheLookupRequest, Deadline], Awaitable[cache_pb2.CacheLookupResponse]],
         lookup_batch: Callable[
-            [cache_pb2.CacheLookupBatchRequest, float], Awaitable[cache_pb2.CacheLookupBatchResponse]
+            [cache_pb2.CacheLookupBatchRequest, Deadline], Awaitable[cache_pb2.CacheLookupBatchResponse]
         ],
         in_flight: int = LOOKUPS_IN_FLIGHT,
         max_batch: int = MAX_LOOKUP_BATCH,
@@ -139,7 +212,7 @@ class LookupCoalescer:
         if self.in_flight < self.max_in_flight and not self._queue:
             self.in_flight += 1
             try:
-                return await self._lookup(request, min(deadline.remaining(), CACHE_TIMEOUT_S))
+                return await self._lookup(request, deadline)
             finally:
                 self.in_flight -= 1
                 self._flush()
@@ -164,9 +237,10 @@ class LookupCoalescer:
 
     async def _send(self, batch: list[_QueuedLookup]) -> None:
         try:
-            timeout = min(CACHE_TIMEOUT_S, *(q.deadline.remaining() for q in batch))
+            # The batch ends with the earliest of its callers' deadlines.
+            deadline = Deadline(min(q.deadline.expires_at for q in batch))
             if len(batch) == 1:
-                results = [await self._lookup(batch[0].request, timeout)]
+                results = [await self._lookup(batch[0].request, deadline)]
             else:
                 with tracer.start_as_current_span(
                     "gateway.cache_lookup_batch",
@@ -175,7 +249,7 @@ class LookupCoalescer:
                     for q in batch:
                         trace.get_current_span(q.context).add_link(span.get_span_context())
                     request = cache_pb2.CacheLookupBatchRequest(requests=[q.request for q in batch])
-                    results = list((await self._lookup_batch(request, timeout)).results)
+                    results = list((await self._lookup_batch(request, deadline)).results)
             for q, result in zip(batch, results, strict=True):
                 if not q.future.done():
                     q.future.set_result(result)
@@ -200,7 +274,8 @@ PEERS = ("tokenizer", "inference", "cache", "retrieval")
 
 
 class Peers:
-    """Stubs to the four downstreams, each behind its own circuit breaker."""
+    """Stubs to the four downstreams, each behind its own circuit breaker; every call gets the
+    smaller of the request's remaining deadline and its hop's budget."""
 
     def __init__(
         self,
@@ -209,7 +284,9 @@ class Peers:
         breaker_config: BreakerConfig | None = None,
         on_transition: Callable[[str], TransitionListener] | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        budgets: HopBudgets | None = None,
     ) -> None:
+        self.budgets = budgets or HopBudgets()
         self.channels = {name: peer_channel(targets[name], max_message_bytes, credentials) for name in PEERS}
         self.breakers = {
             name: CircuitBreaker(
@@ -236,13 +313,19 @@ class Peers:
     ) -> tokenizer_pb2.ApplyChatTemplateResponse:
         request = tokenizer_pb2.ApplyChatTemplateRequest(messages=messages, add_generation_prompt=True, tokenize=True)
         return await _unary(
-            self.breakers["tokenizer"], lambda: self.tokenizer.ApplyChatTemplate(request, timeout=deadline.remaining())
+            self.breakers["tokenizer"],
+            lambda timeout: self.tokenizer.ApplyChatTemplate(request, timeout=timeout),
+            deadline,
+            self.budgets.tokenizer,
         )
 
     async def model_info(self, deadline: Deadline) -> inference_pb2.ModelInfo:
         request = inference_pb2.GetModelInfoRequest()
         return await _unary(
-            self.breakers["inference"], lambda: self.inference.GetModelInfo(request, timeout=deadline.remaining())
+            self.breakers["inference"],
+            lambda timeout: self.inference.GetModelInfo(request, timeout=timeout),
+            deadline,
+            self.budgets.collection_info,
         )
 
     def generate(
@@ -255,7 +338,7 @@ class Peers:
         else:
             request.token_ids.ids.extend(prompt)
         return _stream(
-            self.breakers["inference"], lambda: self.inference.Generate(request, timeout=deadline.remaining())
+            self.breakers["inference"], lambda timeout: self.inference.Generate(request, timeout=timeout), deadline
         )
 
     async def cache_lookup(
@@ -264,38 +347,59 @@ class Peers:
         return await self.lookups.lookup(request, deadline)
 
     async def _cache_lookup(
-        self, request: cache_pb2.CacheLookupRequest, timeout: float
+        self, request: cache_pb2.CacheLookupRequest, deadline: Deadline
     ) -> cache_pb2.CacheLookupResponse:
-        return await _unary(self.breakers["cache"], lambda: self.cache.Lookup(request, timeout=timeout))
+        return await _unary(
+            self.breakers["cache"],
+            lambda timeout: self.cache.Lookup(request, timeout=timeout),
+            deadline,
+            self.budgets.cache_lookup,
+        )
 
     async def _cache_lookup_batch(
-        self, request: cache_pb2.CacheLookupBatchRequest, timeout: float
+        self, request: cache_pb2.CacheLookupBatchRequest, deadline: Deadline
     ) -> cache_pb2.CacheLookupBatchResponse:
-        return await _unary(self.breakers["cache"], lambda: self.cache.LookupBatch(request, timeout=timeout))
+        return await _unary(
+            self.breakers["cache"],
+            lambda timeout: self.cache.LookupBatch(request, timeout=timeout),
+            deadline,
+            self.budgets.cache_lookup,
+        )
 
     async def cache_store(
         self, request: cache_pb2.CacheStoreRequest, deadline: Deadline
     ) -> cache_pb2.CacheStoreResponse:
         return await _unary(
             self.breakers["cache"],
-            lambda: self.cache.Store(request, timeout=min(deadline.remaining(), CACHE_TIMEOUT_S)),
+            lambda timeout: self.cache.Store(request, timeout=timeout),
+            deadline,
+            self.budgets.cache_store,
         )
 
     async def collection_info(self, collection: str, tenant: str, deadline: Deadline) -> retrieval_pb2.CollectionInfo:
         request = retrieval_pb2.CollectionInfoRequest(collection=collection, tenant=tenant)
         return await _unary(
             self.breakers["retrieval"],
-            lambda: self.retrieval.GetCollectionInfo(request, timeout=min(deadline.remaining(), CACHE_TIMEOUT_S)),
+            lambda timeout: self.retrieval.GetCollectionInfo(request, timeout=timeout),
+            deadline,
+            self.budgets.collection_info,
         )
 
     async def search(
-        self, request: retrieval_pb2.RetrievalSearchRequest, deadline: Deadline
+        self, request: retrieval_pb2.RetrievalSearchRequest, deadline: Deadline, optional: bool = True
     ) -> retrieval_pb2.RetrievalSearchResponse:
+        """`optional`: context for a generation (the search budget applies); else the caller's own
+        search (its whole deadline)."""
         return await _unary(
-            self.breakers["retrieval"], lambda: self.retrieval.Search(request, timeout=deadline.remaining())
+            self.breakers["retrieval"],
+            lambda timeout: self.retrieval.Search(request, timeout=timeout),
+            deadline,
+            self.budgets.search if optional else None,
         )
 
     def upsert(
         self, request: retrieval_pb2.UpsertRequest, deadline: Deadline
     ) -> AsyncIterator[retrieval_pb2.UpsertProgress]:
-        return _stream(self.breakers["retrieval"], lambda: self.retrieval.Upsert(request, timeout=deadline.remaining()))
+        return _stream(
+            self.breakers["retrieval"], lambda timeout: self.retrieval.Upsert(request, timeout=timeout), deadline
+        )

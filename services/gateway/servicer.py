@@ -17,7 +17,7 @@ from services.gateway.auth import ApiKeys
 from services.gateway.breaker import BreakerConfig, State, TransitionListener
 from services.gateway.core import Delta, Final, Gateway, GatewayConfig, server_timing
 from services.gateway.openai_http import announce, http_api
-from services.gateway.peers import Deadline, Peers
+from services.gateway.peers import Deadline, HopBudgets, Peers
 
 log = logging.getLogger("llmesh.gateway")
 BREAKER_STATE_VALUE = {State.CLOSED: 0, State.HALF_OPEN: 1, State.OPEN: 2}
@@ -116,10 +116,21 @@ class GatewayApp:
             "cache": s.cache_target,
             "retrieval": s.retrieval_target,
         }
-        self.peers = Peers(targets, s.max_message_bytes, breakers, breaker_listener, peer_credentials(s))
+        budgets = HopBudgets(
+            cache_lookup=s.hop_cache_lookup_seconds,
+            cache_store=s.hop_cache_store_seconds,
+            collection_info=s.hop_collection_info_seconds,
+            search=s.hop_search_seconds,
+            tokenizer=s.hop_tokenizer_seconds,
+        )
+        self.peers = Peers(targets, s.max_message_bytes, breakers, breaker_listener, peer_credentials(s), budgets)
         admission = AdmissionConfig.from_settings(s)
         self.window: WeightWindow | RedisWeightWindow = (
-            RedisWeightWindow(admission, connect_redis(redis_server.resolve_url(s.admission_redis_url, s)))
+            RedisWeightWindow(
+                admission,
+                connect_redis(redis_server.resolve_url(s.admission_redis_url, s)),
+                replicas=s.admission_replicas,
+            )
             if s.admission_redis_url
             else WeightWindow(admission)
         )
@@ -132,6 +143,8 @@ class GatewayApp:
             max_new_tokens=s.max_new_tokens,
             default_max_new_tokens=s.default_max_new_tokens,
             log_prompts=s.log_prompts,
+            version_ttl=s.collection_version_ttl_seconds,
+            cache_store_budget=s.hop_cache_store_seconds,
         )
         self.gateway = Gateway(self.peers, config, self.window)
         api_keys = ApiKeys.parse(s.api_keys)
@@ -157,6 +170,8 @@ class GatewayApp:
         return {}
 
     async def stop(self) -> None:
+        await self.gateway.settle()
         await self.peers.close()
         if isinstance(self.window, RedisWeightWindow):
+            await self.window.settle()
             await self.window.redis.aclose()

@@ -355,7 +355,7 @@ async def test_redis_recovers_after_retry_interval(rclient: aioredis.Redis, pref
             raise RedisConnectionError("boom")
         return await real(**kw)  # type: ignore[arg-type]
 
-    w._script = flaky
+    w._scripts[_LUA] = flaky
     assert (await w.admit("t", 10)).source == "local_fallback"
     assert (await w.admit("t", 10)).source == "local_fallback"  # not retried yet
     assert calls["n"] == 1

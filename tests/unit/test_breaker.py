@@ -292,3 +292,15 @@ def test_minimum_calls_capped_at_window(clock: FakeClock) -> None:
     b, _ = make(clock, window_size=4, minimum_calls=10)
     fail(b, 4)
     assert b.state is State.OPEN
+
+
+def test_permits_say_whether_they_are_half_open_trials(clock: FakeClock) -> None:
+    b, _ = make(clock)
+    assert not b.acquire().trial
+    trip(b)
+    clock.advance(5.0)
+    trial = b.acquire()
+    assert trial.trial
+    trial.release()  # the caller's own deadline: no verdict, the slot is free again
+    assert b.state is State.HALF_OPEN
+    assert all(b.acquire().trial for _ in range(3))

@@ -22,8 +22,8 @@ class Cache:
     def answer(self, request: cache_pb2.CacheLookupRequest) -> cache_pb2.CacheLookupResponse:
         return cache_pb2.CacheLookupResponse(hit=True, answer=cache_pb2.CachedAnswer(text=request.prompt))
 
-    async def lookup(self, request: cache_pb2.CacheLookupRequest, timeout: float) -> cache_pb2.CacheLookupResponse:
-        assert 0 < timeout <= 2.0
+    async def lookup(self, request: cache_pb2.CacheLookupRequest, deadline: Deadline) -> cache_pb2.CacheLookupResponse:
+        assert 0 < deadline.remaining() <= 5.0  # the caller's deadline (the hop budget is Peers')
         self.singles.append(request.prompt)
         await self.release.wait()
         if self.fail:
@@ -31,7 +31,7 @@ class Cache:
         return self.answer(request)
 
     async def lookup_batch(
-        self, request: cache_pb2.CacheLookupBatchRequest, timeout: float
+        self, request: cache_pb2.CacheLookupBatchRequest, deadline: Deadline
     ) -> cache_pb2.CacheLookupBatchResponse:
         self.batches.append([r.prompt for r in request.requests])
         await self.release.wait()

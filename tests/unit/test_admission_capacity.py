@@ -1,0 +1,259 @@
+"""Admission that follows capacity: reservations refunded on finish, the weight in flight bounded
+by a limit learned from measured throughput, and the Redis-shared window decided atomically per
+request from several gateways at once (real Redis, database 6)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from llmesh.errors import ResourceExhausted
+from services.gateway.admission import _LUA, AdmissionConfig, CapacityLimit, RedisWeightWindow, WeightWindow
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def cfg(**kw: object) -> AdmissionConfig:
+    base: dict[str, object] = {"budget": 100_000, "window_seconds": 10.0, "tenant_share": 1.0, "degrade": False}
+    base.update(kw)
+    return AdmissionConfig(**base)  # type: ignore[arg-type]
+
+
+# --- reservation and refund ----------------------------------------------------------------------
+
+
+def test_finish_refunds_what_was_not_generated() -> None:
+    clock = Clock()
+    w = WeightWindow(cfg(), clock=clock)
+    a = w.plan("t", 10, 100)
+    assert a.ticket is not None and w.occupancy() == 1000 and w.in_flight() == 1000
+    a.ticket.progress(3)
+    assert w.in_flight() == 970 and w.occupancy() == 1000  # reserved until the end
+    assert a.ticket.finish() == 970
+    assert w.occupancy() == 30 and w.occupancy("t") == 30 and w.in_flight() == 0
+    assert a.ticket.finish() == 0  # once
+
+
+def test_a_refund_after_the_entry_left_the_window_changes_nothing() -> None:
+    clock = Clock()
+    w = WeightWindow(cfg(), clock=clock)
+    a = w.plan("t", 10, 100)
+    b = w.plan("t", 10, 100)
+    clock.t += 10.5  # a has left the window; b was admitted at the same instant, so it left too
+    c = w.plan("t", 10, 10)
+    assert a.ticket and b.ticket and c.ticket
+    a.ticket.finish()
+    assert w.occupancy() == 100
+    c.ticket.finish()
+    assert w.occupancy() == 0
+
+
+def test_a_retry_after_a_failure_does_not_pay_twice() -> None:
+    w = WeightWindow(cfg(budget=1000), clock=Clock())
+    first = w.plan("t", 10, 100)
+    assert first.ticket is not None
+    first.ticket.finish()  # refused downstream: nothing generated
+    assert w.plan("t", 10, 100).weight == 1000
+
+
+# --- the learned in-flight limit --------------------------------------------------------------------
+
+
+def test_a_cold_limit_is_conservative_and_opens_up_as_throughput_is_measured() -> None:
+    now = Clock(0.0)
+    cap = CapacityLimit(cap=1e9, adaptive=True, target_seconds=2.0, initial=1000, now=now.t)
+    assert cap.limit() == 1000
+    cap.requests = cap.streaming = 1
+    for _ in range(10):  # 2,000 weight per second while busy
+        now.t += 0.5
+        cap.advance(now.t, 1000)
+    assert cap.throughput == pytest.approx(2000)
+    assert cap.limit() == pytest.approx(4000)  # Little: throughput x target
+
+
+def test_a_stalled_downstream_shrinks_the_limit_to_its_floor() -> None:
+    now = Clock(0.0)
+    cap = CapacityLimit(cap=1e9, adaptive=True, target_seconds=2.0, initial=1000, now=now.t)
+    cap.requests = cap.streaming = 1
+    for _ in range(4):
+        now.t += 0.5
+        cap.advance(now.t, 5000)
+    high = cap.limit()
+    for _ in range(40):  # busy, and nothing comes back
+        now.t += 0.5
+        cap.advance(now.t)
+    assert high == pytest.approx(20_000)
+    assert cap.limit() == 250  # initial / 4
+
+
+def test_idle_time_does_not_dilute_the_measured_throughput() -> None:
+    now = Clock(0.0)
+    cap = CapacityLimit(cap=1e9, adaptive=True, target_seconds=1.0, initial=1000, now=now.t)
+    cap.requests = cap.streaming = 1
+    now.t += 1.0
+    cap.advance(now.t, 3000)
+    cap.requests = cap.streaming = 0
+    now.t += 60.0  # idle
+    cap.advance(now.t)
+    assert cap.throughput == pytest.approx(3000)
+
+
+def test_the_window_bounds_weight_in_flight_and_one_request_always_runs() -> None:
+    clock = Clock()
+    w = WeightWindow(cfg(adaptive=True, initial_in_flight=1000), clock=clock)
+    huge = w.plan("t", 10, 500)  # over the limit, but nothing is in flight: it runs
+    assert huge.ticket is not None
+    with pytest.raises(ResourceExhausted) as shed:
+        w.plan("t", 10, 10)
+    assert shed.value.reason == "IN_FLIGHT_LIMIT" and shed.value.retry_after > 0
+    huge.ticket.finish()
+    assert w.plan("t", 10, 100).weight == 1000
+
+
+def test_not_adaptive_means_the_budget_is_the_only_limit() -> None:
+    w = WeightWindow(cfg(budget=5000, adaptive=False, initial_in_flight=10), clock=Clock())
+    for _ in range(5):
+        w.plan("t", 10, 100)
+    with pytest.raises(ResourceExhausted) as shed:
+        w.plan("t", 10, 100)
+    assert shed.value.reason == "WEIGHT_BUDGET_EXCEEDED"
+
+
+def test_limits_are_learned_per_model() -> None:
+    w = WeightWindow(cfg(adaptive=True, initial_in_flight=1000), clock=Clock())
+    w.plan("t", 10, 100, model="a")
+    assert w.plan("t", 10, 100, model="b").weight == 1000  # model a's flight is its own
+    with pytest.raises(ResourceExhausted):
+        w.plan("t", 10, 100, model="a")
+
+
+# --- the Redis-shared window --------------------------------------------------------------------------
+
+REDIS_DB = 6
+
+
+@pytest_asyncio.fixture
+async def clients() -> AsyncIterator[list[aioredis.Redis]]:
+    made = [
+        aioredis.Redis(host="127.0.0.1", port=6379, db=REDIS_DB, socket_timeout=1, socket_connect_timeout=1)
+        for _ in range(4)
+    ]
+    try:
+        await made[0].ping()
+    except (RedisConnectionError, OSError) as exc:
+        pytest.skip(f"no redis on 127.0.0.1:6379: {exc}")
+    yield made
+    for c in made:
+        await c.aclose()
+
+
+@pytest_asyncio.fixture
+async def prefix(clients: list[aioredis.Redis]) -> AsyncIterator[str]:
+    name = f"test-capacity-{uuid.uuid4().hex}"
+    yield name
+    keys = [k async for k in clients[0].scan_iter(match="{" + name + "}*")]
+    if keys:
+        await clients[0].delete(*keys)
+
+
+async def test_several_gateways_at_once_never_admit_past_the_shared_budget(
+    clients: list[aioredis.Redis], prefix: str
+) -> None:
+    # A generous op_timeout: this test is about concurrency, not about Redis being slow.
+    gateways = [RedisWeightWindow(cfg(budget=2000), c, prefix=prefix, op_timeout=5.0) for c in clients]
+
+    async def one(i: int) -> int:
+        try:
+            return (await gateways[i % 4].plan("t", 10, 10)).weight
+        except ResourceExhausted:
+            return 0
+
+    admitted = await asyncio.gather(*(one(i) for i in range(60)))
+    assert sum(admitted) == 2000 and admitted.count(100) == 20
+    assert await gateways[0].occupancy() == 2000
+
+
+async def test_refunds_reach_the_shared_window(clients: list[aioredis.Redis], prefix: str) -> None:
+    a = RedisWeightWindow(cfg(budget=2000), clients[0], prefix=prefix)
+    b = RedisWeightWindow(cfg(budget=2000), clients[1], prefix=prefix)
+    first = await a.plan("t", 10, 100)
+    assert first.ticket is not None and await b.occupancy() == 1000
+    first.ticket.progress(4)
+    first.ticket.finish()
+    await a.settle()
+    assert await b.occupancy() == 40
+    assert await b.occupancy("t") == 40
+
+
+async def test_the_hold_is_released_only_after_the_redis_decision(clients: list[aioredis.Redis], prefix: str) -> None:
+    w = RedisWeightWindow(cfg(budget=2000), clients[0], prefix=prefix)
+    holds = [w.precheck("t", 10, 100, hold=True) for _ in range(2)]  # the budget, reserved
+    deciding = asyncio.create_task(w.plan("t", 10, 100, hold=holds[0]))
+    await asyncio.sleep(0)  # one loop step: the plan is now waiting on Redis
+    assert not deciding.done()
+    with pytest.raises(ResourceExhausted):  # the first request's weight still counts
+        w.precheck("t", 10, 100, hold=True)
+    assert (await deciding).weight == 1000
+    assert w.fallback.held() == 1000  # only the second request's hold is left
+
+
+async def test_a_timed_out_script_call_is_reconciled_not_admitted_twice(
+    clients: list[aioredis.Redis], prefix: str
+) -> None:
+    w = RedisWeightWindow(cfg(budget=2000), clients[0], prefix=prefix, retry_interval=0.0)
+    observer = RedisWeightWindow(cfg(budget=2000), clients[1], prefix=prefix)
+    script = clients[0].register_script(_LUA)
+    replies = {"lost": 1}
+
+    async def reply_lost(**kw: object) -> object:
+        # The script runs in Redis; its reply is lost to our timeout (a slow event loop).
+        result = await script(**kw)  # type: ignore[arg-type]
+        if replies["lost"]:
+            replies["lost"] -= 1
+            raise TimeoutError
+        return result
+
+    w._scripts[_LUA] = reply_lost
+    timed_out = await w.plan("t", 10, 100)
+    assert timed_out.source == "local_fallback"  # decided here, though Redis recorded it too
+    served = await w.plan("t", 10, 50)
+    assert served.source == "redis"
+    await w.settle()
+    assert w.reconciled == 1
+    # Only what Redis itself decided is in Redis: the timed-out call's record is gone.
+    assert await observer.occupancy() == 500
+    assert w.fallback.occupancy() == 1500  # this replica counts both, once each
+
+
+async def test_the_local_fallback_enforces_this_replicas_share() -> None:
+    dead = aioredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2, socket_timeout=0.2)
+    w = RedisWeightWindow(cfg(budget=4000), dead, replicas=4, retry_interval=60)
+    assert (await w.plan("t", 10, 100)).source == "local_fallback"
+    with pytest.raises(ResourceExhausted):
+        await w.plan("t", 10, 100)  # a quarter of the budget is this replica's while Redis is down
+    await dead.aclose()
+
+
+def test_a_long_prefill_does_not_dilute_the_measured_throughput() -> None:
+    clock = Clock(0.0)
+    w = WeightWindow(cfg(adaptive=True, initial_in_flight=1e6), clock=clock)
+    a = w.plan("t", 100, 100)
+    assert a.ticket is not None
+    clock.t += 10.0  # queued and prefilling: no tokens yet, and not a stall
+    for _ in range(5):
+        clock.t += 0.125
+        a.ticket.progress(1)  # 100 weight every 0.125 s once streaming
+    # The first tokens' weight arrives with no streaming time before it: 500 weight in 0.5 s.
+    assert w.capacity().throughput == pytest.approx(1000)
