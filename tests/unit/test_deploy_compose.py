@@ -22,6 +22,8 @@ DOCKERFILE = ROOT / "Dockerfile"
 # Standard variables read by libraries, allowed beside the declared ones.
 STANDARD_PREFIXES = ("OTEL_", "HF_")
 MODEL_READERS = ("tokenizer", "inference", "cache", "retrieval")
+# Jobs that run once and exit (the others are long-running with a health check).
+ONE_SHOT_JOBS = ("models", "models-gguf")
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -141,8 +143,8 @@ def test_peer_targets_point_at_the_peer_services(services: dict[str, dict[str, A
 
 def test_healthchecks_everywhere(services: dict[str, dict[str, Any]]) -> None:
     for name, svc in services.items():
-        if name == "models":
-            assert svc.get("restart") == "no", "models is a one-shot job"
+        if name in ONE_SHOT_JOBS:
+            assert svc.get("restart") == "no", f"{name} is a one-shot job"
             continue
         check = svc.get("healthcheck")
         assert check and check.get("test"), f"{name} has no healthcheck"
@@ -163,7 +165,7 @@ def test_depends_on_waits_for_health(services: dict[str, dict[str, Any]]) -> Non
         assert isinstance(depends, dict), f"{name}: depends_on needs conditions"
         for dep, spec in depends.items():
             assert dep in services, f"{name} depends on unknown {dep}"
-            expected = "service_completed_successfully" if dep == "models" else "service_healthy"
+            expected = "service_completed_successfully" if dep in ONE_SHOT_JOBS else "service_healthy"
             assert spec["condition"] == expected, f"{name} -> {dep}: {spec['condition']}"
             if expected == "service_healthy":
                 assert services[dep].get("healthcheck"), f"{dep} has no healthcheck to wait for"
@@ -229,3 +231,16 @@ def test_gpu_override() -> None:
     assert "/whl/cu" in inference["build"]["args"]["TORCH_INDEX_URL"]
     for var in env_of(inference):
         assert var.startswith(STANDARD_PREFIXES) or "inference" in settings.BY_ENV[var].services
+
+
+def test_backend_profiles_serve_the_model_the_inference_service_tokenizes(services: dict[str, dict[str, Any]]) -> None:
+    inference = env_of(services["inference"])
+    assert inference["LLMESH_INFERENCE_BACKEND"] == "${LLMESH_INFERENCE_BACKEND:-builtin}", "builtin by default"
+    assert inference["LLMESH_BACKEND_MODEL"] == "smollm2" == inference["LLMESH_INFERENCE_MODEL"]
+    assert inference["LLMESH_BACKEND_URLS"] == "${LLMESH_BACKEND_URLS:-http://vllm:8000/v1}"
+    vllm, llamacpp = services["vllm"], services["llamacpp"]
+    assert vllm["profiles"] == ["vllm"] and llamacpp["profiles"] == ["llamacpp"]
+    assert "--served-model-name=smollm2" in vllm["command"] and "--port=8000" in vllm["command"]
+    assert vllm["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert "--alias=smollm2" in llamacpp["command"] and "--port=8080" in llamacpp["command"]
+    assert "deploy" not in llamacpp, "the llama.cpp profile is the CPU one"

@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 KUSTOMIZE_DIRS = {
     "base": ROOT / "deploy" / "kubernetes" / "base",
     "gpu": ROOT / "deploy" / "kubernetes" / "overlays" / "gpu",
+    "vllm": ROOT / "deploy" / "kubernetes" / "overlays" / "vllm",
+    "llamacpp": ROOT / "deploy" / "kubernetes" / "overlays" / "llamacpp",
 }
 # Oldest Kubernetes the manifests are written for (native gRPC probes are GA from 1.27).
 MIN_KUBERNETES = "1.29.0"
@@ -367,3 +369,19 @@ def test_gpu_overlay_only_changes_inference() -> None:
         assert one(gpu, "Deployment", name) == one(base, "Deployment", name), f"gpu overlay changed {name}"
     kinds = lambda objs: sorted((o["kind"], o["metadata"]["name"].rsplit("-", 1)[0]) for o in objs)  # noqa: E731
     assert kinds(base) == kinds(gpu)
+
+
+@pytest.mark.parametrize("backend,port", [("vllm", 8000), ("llamacpp", 8080)])
+def test_backend_overlays_point_inference_at_their_server(backend: str, port: int) -> None:
+    objects = render(backend)
+    service = one(objects, "Service", backend)
+    assert {p["port"] for p in service["spec"]["ports"]} == {port}
+    server = one(objects, "Deployment", backend)
+    assert service["spec"]["selector"].items() <= server["spec"]["template"]["metadata"]["labels"].items()
+    env = environment(objects, container(one(objects, "Deployment", "inference")))
+    assert env["LLMESH_INFERENCE_BACKEND"] == "openai"
+    assert env["LLMESH_BACKEND_URLS"] == f"http://{backend}.llmesh.svc.cluster.local:{port}/v1"
+    assert env["LLMESH_BACKEND_MODEL"] == "smollm2"
+    # The backend serves the model the inference service tokenizes with.
+    assert env["LLMESH_INFERENCE_MODEL"] == "smollm2"
+    assert "smollm2" in " ".join(container(server)["args"])
