@@ -119,6 +119,11 @@ async def test_usage_and_genai_span_come_from_the_backends_counts(stub: inferenc
     exporter = InMemorySpanExporter()
     telemetry.setup_tracing("inference").add_span_processor(SimpleSpanProcessor(exporter))
     messages = [m async for m in stub.Generate(request(6, stop=["Paris"]), timeout=120)]
+
+    async def ended() -> bool:  # the span ends once the handler returns, just after the last message
+        return any(s.name == "inference.generate" for s in exporter.get_finished_spans())
+
+    await wait_until(ended, 5, "the inference span ended")
     spans = [s for s in exporter.get_finished_spans() if s.name == "inference.generate"]
     assert len(spans) == 1
     attributes = dict(spans[0].attributes or {})
