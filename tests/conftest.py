@@ -55,7 +55,8 @@ def vllm(models_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # type: i
 
     if not VllmServer.available():
         pytest.skip("no .venv-vllm: `make vllm` builds vLLM's CPU build in it (`make test` does)")
-    server = VllmServer((models_dir / "smollm2" / "current").resolve(), tmp_path_factory.mktemp("vllm") / "vllm.log")
+    model = (models_dir / "smollm2" / "current").resolve()
+    server = VllmServer(model, tmp_path_factory.mktemp("vllm") / "vllm.log", eager=True)
     server.start()
     try:
         server.wait_ready()

@@ -19,7 +19,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,17 +125,25 @@ class Replica:
 class OpenAIStream:
     """A request's events from the backend; cancel() closes the HTTP stream if still open."""
 
-    def __init__(self, events: AsyncIterator[GenerationEvent]) -> None:
+    def __init__(self, events: AsyncGenerator[GenerationEvent, None]) -> None:
         self._events = events
-        self._closer: asyncio.Task[None] | None = None
+        self._done = False
+        self._closing: asyncio.Future[None] | None = None  # held so the close task is not collected
 
-    def __aiter__(self) -> AsyncIterator[GenerationEvent]:
-        return self._events
+    def __aiter__(self) -> OpenAIStream:
+        return self
+
+    async def __anext__(self) -> GenerationEvent:
+        try:
+            return await self._events.__anext__()
+        except BaseException:  # finished, failed or cancelled: the generator has closed the stream
+            self._done = True
+            raise
 
     def cancel(self) -> None:
-        aclose = getattr(self._events, "aclose", None)
-        if aclose is not None and self._closer is None:
-            self._closer = asyncio.ensure_future(aclose())
+        if not self._done:
+            self._done = True
+            self._closing = asyncio.ensure_future(self._events.aclose())
 
 
 class OpenAIBackend:
@@ -346,7 +354,7 @@ class OpenAIBackend:
 
     async def _stream(
         self, replica: Replica, body: dict[str, Any], resolved: ResolvedParams, prompt_tokens: int, request_id: str
-    ) -> AsyncIterator[GenerationEvent]:
+    ) -> AsyncGenerator[GenerationEvent, None]:
         span = self._start_span(resolved, prompt_tokens, request_id, replica)
         headers: dict[str, str] = {"x-request-id": request_id} if request_id else {}
         propagate.inject(headers, context=trace.set_span_in_context(span))

@@ -143,7 +143,9 @@ def _error_message(body: bytes) -> tuple[str, str | None]:
 
 def field_for(message: str, param: str | None) -> str:
     if param:
-        return FIELD_OF_PARAM.get(param, f"sampling.{param}")
+        # vLLM names it by pydantic's location, e.g. "body.seed".
+        name = param.rsplit(".", 1)[-1]
+        return FIELD_OF_PARAM.get(name, f"sampling.{name}")
     lowered = message.lower()
     for name, field in FIELD_OF_PARAM.items():
         if name in lowered:

@@ -116,6 +116,8 @@ def test_a_rejected_parameter_names_our_field() -> None:
     by_param = error_for_status(400, {}, json.dumps({"error": {"message": "too big", "param": "max_tokens"}}).encode())
     assert isinstance(by_param, errors.InvalidArgument)
     assert by_param.violations[0][0] == "sampling.max_new_tokens"
+    by_location = error_for_status(400, {}, json.dumps({"error": {"message": "bad", "param": "body.seed"}}).encode())
+    assert isinstance(by_location, errors.InvalidArgument) and by_location.violations[0][0] == "sampling.seed"
     # vLLM names the parameter in its message only (pydantic's validation text).
     by_text = error_for_status(
         400, {}, json.dumps({"error": {"message": "1 validation error: seed Input should be less than 9e18"}}).encode()
