@@ -50,16 +50,21 @@ def qdrant_env(request: pytest.FixtureRequest) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def vllm(models_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """A real vLLM (CPU build) serving SmolLM2, started once per session on a free port."""
-    from llmesh.testing import VllmServer
+    """A real vLLM (CPU build) serving SmolLM2, started once per session on a free port. It
+    exports its request spans to a real OTLP receiver (`vllm.traces`), so tests see whether it
+    continued our traces."""
+    from llmesh.testing import OtlpReceiver, VllmServer
 
     if not VllmServer.available():
         pytest.skip("no .venv-vllm: `make vllm` builds vLLM's CPU build in it (`make test` does)")
     model = (models_dir / "smollm2" / "current").resolve()
-    server = VllmServer(model, tmp_path_factory.mktemp("vllm") / "vllm.log", eager=True)
+    traces = OtlpReceiver()
+    server = VllmServer(model, tmp_path_factory.mktemp("vllm") / "vllm.log", eager=True, otlp_endpoint=traces.endpoint)
+    server.traces = traces  # type: ignore[attr-defined]
     server.start()
     try:
         server.wait_ready()
         yield server
     finally:
         server.stop()
+        traces.close()

@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from llmesh import errors, telemetry
 from llmesh.models import verify
 from llmesh.server import ServiceHost
-from llmesh.testing import REPO_ROOT, VLLM_MODEL_NAME, VllmServer, hosted, service_settings
+from llmesh.testing import REPO_ROOT, VLLM_MODEL_NAME, OtlpReceiver, VllmServer, hosted, service_settings
 from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
 from services.gateway.servicer import GatewayApp
 from services.inference.openai_backend import OpenAIBackend
@@ -115,7 +115,9 @@ async def test_streams_the_backends_answer_in_pieces(
     assert "".join(pieces) == direct.json()["choices"][0]["text"]
 
 
-async def test_usage_and_genai_span_come_from_the_backends_counts(stub: inference_pb2_grpc.InferenceStub) -> None:
+async def test_usage_and_genai_span_come_from_the_backends_counts_and_vllm_continues_the_trace(
+    stub: inference_pb2_grpc.InferenceStub, vllm: VllmServer
+) -> None:
     exporter = InMemorySpanExporter()
     telemetry.setup_tracing("inference").add_span_processor(SimpleSpanProcessor(exporter))
     messages = [m async for m in stub.Generate(request(6, stop=["Paris"]), timeout=120)]
@@ -131,6 +133,16 @@ async def test_usage_and_genai_span_come_from_the_backends_counts(stub: inferenc
     assert attributes["gen_ai.usage.input_tokens"] == messages[-1].usage.input_tokens
     assert attributes["gen_ai.usage.output_tokens"] == messages[-1].usage.output_tokens > 0
     assert str(attributes["llmesh.inference.backend"]).startswith("vllm")
+    # The traceparent went to vLLM in the HTTP headers: its own request span joins our trace.
+    trace_id = format(spans[0].context.trace_id, "032x")
+    traces: OtlpReceiver = vllm.traces  # type: ignore[attr-defined]
+
+    async def continued() -> bool:
+        return bool(traces.trace(trace_id))
+
+    await wait_until(continued, 30, "vLLM exported a span in our trace")
+    ours = format(spans[0].context.span_id, "016x")
+    assert any(s["parent_span_id"] == ours for s in traces.trace(trace_id)), traces.trace(trace_id)
 
 
 async def test_model_info_names_the_backend_model_and_our_tokenizer(
