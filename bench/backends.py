@@ -88,7 +88,8 @@ async def direct_one(
     }
     produced = 0
     async with client.stream("POST", f"{base_url}/completions", json=body) as response:
-        response.raise_for_status()
+        if response.status_code != 200:
+            raise RuntimeError(f"vLLM answered {response.status_code}: {(await response.aread())[:300]!r}")
         async for event in EventSource(response).aiter_sse():
             if event.data == "[DONE]":
                 break
@@ -148,8 +149,9 @@ async def rendered_prompts(tokenizer_target: str) -> list[list[int]]:
         for question in QUESTIONS[:CLIENTS]:
             messages = build_messages(validate(ask(question, NEW_TOKENS), config), [])
             rendered = await stub.ApplyChatTemplate(
-                tokenizer_pb2.ApplyChatTemplateRequest(messages=messages, add_generation_prompt=True)
+                tokenizer_pb2.ApplyChatTemplateRequest(messages=messages, add_generation_prompt=True, tokenize=True)
             )
+            assert rendered.ids, "the tokenizer service returned no token ids"
             out.append(list(rendered.ids))
     return out
 

@@ -403,7 +403,8 @@ class OpenAIBackend:
                 span.set_attribute("gen_ai.response.id", usage.response_id)
             yield GenerationEvent([], "", "", finish, input_tokens, output_tokens)
         except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
+            if outcome == "error":  # not yet answered in full
+                outcome = "cancelled"
             raise
         except httpx.TimeoutException as exc:
             if isinstance(exc, httpx.PoolTimeout):
