@@ -185,11 +185,11 @@ def _others() -> list[str]:
     """What else ran on the machine (shared with other work): the busiest processes not ours."""
     try:
         out = subprocess.run(
-            ["ps", "-eo", "pcpu,comm", "--sort=-pcpu", "--no-headers"], capture_output=True, text=True, timeout=5
+            ["ps", "-eo", "pcpu,args", "--sort=-pcpu", "--no-headers"], capture_output=True, text=True, timeout=5
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
-    return [" ".join(line.split()) for line in out.splitlines()[:8]]
+    return [" ".join(line.split())[:120] for line in out.splitlines()[:10]]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -205,7 +205,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     result: dict[str, Any] = {"prompts": CLIENTS, "new_tokens": NEW_TOKENS, "clients": CLIENTS}
     loads: dict[str, float] = {}
     others: dict[str, list[str]] = {}
-    base = {"LLMESH_MODELS_DIR": str(models), "LLMESH_CACHE_TARGET": CLOSED, "LLMESH_RETRIEVAL_TARGET": CLOSED}
+    # Every mesh process at niceness 0, like vLLM: the builtin engine's default of 5 would starve it
+    # on a shared machine and make the comparison one of priorities, not engines.
+    base = {
+        "LLMESH_MODELS_DIR": str(models),
+        "LLMESH_CACHE_TARGET": CLOSED,
+        "LLMESH_RETRIEVAL_TARGET": CLOSED,
+        "LLMESH_NICE": "0",
+    }
     with tempfile.TemporaryDirectory(prefix="llmesh-bench-vllm-") as tmp:
         vllm = VllmServer((models / "smollm2" / "current").resolve(), Path(tmp) / "vllm.log")
         vllm.start()

@@ -244,3 +244,12 @@ def test_backend_profiles_serve_the_model_the_inference_service_tokenizes(servic
     assert vllm["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     assert "--alias=smollm2" in llamacpp["command"] and "--port=8080" in llamacpp["command"]
     assert "deploy" not in llamacpp, "the llama.cpp profile is the CPU one"
+
+
+def test_compose_config_with_the_backend_profiles_is_accepted() -> None:
+    command = compose_command()
+    if command is None:
+        pytest.skip("no docker-compose binary nor docker compose plugin (Debian: apt-get install docker-compose)")
+    args = [*command, "-f", str(COMPOSE), "--profile", "vllm", "--profile", "llamacpp", "config", "-q"]
+    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr or result.stdout
