@@ -8,7 +8,7 @@ LOCKS := requirements/dev.lock requirements/models-nodeps.lock
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install run test lint typecheck proto lock models bench certs clean
+.PHONY: install run test lint typecheck proto lock models bench certs clean vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,18 @@ $(STAMP): $(BIN)/python $(LOCKS) pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# vLLM (CPU build) for the openai inference backend's tests: it pins its own torch, so it gets
+# its own venv. torchvision/torchaudio/torchcodec come along and break its import on CPU.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): requirements/vllm.txt
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q -r requirements/vllm.txt
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
 
 models: install
 	$(BIN)/llmesh models prepare
@@ -35,7 +47,7 @@ lint: install
 typecheck: install
 	$(BIN)/mypy llmesh services
 
-test: install lint
+test: install lint $(VLLM_STAMP)
 	$(BIN)/llmesh models prepare
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
@@ -54,11 +66,11 @@ lock: $(BIN)/python
 	$(LOCK_CLEAN) requirements/dev.lock requirements/gateway.lock
 	@echo "requirements/models-nodeps.lock is kept by hand: one package, its hash from 'pip download --no-deps'" 
 
-bench: install
+bench: install $(VLLM_STAMP)
 	$(BIN)/llmesh bench
 
 certs:
 	scripts/mesh-certs.sh .certs/mesh
 
 clean:
-	rm -rf $(VENV) .data
+	rm -rf $(VENV) $(VLLM_VENV) .data

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import math
 import os
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -209,9 +210,13 @@ async def one(
     return record
 
 
+#: One streamed request of a closed loop: (prompt, max_new, decoding, records) -> its Record.
+Runner = Callable[[Any, int, "asyncio.Event | None", "list[Record] | None"], Awaitable[Record]]
+
+
 async def closed_loop(
-    stub: inference_pb2_grpc.InferenceStub,
-    prompts: list[list[int]],
+    run: Runner,
+    prompts: Sequence[Any],
     max_new: Callable[[random.Random], int],
     measure_s: float,
     settle_s: float = 5.0,
@@ -229,9 +234,9 @@ async def closed_loop(
         rng = random.Random(i)
         if i:
             await decoding[i - 1].wait()
-        await one(stub, prompts[i], max_new(rng), decoding[i], records)
+        await run(prompts[i], max_new(rng), decoding[i], records)
         while time.perf_counter() < stop_at[0]:
-            await one(stub, prompts[i], max_new(rng), None, records)
+            await run(prompts[i], max_new(rng), None, records)
 
     tasks = [asyncio.create_task(client(i)) for i in range(len(prompts))]
     try:
@@ -266,7 +271,7 @@ async def mesh_fixed(target: str, prompts: list[list[int]], args: argparse.Names
         await one(stub, prompts[0], 8)  # connection and first-call warm-up
         idle = [(await one(stub, prompts[i], 1)) for i in range(5)]
         ttft_idle = statistics.median(r.first - r.sent for r in idle if r.first is not None)
-        fixed = await closed_loop(stub, prompts, lambda rng: NEW_TOKENS, args.measure)
+        fixed = await closed_loop(functools.partial(one, stub), prompts, lambda rng: NEW_TOKENS, args.measure)
     return {
         "model": f"{info.model_id} {info.version} ({info.device}, {info.dtype})",
         "max_batch_size": info.max_batch_size,
@@ -284,7 +289,7 @@ async def mesh_mixed(target: str, prompts: list[list[int]], args: argparse.Names
     """The closed loop with max_new_tokens drawn from 8..128 per request."""
     async with grpc.aio.insecure_channel(target) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
-        mixed = await closed_loop(stub, prompts, lambda rng: rng.randint(8, 128), args.measure)
+        mixed = await closed_loop(functools.partial(one, stub), prompts, lambda rng: rng.randint(8, 128), args.measure)
     return {"mixed_tok_s": mixed["tok_s"], "mixed_ttft_p95_s": mixed["ttft_p95_s"]}
 
 

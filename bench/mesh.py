@@ -16,7 +16,9 @@ BENCH_REDIS_DB = 12
 
 
 @contextlib.contextmanager
-def bench_mesh(env: Mapping[str, str] | None = None, redis_db: int = BENCH_REDIS_DB) -> Iterator[Mesh]:
+def bench_mesh(
+    env: Mapping[str, str] | None = None, redis_db: int = BENCH_REDIS_DB, services: tuple[str, ...] | None = None
+) -> Iterator[Mesh]:
     url = f"redis://127.0.0.1:6379/{redis_db}"
     redis.Redis.from_url(url).flushdb()
     with tempfile.TemporaryDirectory(prefix="llmesh-bench-") as data:
@@ -30,6 +32,6 @@ def bench_mesh(env: Mapping[str, str] | None = None, redis_db: int = BENCH_REDIS
             "LLMESH_ADMISSION_TENANT_SHARE": "1",
             **(env or {}),
         }
-        with Mesh(env=base) as mesh:
+        with Mesh(env=base, **({"services": services} if services else {})) as mesh:
             yield mesh
     redis.Redis.from_url(url).flushdb()

@@ -391,7 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     models.set_defaults(func=cmd_models)
 
     bench = sub.add_parser("bench", help="run benchmarks (default: all)")
-    bench.add_argument("names", nargs="*", default=["batching", "cache", "retrieval", "tracing", "reliability"])
+    bench.add_argument(
+        "names", nargs="*", default=["batching", "cache", "retrieval", "tracing", "reliability", "backends"]
+    )
     bench.add_argument("--readme", action="store_true", help="also rewrite the README benchmark table")
     bench.set_defaults(func=cmd_bench)
     return parser

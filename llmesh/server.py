@@ -272,7 +272,7 @@ class ServiceHost:
             on_listening(self.port)
         await self.app.start()
         await self.set_serving(True)
-        if hasattr(self.app, "health_details"):
+        if hasattr(self.app, "health_details") or hasattr(self.app, "serving"):
             self._details_task = asyncio.create_task(self._watch_details())
         return self.port
 
@@ -288,13 +288,20 @@ class ServiceHost:
 
     async def _watch_details(self) -> None:
         """Publishes the app's optional component health (e.g. the cache's Redis) as health entries
-        named `<service>/<component>`: the service keeps SERVING while a part it can do without is down."""
+        named `<service>/<component>`: the service keeps SERVING while a part it can do without is down.
+        An app with a `serving` property (inference on a remote backend) turns the whole service
+        NOT_SERVING and back with it."""
         serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        was_serving = True
         while True:
-            for component, ok in self.app.health_details().items():  # type: ignore[attr-defined]
-                DEPENDENCY_UP.labels(component).set(1 if ok else 0)
-                for name in self.app.service_names:
-                    await self.health.set(f"{name}/{component}", serving if ok else not_serving)
+            if hasattr(self.app, "serving") and self.app.serving != was_serving:
+                was_serving = self.app.serving
+                await self.set_serving(was_serving)
+            if hasattr(self.app, "health_details"):
+                for component, ok in self.app.health_details().items():
+                    DEPENDENCY_UP.labels(component).set(1 if ok else 0)
+                    for name in self.app.service_names:
+                        await self.health.set(f"{name}/{component}", serving if ok else not_serving)
             await asyncio.sleep(HEALTH_DETAIL_INTERVAL_S)
 
     async def set_serving(self, serving: bool) -> None:

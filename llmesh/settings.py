@@ -186,6 +186,16 @@ def _text(raw: str) -> str:
     return raw
 
 
+def _urls(raw: str) -> tuple[str, ...]:
+    urls = tuple(u.strip().rstrip("/") for u in raw.split(",") if u.strip())
+    if not urls:
+        raise ValueError("at least one URL is required")
+    for url in urls:
+        if not url.startswith(("http://", "https://")) or "://" not in url or not url.split("://", 1)[1]:
+            raise ValueError(f"{url!r} is not an http(s) URL")
+    return urls
+
+
 @dataclasses.dataclass(frozen=True)
 class Setting:
     env: str
@@ -510,6 +520,66 @@ DECLARED: tuple[Setting, ...] = (
     ),
     Setting(
         "LLMESH_ADMIN_TOKEN", "", "Bearer token for the inference admin RPC (empty: admin disabled).", ("inference",)
+    ),
+    # Inference backend: the builtin engine, or any OpenAI-compatible server (vLLM, SGLang, TGI, llama.cpp).
+    Setting(
+        "LLMESH_INFERENCE_BACKEND",
+        "builtin",
+        "Who generates: `builtin` (the torch continuous-batching engine in this process) or `openai` "
+        "(an OpenAI-compatible server: vLLM, SGLang, TGI, llama.cpp, Ollama).",
+        ("inference",),
+        _choice("builtin", "openai"),
+    ),
+    Setting(
+        "LLMESH_BACKEND_URLS",
+        "http://127.0.0.1:8000/v1",
+        "Base URLs of the openai backend's replicas, comma-separated (each ends where /completions "
+        "and /models hang off, usually `/v1`); requests go to the healthy one with fewest in flight.",
+        ("inference",),
+        _urls,
+    ),
+    Setting(
+        "LLMESH_BACKEND_MODEL",
+        "smollm2",
+        "Model name the openai backend serves (vLLM's --served-model-name).",
+        ("inference",),
+    ),
+    Setting("LLMESH_BACKEND_API_KEY", "", "Bearer key for the openai backend (empty: none).", ("inference",)),
+    Setting(
+        "LLMESH_BACKEND_PROMPT",
+        "tokens",
+        "How the prompt goes to the openai backend: `tokens` (our token ids; vLLM, SGLang, llama.cpp) "
+        "or `text` (the rendered prompt; TGI, Ollama).",
+        ("inference",),
+        _choice("tokens", "text"),
+    ),
+    Setting(
+        "LLMESH_BACKEND_CONNECT_TIMEOUT_SECONDS",
+        "2",
+        "Connect timeout to the openai backend.",
+        ("inference",),
+        _positive_float,
+    ),
+    Setting(
+        "LLMESH_BACKEND_READ_TIMEOUT_SECONDS",
+        "60",
+        "Longest the openai backend may stay silent within a response before the call fails UNAVAILABLE.",
+        ("inference",),
+        _positive_float,
+    ),
+    Setting(
+        "LLMESH_BACKEND_MAX_CONNECTIONS",
+        "512",
+        "Connections to the openai backend, all replicas together (kept alive and reused).",
+        ("inference",),
+        _positive_int,
+    ),
+    Setting(
+        "LLMESH_BACKEND_HEALTH_INTERVAL_SECONDS",
+        "1",
+        "How often the openai backend's /models is polled for health.",
+        ("inference",),
+        _positive_float,
     ),
     # Cache.
     Setting(

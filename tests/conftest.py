@@ -47,3 +47,25 @@ def qdrant_env(request: pytest.FixtureRequest) -> dict[str, str]:
     if not url:
         pytest.skip("no Qdrant server: set LLMESH_TEST_QDRANT_URL (and LLMESH_TEST_QDRANT_API_KEY) to run these on one")
     return {"QDRANT_URL": url, "QDRANT_API_KEY": os.environ.get("LLMESH_TEST_QDRANT_API_KEY", "")}
+
+
+@pytest.fixture(scope="session")
+def vllm(models_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A real vLLM (CPU build) serving SmolLM2, started once per session on a free port. It
+    exports its request spans to a real OTLP receiver (`vllm.traces`), so tests see whether it
+    continued our traces."""
+    from llmesh.testing import OtlpReceiver, VllmServer
+
+    if not VllmServer.available():
+        pytest.skip("no .venv-vllm: `make vllm` builds vLLM's CPU build in it (`make test` does)")
+    model = (models_dir / "smollm2" / "current").resolve()
+    traces = OtlpReceiver()
+    server = VllmServer(model, tmp_path_factory.mktemp("vllm") / "vllm.log", eager=True, otlp_endpoint=traces.endpoint)
+    server.traces = traces  # type: ignore[attr-defined]
+    server.start()
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+        traces.close()

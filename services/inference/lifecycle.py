@@ -61,6 +61,18 @@ class ModelManager:
     def description(self) -> ModelDescription:
         return self.engine.description
 
+    # The InferenceBackend interface (services.inference.backend).
+    @property
+    def encoder(self) -> Engine:
+        return self.engine
+
+    @property
+    def serving(self) -> bool:
+        return self._engine is not None
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.load_initial)
+
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "") -> RequestStream:
         """Binds the request to the engine serving now; it finishes there even if a switch happens."""
         return self.engine.submit(prompt_ids, params, request_id)

@@ -13,6 +13,7 @@ from llmesh import errors
 from llmesh.server import Readiness
 from llmesh.settings import Settings
 from llmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.inference.backend import InferenceBackend
 from services.inference.decoding import SamplingParams
 from services.inference.engine import (
     FINISH_CANCELLED,
@@ -24,6 +25,7 @@ from services.inference.engine import (
     ModelDescription,
 )
 from services.inference.lifecycle import ModelManager
+from services.inference.openai_backend import BackendConfig, LocalTokenizer, OpenAIBackend
 
 log = logging.getLogger("llmesh.inference")
 
@@ -86,7 +88,7 @@ def check_admin(context: grpc.aio.ServicerContext, admin_token: str) -> None:
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, manager: Readiness[ModelManager], settings: Settings) -> None:
+    def __init__(self, manager: Readiness[InferenceBackend], settings: Settings) -> None:
         self._manager = manager
         self._admin_token: str = settings.admin_token
 
@@ -97,13 +99,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         params = sampling_from_proto(request.sampling)
         which = request.WhichOneof("input")
         if which == "text":
-            engine = manager.engine
+            encoder = manager.encoder
             if len(request.text) > THREAD_THRESHOLD_CHARS:
-                ids = await asyncio.to_thread(engine.encode, request.text)
-                if manager.engine is not engine:  # switched meanwhile: use the new tokenizer
-                    ids = await asyncio.to_thread(manager.engine.encode, request.text)
+                ids = await asyncio.to_thread(encoder.encode, request.text)
+                if manager.encoder is not encoder:  # switched meanwhile: use the new tokenizer
+                    ids = await asyncio.to_thread(manager.encoder.encode, request.text)
             else:
-                ids = engine.encode(request.text)
+                ids = encoder.encode(request.text)
         elif which == "token_ids":
             ids = list(request.token_ids.ids)
         else:
@@ -115,7 +117,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 yield response_for(event)
         finally:
             # Client cancel or deadline: the handler task is cancelled, which lands here and
-            # frees the sequence's batch row within one decode step.
+            # frees the sequence (the builtin engine's batch row within one decode step; the
+            # openai backend's HTTP stream at once).
             stream.cancel()
 
     async def GetModelInfo(
@@ -137,20 +140,36 @@ class InferenceApp:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.manager: Readiness[ModelManager] = Readiness()
+        self.manager: Readiness[InferenceBackend] = Readiness()
 
     def register(self, server: grpc.aio.Server) -> None:
         inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(self.manager, self.settings), server)
 
     async def start(self) -> None:
-        manager = ModelManager(
-            self.settings.models_path,
-            self.settings.inference_model,
-            EngineConfig.from_settings(self.settings),
-            self.settings.device,
-        )
-        await asyncio.to_thread(manager.load_initial)
-        self.manager.set(manager)
+        backend: ModelManager | OpenAIBackend
+        if self.settings.inference_backend == "openai":
+            tokenizer = await asyncio.to_thread(
+                LocalTokenizer.load, self.settings.models_path, self.settings.inference_model
+            )
+            backend = OpenAIBackend(BackendConfig.from_settings(self.settings), tokenizer)
+        else:
+            backend = ModelManager(
+                self.settings.models_path,
+                self.settings.inference_model,
+                EngineConfig.from_settings(self.settings),
+                self.settings.device,
+            )
+        try:
+            await backend.start()
+        except BaseException:
+            await backend.close()
+            raise
+        self.manager.set(backend)
+
+    @property
+    def serving(self) -> bool:
+        """Health follows the backend: NOT_SERVING while no backend replica lists the model."""
+        return self.manager.ready and self.manager.get().serving
 
     async def stop(self) -> None:
         if self.manager.ready:

@@ -22,7 +22,8 @@ DOCKERFILE = ROOT / "Dockerfile"
 # Standard variables read by libraries, allowed beside the declared ones.
 STANDARD_PREFIXES = ("OTEL_", "HF_")
 MODEL_READERS = ("tokenizer", "inference", "cache", "retrieval")
-ONE_SHOT_JOBS = ("models", "certs")
+# Jobs that run once and exit (the others are long-running with a health check).
+ONE_SHOT_JOBS = ("models", "models-gguf", "certs")
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -267,3 +268,25 @@ def test_gpu_override() -> None:
     assert "/whl/cu" in inference["build"]["args"]["TORCH_INDEX_URL"]
     for var in env_of(inference):
         assert var.startswith(STANDARD_PREFIXES) or "inference" in settings.BY_ENV[var].services
+
+
+def test_backend_profiles_serve_the_model_the_inference_service_tokenizes(services: dict[str, dict[str, Any]]) -> None:
+    inference = env_of(services["inference"])
+    assert inference["LLMESH_INFERENCE_BACKEND"] == "${LLMESH_INFERENCE_BACKEND:-builtin}", "builtin by default"
+    assert inference["LLMESH_BACKEND_MODEL"] == "smollm2" == inference["LLMESH_INFERENCE_MODEL"]
+    assert inference["LLMESH_BACKEND_URLS"] == "${LLMESH_BACKEND_URLS:-http://vllm:8000/v1}"
+    vllm, llamacpp = services["vllm"], services["llamacpp"]
+    assert vllm["profiles"] == ["vllm"] and llamacpp["profiles"] == ["llamacpp"]
+    assert "--served-model-name=smollm2" in vllm["command"] and "--port=8000" in vllm["command"]
+    assert vllm["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert "--alias=smollm2" in llamacpp["command"] and "--port=8080" in llamacpp["command"]
+    assert "deploy" not in llamacpp, "the llama.cpp profile is the CPU one"
+
+
+def test_compose_config_with_the_backend_profiles_is_accepted() -> None:
+    command = compose_command()
+    if command is None:
+        pytest.skip("no docker-compose binary nor docker compose plugin (Debian: apt-get install docker-compose)")
+    args = [*command, "-f", str(COMPOSE), "--profile", "vllm", "--profile", "llamacpp", "config", "-q"]
+    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr or result.stdout

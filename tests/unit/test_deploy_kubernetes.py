@@ -25,6 +25,8 @@ KUSTOMIZE_DIRS = {
     "gpu": ROOT / "deploy" / "kubernetes" / "overlays" / "gpu",
     # The base plus the cert-manager and prometheus-rules components (custom resources).
     "operators": ROOT / "deploy" / "kubernetes" / "overlays" / "operators",
+    "vllm": ROOT / "deploy" / "kubernetes" / "overlays" / "vllm",
+    "llamacpp": ROOT / "deploy" / "kubernetes" / "overlays" / "llamacpp",
 }
 # Kinds of operators' custom resources: kubernetes-validate has no schema for them (checked below).
 CUSTOM_API_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/")
@@ -447,6 +449,9 @@ ALLOWED_CALLERS = {
     "redis": {"cache", "gateway"},
     "qdrant": {"cache", "retrieval"},
 }
+# Generation servers of the backend overlays (vllm, llamacpp): only the inference pods call
+# them; Prometheus scrapes the same port, since they serve /metrics beside their API.
+BACKEND_PORTS = {"vllm": 8000, "llamacpp": 8080}
 GATEWAY_CLIENT_LABEL = "llmesh.io/gateway-client"
 MONITORING = {"kubernetes.io/metadata.name": "monitoring"}
 
@@ -545,16 +550,22 @@ def test_default_deny_and_a_policy_for_every_workload(objects: tuple[Obj, ...]) 
 
 
 def test_internal_services_admit_only_their_callers(objects: tuple[Obj, ...]) -> None:
-    for target, callers in ALLOWED_CALLERS.items():
-        workload = workloads(objects)[target]
+    present = workloads(objects)
+    allowed = {**ALLOWED_CALLERS, **{b: {"inference"} for b in BACKEND_PORTS if b in present}}
+    for target, callers in allowed.items():
+        workload = present[target]
         metrics = settings.DEFAULT_METRICS_PORTS.get(target)
         for port in service_ports(workload):
             peers = admitted(objects, target, port)
             if port == metrics:
                 assert peers and all(p == {"namespaceSelector": {"matchLabels": MONITORING}} for p in peers), target
                 continue
+            if target in BACKEND_PORTS:
+                scrapers = [p for p in peers if "namespaceSelector" in p]
+                assert scrapers == [{"namespaceSelector": {"matchLabels": MONITORING}}], f"{target}: {scrapers}"
+                peers = [p for p in peers if "namespaceSelector" not in p]
             admitted_workloads = set().union(*(same_namespace_workloads(objects, p) for p in peers))
-            if port in (settings.DEFAULT_PORTS.get(target), 6379, 6333, 6334):
+            if port in (settings.DEFAULT_PORTS.get(target), 6379, 6333, 6334, BACKEND_PORTS.get(target)):
                 assert admitted_workloads == callers, f"{target}:{port} admits {sorted(admitted_workloads)}"
                 for caller in callers:
                     assert egress_allows(objects, caller, target, port), f"{caller} may not dial {target}:{port}"
@@ -584,6 +595,9 @@ def test_egress_is_dns_otlp_and_the_peers(objects: tuple[Obj, ...]) -> None:
         "retrieval": {"tokenizer", "qdrant"},
         "cache": {"redis", "qdrant"},
     }
+    backends = {b for b in BACKEND_PORTS if b in workloads(objects)}
+    if backends:
+        expected_peers["inference"] = backends
     for name, workload in workloads(objects).items():
         for policy in policies_for(objects, workload, "Egress"):
             for rule in policy["spec"].get("egress") or []:
@@ -598,3 +612,19 @@ def test_egress_is_dns_otlp_and_the_peers(objects: tuple[Obj, ...]) -> None:
             if target != name and any(egress_allows(objects, name, target, port) for port in service_ports(w))
         }
         assert reachable == expected_peers.get(name, set()), f"{name} may dial {sorted(reachable)}"
+
+
+@pytest.mark.parametrize("backend,port", [("vllm", 8000), ("llamacpp", 8080)])
+def test_backend_overlays_point_inference_at_their_server(backend: str, port: int) -> None:
+    objects = render(backend)
+    service = one(objects, "Service", backend)
+    assert {p["port"] for p in service["spec"]["ports"]} == {port}
+    server = one(objects, "Deployment", backend)
+    assert service["spec"]["selector"].items() <= server["spec"]["template"]["metadata"]["labels"].items()
+    env = environment(objects, container(one(objects, "Deployment", "inference")))
+    assert env["LLMESH_INFERENCE_BACKEND"] == "openai"
+    assert env["LLMESH_BACKEND_URLS"] == f"http://{backend}.llmesh.svc.cluster.local:{port}/v1"
+    assert env["LLMESH_BACKEND_MODEL"] == "smollm2"
+    # The backend serves the model the inference service tokenizes with.
+    assert env["LLMESH_INFERENCE_MODEL"] == "smollm2"
+    assert "smollm2" in " ".join(container(server)["args"])

@@ -1,0 +1,277 @@
+"""Inference backends benchmark: what the mesh costs in front of vLLM, and vLLM against the builtin engine.
+
+Same 32 chat questions, 64 new tokens each with EOS ignored, greedy, 32 concurrent streams in
+closed loop (bench.batching's loop: clients start two tokens apart, measured once all decode),
+side by side in one run:
+
+* direct_tok_s        clients straight to vLLM's OpenAI API (`/v1/completions`, streamed), with
+                      the exact prompt tokens the gateway sends
+* mesh_tok_s          the same load through the gateway (cache and retrieval off) with the
+                      inference service on LLMESH_INFERENCE_BACKEND=openai in front of that vLLM
+* builtin_mesh_tok_s  the same load through the gateway on the builtin engine (vLLM stopped)
+* ttft_*_p50_s / _p95_s  time to first token of each, in the closed loop
+
+The direct loop runs before and after the mesh loop and is averaged (the load on a shared
+machine drifts). Backend: vLLM's CPU build (`make vllm`, .venv-vllm) on the prepared SmolLM2.
+
+Targets (the `passes` entries): mesh_tok_s >= 0.9 x direct_tok_s; mesh TTFT p50 within 15 ms of
+direct.
+
+Run: `.venv/bin/python -m bench.backends` (about 10 minutes on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import math
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import grpc
+import httpx
+from httpx_sse import EventSource
+
+from bench.batching import CLIENTS, NEW_TOKENS, QUESTIONS, Record, closed_loop
+from bench.common import machine, print_table, write_result
+from bench.mesh import bench_mesh
+from llmesh.testing import VLLM_MODEL_NAME, VllmServer, real_models_dir
+from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+
+MESH_SERVICES = ("tokenizer", "inference", "gateway")
+CLOSED = "127.0.0.1:1"  # cache and retrieval are not started: every request turns both off
+
+
+def ask(question: str, max_new: int) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        prompt=question,
+        use_cache=False,
+        use_retrieval=False,
+        sampling=common_pb2.SamplingParams(max_new_tokens=max_new, ignore_eos=True),
+    )
+
+
+def _rescale(record: Record, produced: int) -> None:
+    """Counts the tokens a stream really produced (usage), spread over the pieces that carried them."""
+    if record.arrivals and produced:
+        each = produced / len(record.arrivals)
+        record.arrivals = [(t, each) for t, _ in record.arrivals]  # type: ignore[misc]
+
+
+async def direct_one(
+    client: httpx.AsyncClient,
+    base_url: str,
+    ids: list[int],
+    max_new: int,
+    decoding: asyncio.Event | None = None,
+    records: list[Record] | None = None,
+) -> Record:
+    record = Record(time.perf_counter())
+    if records is not None:
+        records.append(record)
+    body = {
+        "model": VLLM_MODEL_NAME,
+        "prompt": ids,
+        "max_tokens": max_new,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    produced = 0
+    async with client.stream("POST", f"{base_url}/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"vLLM answered {response.status_code}: {(await response.aread())[:300]!r}")
+        async for event in EventSource(response).aiter_sse():
+            if event.data == "[DONE]":
+                break
+            chunk = event.json()
+            now = time.perf_counter()
+            if any(c.get("text") for c in chunk.get("choices") or ()):
+                if record.first is None:
+                    record.first = now
+                record.arrivals.append((now, 1))
+                if decoding is not None and len(record.arrivals) >= 2:
+                    decoding.set()
+            if chunk.get("usage"):
+                produced = int(chunk["usage"]["completion_tokens"])
+    _rescale(record, produced)
+    record.done = time.perf_counter()
+    if decoding is not None:
+        decoding.set()
+    return record
+
+
+async def mesh_one(
+    stub: gateway_pb2_grpc.GatewayStub,
+    question: str,
+    max_new: int,
+    decoding: asyncio.Event | None = None,
+    records: list[Record] | None = None,
+) -> Record:
+    record = Record(time.perf_counter())
+    if records is not None:
+        records.append(record)
+    produced = 0
+    async for event in stub.GenerateStream(ask(question, max_new), timeout=600):
+        now = time.perf_counter()
+        if event.delta:
+            if record.first is None:
+                record.first = now
+            record.arrivals.append((now, 1))
+            if decoding is not None and len(record.arrivals) >= 2:
+                decoding.set()
+        elif event.HasField("final"):
+            produced = event.final.usage.output_tokens
+    _rescale(record, produced)
+    record.done = time.perf_counter()
+    if decoding is not None:
+        decoding.set()
+    return record
+
+
+async def rendered_prompts(tokenizer_target: str) -> list[list[int]]:
+    """The token ids the gateway sends for each question (its messages, our chat template)."""
+    from services.gateway.core import GatewayConfig, build_messages, validate
+
+    config = GatewayConfig("docs", 4, 0.25, 32768, 1536, 512, 128)
+    async with grpc.aio.insecure_channel(tokenizer_target) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerStub(channel)
+        out = []
+        for question in QUESTIONS[:CLIENTS]:
+            messages = build_messages(validate(ask(question, NEW_TOKENS), config), [])
+            rendered = await stub.ApplyChatTemplate(
+                tokenizer_pb2.ApplyChatTemplateRequest(messages=messages, add_generation_prompt=True, tokenize=True)
+            )
+            assert rendered.ids, "the tokenizer service returned no token ids"
+            out.append(list(rendered.ids))
+    return out
+
+
+def _figures(loop: dict[str, float], prefix: str) -> dict[str, float]:
+    return {
+        f"{prefix}_tok_s": loop["tok_s"],
+        f"ttft_{prefix}_p50_s": loop["ttft_p50_s"],
+        f"ttft_{prefix}_p95_s": loop["ttft_p95_s"],
+        f"{prefix}_requests": loop["requests"],
+    }
+
+
+async def direct_loop(base_url: str, prompts: list[list[int]], measure_s: float) -> dict[str, float]:
+    limits = httpx.Limits(max_connections=2 * CLIENTS, max_keepalive_connections=2 * CLIENTS)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0, connect=5.0)) as client:
+        run = functools.partial(direct_one, client, base_url)
+        await run(prompts[0], 8)  # connections and first-call warm-up
+        return await closed_loop(run, prompts, lambda rng: NEW_TOKENS, measure_s)
+
+
+async def mesh_loop(gateway_target: str, measure_s: float) -> dict[str, float]:
+    async with grpc.aio.insecure_channel(gateway_target) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        run = functools.partial(mesh_one, stub)
+        await run(QUESTIONS[0], 8)
+        return await closed_loop(run, QUESTIONS[:CLIENTS], lambda rng: NEW_TOKENS, measure_s)
+
+
+def _others() -> list[str]:
+    """What else ran on the machine (shared with other work): the busiest processes not ours."""
+    try:
+        out = subprocess.run(
+            ["ps", "-eo", "pcpu,args", "--sort=-pcpu", "--no-headers"], capture_output=True, text=True, timeout=5
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [" ".join(line.split())[:120] for line in out.splitlines()[:10]]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--measure", type=float, default=40.0, help="measured seconds of each closed loop")
+    parser.add_argument("--no-builtin", action="store_true", help="skip the builtin engine's loop")
+    args = parser.parse_args(argv)
+    if not VllmServer.available():
+        raise SystemExit("bench.backends needs vLLM's CPU build: run `make vllm` first")
+
+    begun = time.perf_counter()
+    models = real_models_dir()
+    result: dict[str, Any] = {"prompts": CLIENTS, "new_tokens": NEW_TOKENS, "clients": CLIENTS}
+    loads: dict[str, float] = {}
+    others: dict[str, list[str]] = {}
+    # Every mesh process at niceness 0, like vLLM: the builtin engine's default of 5 would starve it
+    # on a shared machine and make the comparison one of priorities, not engines.
+    base = {
+        "LLMESH_MODELS_DIR": str(models),
+        "LLMESH_CACHE_TARGET": CLOSED,
+        "LLMESH_RETRIEVAL_TARGET": CLOSED,
+        "LLMESH_NICE": "0",
+    }
+    with tempfile.TemporaryDirectory(prefix="llmesh-bench-vllm-") as tmp:
+        vllm = VllmServer((models / "smollm2" / "current").resolve(), Path(tmp) / "vllm.log")
+        vllm.start()
+        try:
+            started = time.perf_counter()
+            vllm.wait_ready()
+            result["backend_start_s"] = time.perf_counter() - started
+            env = {
+                **base,
+                "LLMESH_INFERENCE_BACKEND": "openai",
+                "LLMESH_BACKEND_URLS": vllm.base_url,
+                "LLMESH_BACKEND_MODEL": VLLM_MODEL_NAME,
+            }
+            with bench_mesh(env, services=MESH_SERVICES) as mesh:
+                prompts = asyncio.run(rendered_prompts(mesh.target("tokenizer")))
+                info = httpx.get(f"{vllm.origin}/version", timeout=5).json()
+                result["backend"] = f"vLLM {info.get('version')} (CPU build, bfloat16, SmolLM2-135M-Instruct)"
+                print(f"{result['backend']}: ready in {result['backend_start_s']:.0f} s", flush=True)
+                before = asyncio.run(direct_loop(vllm.base_url, prompts, args.measure))
+                loads["direct_before"], others["direct_before"] = round(os.getloadavg()[0], 2), _others()
+                print_table(_figures(before, "direct"), "direct (before)")
+                mesh_figures = _figures(asyncio.run(mesh_loop(mesh.target("gateway"), args.measure)), "mesh")
+                loads["mesh"], others["mesh"] = round(os.getloadavg()[0], 2), _others()
+                print_table(mesh_figures, "through the mesh (openai backend)")
+                after = asyncio.run(direct_loop(vllm.base_url, prompts, args.measure))
+                loads["direct_after"], others["direct_after"] = round(os.getloadavg()[0], 2), _others()
+                print_table(_figures(after, "direct"), "direct (after)")
+        finally:
+            vllm.stop()
+    direct = {k: (_figures(before, "direct")[k] + _figures(after, "direct")[k]) / 2 for k in _figures(before, "direct")}
+    result.update(direct)
+    result["direct_tok_s_runs"] = [round(before["tok_s"], 2), round(after["tok_s"], 2)]
+    result.update(mesh_figures)
+    if not args.no_builtin:
+        env = {**base, "LLMESH_INFERENCE_MODEL": "smollm2", "LLMESH_MAX_BATCH_SIZE": str(CLIENTS)}
+        with bench_mesh(env, services=MESH_SERVICES) as mesh:
+            builtin = _figures(asyncio.run(mesh_loop(mesh.target("gateway"), args.measure)), "builtin_mesh")
+        loads["builtin_mesh"], others["builtin_mesh"] = round(os.getloadavg()[0], 2), _others()
+        result.update(builtin)
+        print_table(builtin, "through the mesh (builtin engine)")
+
+    result["mesh_vs_direct"] = result["mesh_tok_s"] / result["direct_tok_s"]
+    result["ttft_p50_mesh_minus_direct_ms"] = 1000 * (result["ttft_mesh_p50_s"] - result["ttft_direct_p50_s"])
+    if "builtin_mesh_tok_s" in result:
+        result["openai_vs_builtin_mesh"] = result["mesh_tok_s"] / result["builtin_mesh_tok_s"]
+    result["passes"] = {
+        "mesh_ge_0.9x_direct": result["mesh_tok_s"] >= 0.9 * result["direct_tok_s"],
+        "mesh_ttft_p50_within_15ms_of_direct": result["ttft_p50_mesh_minus_direct_ms"] <= 15.0,
+    }
+    # Load averages after each phase and the busiest processes then: the machine is shared.
+    result["machine"] = {**machine(), "load_average_1m_after_phase": loads, "busiest_processes": others}
+    result["bench_seconds"] = time.perf_counter() - begun
+    print_table({k: v for k, v in result.items() if not isinstance(v, dict | list)}, "backends benchmark")
+    print_table(result["passes"], "targets")
+    path = write_result(
+        "backends", {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in result.items()}
+    )
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""What the inference servicer asks of whoever generates: the builtin engine or a remote server.
+
+Two implementations: `lifecycle.ModelManager` (the torch engine in this process, model switches)
+and `openai_backend.OpenAIBackend` (a client of an OpenAI-compatible server such as vLLM).
+Both take token ids validated against the same limits and stream `GenerationEvent`s; both raise
+the typed errors of `llmesh.errors`. No gRPC here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from services.inference.decoding import SamplingParams
+from services.inference.engine import GenerationEvent, ModelDescription
+
+
+class Encoder(Protocol):
+    def encode(self, text: str) -> list[int]:
+        """Tokens of an already chat-templated prompt (no special tokens added)."""
+        ...
+
+
+class GenerationStream(Protocol):
+    """One request's events; stopping early must call cancel(), which frees the sequence at once."""
+
+    def __aiter__(self) -> AsyncIterator[GenerationEvent]: ...
+
+    def cancel(self) -> None: ...
+
+
+class InferenceBackend(Protocol):
+    @property
+    def encoder(self) -> Encoder:
+        """The tokenizer prompts are counted and validated with (the model's own)."""
+        ...
+
+    @property
+    def description(self) -> ModelDescription: ...
+
+    @property
+    def serving(self) -> bool:
+        """False while the backend cannot generate (health reports NOT_SERVING)."""
+        ...
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "") -> GenerationStream:
+        """Validates at once (InvalidArgument, ResourceExhausted); errors while streaming come
+        from iterating the stream."""
+        ...
+
+    async def load_version(self, version: str) -> ModelDescription: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,436 @@
+"""The openai backend: generation by an OpenAI-compatible server (vLLM, SGLang, TGI, llama.cpp).
+
+* Prompts are counted and validated with our own tokenizer (the one admission and the cache key
+  use) and go to the server unchanged, as token ids or as the rendered text (LLMESH_BACKEND_PROMPT).
+* One `httpx.AsyncClient` for all replicas: pooled keep-alive connections with a bound, no
+  connection per request. Streams are `/completions` with `stream=true` and
+  `stream_options.include_usage`, read with the standard SSE framing (httpx-sse).
+* A cancelled or expired call closes its HTTP stream at once (the handler task is cancelled
+  inside `client.stream`), so the server frees the sequence (vLLM aborts on disconnect).
+* Replicas: a list of base URLs, each polled on `/models`; a request goes to the healthy replica
+  with the fewest requests in flight. The service serves while any replica lists the model.
+* At start, the token count of a probe text is compared with the server's `usage.prompt_tokens`:
+  a tokenizer that does not match the served model stops the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+from httpx_sse import EventSource
+from opentelemetry import propagate, trace
+from tokenizers import Tokenizer
+
+from llmesh import errors
+from llmesh.models import ModelError, resolve, verify
+from services.inference import metrics
+from services.inference.decoding import Limits, ResolvedParams, SamplingParams, resolve_params
+from services.inference.engine import FINISH_STOP, GenerationEvent, ModelDescription
+from services.inference.openai_protocol import Chunk, completion_body, error_for_status, parse_chunk
+
+log = logging.getLogger("llmesh.inference.openai")
+tracer = trace.get_tracer("llmesh.inference")
+
+#: Text whose token count tells tokenizers apart: words, digits, code, accents, CJK, emoji.
+PROBE_TEXT = (
+    "Tokenizer probe: llmesh counts 1234567 tokens; def f(x): return x**2 # naïve café, "
+    "Grüße aus Köln! 東京タワー 🚀 <tag attr='v'>https://example.org/a?b=c</tag>"
+)
+#: Log a "still waiting" line this often while no replica lists the model at start.
+WAIT_LOG_INTERVAL_S = 10.0
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    urls: tuple[str, ...]
+    model: str
+    api_key: str = ""
+    prompt_as: str = "tokens"
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 60.0
+    max_connections: int = 512
+    health_interval_s: float = 1.0
+    max_prompt_tokens: int = 1536
+    max_new_tokens: int = 512
+    default_max_new_tokens: int = 128
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> BackendConfig:
+        return cls(
+            urls=tuple(settings.backend_urls),
+            model=settings.backend_model,
+            api_key=settings.backend_api_key,
+            prompt_as=settings.backend_prompt,
+            connect_timeout_s=settings.backend_connect_timeout_seconds,
+            read_timeout_s=settings.backend_read_timeout_seconds,
+            max_connections=settings.backend_max_connections,
+            health_interval_s=settings.backend_health_interval_seconds,
+            max_prompt_tokens=settings.max_prompt_tokens,
+            max_new_tokens=settings.max_new_tokens,
+            default_max_new_tokens=settings.default_max_new_tokens,
+        )
+
+
+class LocalTokenizer:
+    """Our side of the model: its tokenizer only (the weights live in the backend)."""
+
+    def __init__(self, path: Path, digest: str) -> None:
+        self.path = path
+        self.digest = digest
+        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def load(cls, models_path: Path, model_setting: str) -> LocalTokenizer:
+        try:
+            verified = verify(resolve(models_path, model_setting))
+        except ModelError as exc:
+            raise errors.FailedPrecondition(f"inference: {exc}", reason="MODEL_INVALID") from exc
+        return cls(verified.path, str(verified.manifest["files"].get("tokenizer.json", verified.digest)))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def counts(self, text: str) -> set[int]:
+        """Token counts a server may report for `text`: with or without the special tokens it adds."""
+        return {len(self.encode(text)), len(self.tokenizer.encode(text, add_special_tokens=True).ids)}
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+@dataclass(eq=False)
+class Replica:
+    base_url: str
+    healthy: bool = False
+    in_flight: int = 0
+    max_model_len: int = 0
+    engine: str = ""  # what the server calls itself, e.g. "vllm 0.32.0"
+
+    @property
+    def origin(self) -> str:
+        parts = urlsplit(self.base_url)
+        return f"{parts.scheme}://{parts.netloc}"
+
+
+class OpenAIStream:
+    """A request's events from the backend; cancel() closes the HTTP stream if still open."""
+
+    def __init__(self, events: AsyncGenerator[GenerationEvent, None]) -> None:
+        self._events = events
+        self._done = False
+        self._closing: asyncio.Future[None] | None = None  # held so the close task is not collected
+
+    def __aiter__(self) -> OpenAIStream:
+        return self
+
+    async def __anext__(self) -> GenerationEvent:
+        try:
+            return await self._events.__anext__()
+        except BaseException:  # finished, failed or cancelled: the generator has closed the stream
+            self._done = True
+            raise
+
+    def cancel(self) -> None:
+        if not self._done:
+            self._done = True
+            self._closing = asyncio.ensure_future(self._events.aclose())
+
+
+class OpenAIBackend:
+    def __init__(self, config: BackendConfig, tokenizer: LocalTokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.replicas = [Replica(url) for url in config.urls]
+        self._turn = itertools.count()
+        headers = {"authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self.client = httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(
+                connect=config.connect_timeout_s,
+                read=config.read_timeout_s,
+                write=config.connect_timeout_s,
+                pool=config.connect_timeout_s,
+            ),
+            limits=httpx.Limits(
+                max_connections=config.max_connections,
+                max_keepalive_connections=config.max_connections,
+                keepalive_expiry=30.0,
+            ),
+        )
+        self._monitor: asyncio.Task[None] | None = None
+        self.limits = Limits(
+            max_prompt_tokens=config.max_prompt_tokens,
+            max_new_tokens=config.max_new_tokens,
+            default_max_new_tokens=config.default_max_new_tokens,
+            max_context_tokens=config.max_prompt_tokens + config.max_new_tokens,
+            vocab_size=tokenizer.vocab_size,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Waits until a replica lists the model, checks the tokenizer against it, then keeps
+        watching the replicas' health."""
+        waited_since = time.monotonic()
+        next_log = waited_since + WAIT_LOG_INTERVAL_S
+        while not await self.check_health():
+            if time.monotonic() >= next_log:
+                log.warning(
+                    "waiting for the inference backend: no replica of %s lists model %r (%.0f s)",
+                    ", ".join(self.config.urls),
+                    self.config.model,
+                    time.monotonic() - waited_since,
+                )
+                next_log += WAIT_LOG_INTERVAL_S
+            await asyncio.sleep(self.config.health_interval_s)
+        await self.check_tokenizer()
+        self._monitor = asyncio.create_task(self._watch())
+        desc = self.description
+        log.info("serving %s through %s (%s)", desc.model_id, ", ".join(self.config.urls), desc.version)
+
+    async def close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+        await self.client.aclose()
+
+    async def load_version(self, version: str) -> ModelDescription:
+        raise errors.FailedPrecondition(
+            "inference: model versions are switched on the backend server when LLMESH_INFERENCE_BACKEND=openai",
+            reason="BACKEND_MANAGES_MODEL",
+        )
+
+    # ------------------------------------------------------------------ health
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            await self.check_health()
+
+    async def check_health(self) -> bool:
+        """Polls every replica's /models once; True when any lists the model."""
+        await asyncio.gather(*(self._probe(r) for r in self.replicas))
+        return self.serving
+
+    async def _probe(self, replica: Replica) -> None:
+        healthy = False
+        try:
+            answer = await self.client.get(f"{replica.base_url}/models", timeout=self.config.connect_timeout_s + 1)
+            if answer.status_code == 200:
+                for entry in answer.json().get("data") or ():
+                    if entry.get("id") == self.config.model:
+                        healthy = True
+                        replica.max_model_len = int(entry.get("max_model_len") or 0)
+                        owner = entry.get("owned_by") or "openai-compatible"
+                        if not replica.engine.startswith(owner):
+                            replica.engine = await self._engine_name(replica, owner)
+        except (httpx.HTTPError, ValueError):
+            healthy = False
+        if healthy != replica.healthy:
+            if healthy:
+                log.info("inference backend %s serves %s", replica.base_url, self.config.model)
+            else:
+                log.warning("inference backend %s does not serve %s", replica.base_url, self.config.model)
+            replica.healthy = healthy
+
+    async def _engine_name(self, replica: Replica, owner: str) -> str:
+        """vLLM, SGLang and TGI tell their version on /version (outside /v1)."""
+        try:
+            answer = await self.client.get(f"{replica.origin}/version", timeout=self.config.connect_timeout_s)
+            version = answer.json().get("version") if answer.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            version = None
+        return f"{owner} {version}" if version else owner
+
+    @property
+    def serving(self) -> bool:
+        return any(r.healthy for r in self.replicas)
+
+    # ------------------------------------------------------------------ model
+
+    @property
+    def encoder(self) -> LocalTokenizer:
+        return self.tokenizer
+
+    @property
+    def description(self) -> ModelDescription:
+        serving = [r for r in self.replicas if r.healthy] or self.replicas
+        context = min((r.max_model_len for r in serving if r.max_model_len), default=0)
+        return ModelDescription(
+            model_id=self.config.model,
+            version=serving[0].engine or "openai-compatible",
+            digest=self.tokenizer.digest,
+            path=self.tokenizer.path,
+            device=",".join(r.base_url for r in serving),
+            dtype="",
+            max_context_tokens=context or self.limits.max_context_tokens,
+            max_batch_size=0,
+        )
+
+    def _limits(self) -> Limits:
+        context = self.description.max_context_tokens
+        return Limits(**{**self.limits.__dict__, "max_context_tokens": context})
+
+    async def check_tokenizer(self) -> None:
+        """Our token count of PROBE_TEXT against the backend's; a mismatch stops the service."""
+        replica = self._pick()
+        body = {"model": self.config.model, "prompt": PROBE_TEXT, "max_tokens": 1, "temperature": 0.0}
+        try:
+            answer = await self.client.post(f"{replica.base_url}/completions", json=body)
+        except httpx.HTTPError as exc:
+            raise errors.Unavailable(f"inference backend {replica.base_url} failed the tokenizer probe: {exc}") from exc
+        if answer.status_code != 200:
+            raise error_for_status(answer.status_code, answer.headers, answer.content)
+        theirs = int((answer.json().get("usage") or {}).get("prompt_tokens") or -1)
+        ours = self.tokenizer.counts(PROBE_TEXT)
+        if theirs not in ours:
+            message = (
+                f"inference: the tokenizer at {self.tokenizer.path} counts {min(ours)} tokens in the probe text "
+                f"where the backend's model {self.config.model!r} at {replica.base_url} counts {theirs}: they are "
+                "different tokenizers. Admission and the cache key count tokens with ours, so the service stops; "
+                "point LLMESH_INFERENCE_MODEL at the model the backend serves."
+            )
+            log.error("%s", message)
+            raise errors.FailedPrecondition(message, reason="TOKENIZER_MISMATCH")
+        log.info("tokenizer matches the backend's model (%d probe tokens)", theirs)
+
+    # ------------------------------------------------------------------ generation
+
+    def _pick(self) -> Replica:
+        healthy = [r for r in self.replicas if r.healthy]
+        if not healthy:
+            raise errors.Unavailable(
+                f"inference backend: no replica serves {self.config.model!r}",
+                reason="BACKEND_UNAVAILABLE",
+                retry_after=self.config.health_interval_s,
+            )
+        start = next(self._turn)
+        order = healthy[start % len(healthy) :] + healthy[: start % len(healthy)]
+        return min(order, key=lambda r: r.in_flight)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "") -> OpenAIStream:
+        try:
+            resolved = resolve_params(params, prompt_ids, self._limits())
+        except errors.InvalidArgument:
+            metrics.REQUESTS.labels("invalid").inc()
+            raise
+        replica = self._pick()
+        prompt: list[int] | str = prompt_ids if self.config.prompt_as == "tokens" else self.tokenizer.decode(prompt_ids)
+        body = completion_body(self.config.model, prompt, resolved)
+        return OpenAIStream(self._stream(replica, body, resolved, len(prompt_ids), request_id))
+
+    def _start_span(
+        self, resolved: ResolvedParams, prompt_tokens: int, request_id: str, replica: Replica
+    ) -> trace.Span:
+        parts = urlsplit(replica.base_url)
+        span = tracer.start_span(
+            "inference.generate",
+            attributes={
+                "gen_ai.operation.name": "text_completion",
+                "gen_ai.system": "openai",
+                "gen_ai.request.model": self.config.model,
+                "gen_ai.request.max_tokens": resolved.max_new_tokens,
+                "gen_ai.request.temperature": resolved.temperature,
+                "gen_ai.request.top_p": resolved.top_p,
+                "gen_ai.usage.input_tokens": prompt_tokens,
+                "server.address": parts.hostname or "",
+                "server.port": parts.port or (443 if parts.scheme == "https" else 80),
+                "llmesh.inference.backend": replica.engine or "openai-compatible",
+                "llmesh.request.id": request_id,
+            },
+        )
+        if resolved.seed is not None:
+            span.set_attribute("gen_ai.request.seed", resolved.seed)
+        return span
+
+    async def _stream(
+        self, replica: Replica, body: dict[str, Any], resolved: ResolvedParams, prompt_tokens: int, request_id: str
+    ) -> AsyncGenerator[GenerationEvent, None]:
+        span = self._start_span(resolved, prompt_tokens, request_id, replica)
+        headers: dict[str, str] = {"x-request-id": request_id} if request_id else {}
+        propagate.inject(headers, context=trace.set_span_in_context(span))
+        started = time.monotonic()
+        last_token_at = 0.0
+        finish: str | None = None
+        usage = Chunk()  # the usage chunk (include_usage): counts, model and id
+        outcome = "error"
+        replica.in_flight += 1
+        try:
+            async with self.client.stream(
+                "POST", f"{replica.base_url}/completions", json=body, headers=headers
+            ) as response:
+                if response.status_code != 200:
+                    raise error_for_status(response.status_code, response.headers, await response.aread())
+                async for sse in EventSource(response).aiter_sse():
+                    if sse.data == "[DONE]":
+                        break
+                    chunk = parse_chunk(sse.data)
+                    if chunk.prompt_tokens is not None:
+                        usage = chunk
+                    finish = chunk.finish_reason or finish
+                    if chunk.text:
+                        now = time.monotonic()
+                        if not last_token_at:
+                            metrics.TIME_TO_FIRST_TOKEN.observe(now - started)
+                        last_token_at = now
+                        yield GenerationEvent([], chunk.text)
+            if finish is None:
+                raise errors.Unavailable(
+                    f"inference backend {replica.base_url} ended the stream without finishing",
+                    reason="BACKEND_STREAM_BROKEN",
+                )
+            input_tokens = usage.prompt_tokens if usage.prompt_tokens is not None else prompt_tokens
+            output_tokens = usage.completion_tokens or 0
+            outcome = finish
+            metrics.PROMPT_TOKENS.inc(input_tokens)
+            metrics.GENERATION_TOKENS.inc(output_tokens)
+            metrics.REQUEST_DURATION.observe(time.monotonic() - started)
+            span.set_attribute("gen_ai.usage.input_tokens", input_tokens)
+            span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
+            span.set_attribute("gen_ai.response.finish_reasons", [finish])
+            if usage.model:
+                span.set_attribute("gen_ai.response.model", usage.model)
+            if usage.response_id:
+                span.set_attribute("gen_ai.response.id", usage.response_id)
+            yield GenerationEvent([], "", "", finish, input_tokens, output_tokens)
+        except (asyncio.CancelledError, GeneratorExit):
+            if outcome == "error":  # not yet answered in full
+                outcome = "cancelled"
+            raise
+        except httpx.TimeoutException as exc:
+            if isinstance(exc, httpx.PoolTimeout):
+                raise errors.ResourceExhausted(
+                    f"inference backend: all {self.config.max_connections} connections are busy "
+                    "(LLMESH_BACKEND_MAX_CONNECTIONS)",
+                    retry_after=1.0,
+                    reason="BACKEND_CONNECTIONS_BUSY",
+                ) from exc
+            raise errors.Unavailable(
+                f"inference backend {replica.base_url} timed out: {type(exc).__name__}", reason="BACKEND_TIMEOUT"
+            ) from exc
+        except httpx.HTTPError as exc:
+            if isinstance(exc, httpx.ConnectError):
+                replica.healthy = False  # the health poll brings it back
+            raise errors.Unavailable(
+                f"inference backend {replica.base_url} failed mid-stream: {type(exc).__name__}: {exc}",
+                reason="BACKEND_STREAM_BROKEN",
+            ) from exc
+        except errors.LlmeshError as exc:
+            outcome = "invalid" if isinstance(exc, errors.InvalidArgument) else "error"
+            span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+            raise
+        finally:
+            replica.in_flight -= 1
+            metrics.REQUESTS.labels(outcome if outcome in metrics.OUTCOMES else FINISH_STOP).inc()
+            if outcome == "error":
+                span.set_status(trace.Status(trace.StatusCode.ERROR, "inference backend failed"))
+            span.end()

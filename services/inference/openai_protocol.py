@@ -1,0 +1,181 @@
+"""The OpenAI completions API as the openai backend speaks it: request bodies from our sampling
+parameters, streamed chunks into GenerationEvents, HTTP failures into typed errors.
+
+Pure functions (no I/O), so each mapping is tested on its own; `openai_backend` does the HTTP.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from llmesh import errors
+from services.inference.decoding import ResolvedParams
+from services.inference.engine import FINISH_LENGTH, FINISH_STOP, FINISH_STOP_SEQUENCE
+
+#: Our request field for each OpenAI parameter, so a rejected parameter names the field the caller set.
+FIELD_OF_PARAM = {
+    "max_tokens": "sampling.max_new_tokens",
+    "temperature": "sampling.temperature",
+    "top_p": "sampling.top_p",
+    "seed": "sampling.seed",
+    "stop": "sampling.stop",
+    "ignore_eos": "sampling.ignore_eos",
+    "prompt": "input",
+}
+DEFAULT_RETRY_AFTER_S = 1.0
+MAX_RETRY_AFTER_S = 300.0
+
+
+def completion_body(
+    model: str, prompt: list[int] | str, params: ResolvedParams, *, stream: bool = True
+) -> dict[str, Any]:
+    """The /v1/completions request: parameters map one to one; usage comes with the last chunk."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if params.seed is not None:
+        body["seed"] = params.seed
+    if params.stop:
+        body["stop"] = list(params.stop)
+    if params.ignore_eos:
+        body["ignore_eos"] = True  # vLLM, SGLang and llama.cpp extension
+    return body
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What one streamed chunk carries."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    model: str = ""
+    response_id: str = ""
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+def parse_chunk(data: str) -> Chunk:
+    """One SSE `data:` payload of a streamed completion; an error object raises its typed error."""
+    try:
+        payload = json.loads(data)
+    except ValueError as exc:
+        raise errors.Unavailable(f"inference backend sent an unreadable chunk: {data[:80]!r}") from exc
+    if not isinstance(payload, dict):
+        raise errors.Unavailable(f"inference backend sent an unexpected chunk: {data[:80]!r}")
+    if "error" in payload or payload.get("object") == "error":
+        detail = payload.get("error", payload)
+        code = detail.get("code") if isinstance(detail, dict) else None
+        status = code if isinstance(code, int) else 500
+        raise error_for_status(status, {}, json.dumps(payload).encode())
+    text = ""
+    finish: str | None = None
+    for choice in payload.get("choices") or ():
+        text += choice.get("text") or ""
+        reason = choice.get("finish_reason")
+        if reason:
+            finish = finish_reason(reason, choice.get("stop_reason"))
+    usage = payload.get("usage") or {}
+    return Chunk(
+        text=text,
+        finish_reason=finish,
+        model=str(payload.get("model") or ""),
+        response_id=str(payload.get("id") or ""),
+        prompt_tokens=usage.get("prompt_tokens"),
+        completion_tokens=usage.get("completion_tokens"),
+    )
+
+
+def finish_reason(reason: str, stop_reason: object) -> str:
+    if reason == "length":
+        return FINISH_LENGTH
+    if reason == "stop":
+        # vLLM and SGLang name the stop string that matched; EOS leaves it null (or a token id).
+        return FINISH_STOP_SEQUENCE if isinstance(stop_reason, str) else FINISH_STOP
+    if reason == "abort":
+        raise errors.Unavailable("inference backend aborted the request", reason="BACKEND_ABORTED", retry_after=1.0)
+    return FINISH_STOP
+
+
+def retry_after_seconds(value: str | None, now: float | None = None) -> float:
+    """`Retry-After` as delay-seconds or an HTTP date; absent or unreadable: one second."""
+    if not value:
+        return DEFAULT_RETRY_AFTER_S
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return DEFAULT_RETRY_AFTER_S
+        seconds = when.timestamp() - (time.time() if now is None else now)
+    if seconds != seconds:  # NaN
+        return DEFAULT_RETRY_AFTER_S
+    return min(MAX_RETRY_AFTER_S, max(0.0, seconds))
+
+
+def _error_message(body: bytes) -> tuple[str, str | None]:
+    """(message, param) from an OpenAI error body: {"error": {...}} or vLLM's older flat form."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace").strip()[:300], None
+    detail = payload.get("error", payload) if isinstance(payload, dict) else payload
+    if isinstance(detail, str):
+        return detail[:300], None
+    if not isinstance(detail, dict):
+        return str(payload)[:300], None
+    message = str(detail.get("message") or detail.get("detail") or payload)
+    param = detail.get("param")
+    return message[:300], param if isinstance(param, str) and param else None
+
+
+def field_for(message: str, param: str | None) -> str:
+    if param:
+        # vLLM names it by pydantic's location, e.g. "body.seed".
+        name = param.rsplit(".", 1)[-1]
+        return FIELD_OF_PARAM.get(name, f"sampling.{name}")
+    lowered = message.lower()
+    for name, field in FIELD_OF_PARAM.items():
+        if name in lowered:
+            return field
+    return "sampling"
+
+
+def error_for_status(status: int, headers: Any, body: bytes) -> errors.LlmeshError:
+    """The typed error for a backend's HTTP error answer."""
+    message, param = _error_message(body)
+    retry = retry_after_seconds(headers.get("retry-after") if headers else None)
+    if status == 429:
+        return errors.ResourceExhausted(
+            f"inference backend is overloaded: {message}", retry_after=retry, reason="BACKEND_OVERLOADED"
+        )
+    if status == 503:
+        return errors.Unavailable(
+            f"inference backend is unavailable: {message}", reason="BACKEND_UNAVAILABLE", retry_after=retry
+        )
+    if status in (400, 422):
+        return errors.InvalidArgument([(field_for(message, param), f"rejected by the inference backend: {message}")])
+    if status in (401, 403):
+        return errors.FailedPrecondition(
+            f"inference backend refused our credentials (LLMESH_BACKEND_API_KEY): {message}",
+            reason="BACKEND_UNAUTHORIZED",
+        )
+    if status == 404:
+        return errors.Unavailable(
+            f"inference backend does not serve the model: {message}", reason="BACKEND_MODEL_MISSING", retry_after=retry
+        )
+    if status >= 500:
+        return errors.Unavailable(f"inference backend failed ({status}): {message}", reason="BACKEND_ERROR")
+    return errors.FailedPrecondition(f"inference backend answered {status}: {message}", reason="BACKEND_REJECTED")

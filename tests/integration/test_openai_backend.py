@@ -1,0 +1,300 @@
+"""The inference service on LLMESH_INFERENCE_BACKEND=openai against a real vLLM (CPU build)
+serving SmolLM2, and the gateway on top of it: streaming, cancellation, deadlines, rejected
+parameters, health, a mismatched tokenizer, a killed and a restarted backend.
+
+vLLM starts once per session (the `vllm` fixture, about two minutes on two cores); the test that
+kills and restarts it runs last."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from llmesh import errors, telemetry
+from llmesh.models import verify
+from llmesh.server import ServiceHost
+from llmesh.testing import REPO_ROOT, VLLM_MODEL_NAME, OtlpReceiver, VllmServer, hosted, service_settings
+from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
+from services.gateway.servicer import GatewayApp
+from services.inference.openai_backend import OpenAIBackend
+from services.inference.servicer import InferenceApp
+from services.tokenizer.servicer import TokenizerApp
+
+PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+LONG = 1500  # new tokens: half a minute or more of generation on this machine
+CLOSED = "127.0.0.1:1"
+
+
+def backend_env(vllm: VllmServer, models_dir: Path, **extra: str) -> dict[str, str]:
+    return {
+        "LLMESH_INFERENCE_BACKEND": "openai",
+        "LLMESH_BACKEND_URLS": vllm.base_url,
+        "LLMESH_BACKEND_MODEL": VLLM_MODEL_NAME,
+        "LLMESH_MODELS_DIR": str(models_dir),
+        "LLMESH_INFERENCE_MODEL": "smollm2",
+        "LLMESH_MAX_NEW_TOKENS": "1800",
+        "LLMESH_BACKEND_HEALTH_INTERVAL_SECONDS": "0.5",
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+async def inference(vllm: VllmServer, models_dir: Path) -> AsyncIterator[ServiceHost]:
+    async with hosted("inference", InferenceApp, backend_env(vllm, models_dir)) as host:
+        yield host
+
+
+@pytest.fixture(scope="module")
+async def channel(inference: ServiceHost) -> AsyncIterator[grpc.aio.Channel]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{inference.port}") as ch:
+        yield ch
+
+
+@pytest.fixture(scope="module")
+def stub(channel: grpc.aio.Channel) -> inference_pb2_grpc.InferenceStub:
+    return inference_pb2_grpc.InferenceStub(channel)
+
+
+def backend_of(host: ServiceHost) -> OpenAIBackend:
+    backend = host.app.manager.get()  # type: ignore[attr-defined]
+    assert isinstance(backend, OpenAIBackend)
+    return backend
+
+
+def request(max_new_tokens: int, **sampling: object) -> inference_pb2.InferenceRequest:
+    return inference_pb2.InferenceRequest(
+        text=PROMPT, sampling=common_pb2.SamplingParams(max_new_tokens=max_new_tokens, **sampling)
+    )
+
+
+async def running_in_vllm(vllm: VllmServer) -> float:
+    return await asyncio.to_thread(vllm.running_requests)
+
+
+async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        assert time.monotonic() < deadline, f"{what}: not reached in {timeout} s"
+        await asyncio.sleep(0.2)
+
+
+async def health_of(channel: grpc.aio.Channel) -> int:
+    answer = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    return int(answer.status)
+
+
+async def test_streams_the_backends_answer_in_pieces(
+    stub: inference_pb2_grpc.InferenceStub, inference: ServiceHost, vllm: VllmServer
+) -> None:
+    messages = [m async for m in stub.Generate(request(24, ignore_eos=True), timeout=120)]
+    pieces = [m.text for m in messages if m.text]
+    assert len(pieces) >= 5, "the answer must arrive as it is generated, not in one piece"
+    last = messages[-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert last.usage.output_tokens == 24
+    assert last.usage.input_tokens == len(backend_of(inference).encoder.encode(PROMPT))
+    # The same answer vLLM gives its own clients for the same prompt (greedy decoding).
+    async with httpx.AsyncClient() as client:
+        direct = await client.post(
+            f"{vllm.base_url}/completions",
+            json={"model": VLLM_MODEL_NAME, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True},
+            timeout=120,
+        )
+    assert "".join(pieces) == direct.json()["choices"][0]["text"]
+
+
+async def test_usage_and_genai_span_come_from_the_backends_counts_and_vllm_continues_the_trace(
+    stub: inference_pb2_grpc.InferenceStub, vllm: VllmServer
+) -> None:
+    exporter = InMemorySpanExporter()
+    telemetry.setup_tracing("inference").add_span_processor(SimpleSpanProcessor(exporter))
+    messages = [m async for m in stub.Generate(request(6, stop=["Paris"]), timeout=120)]
+
+    async def ended() -> bool:  # the span ends once the handler returns, just after the last message
+        return any(s.name == "inference.generate" for s in exporter.get_finished_spans())
+
+    await wait_until(ended, 5, "the inference span ended")
+    spans = [s for s in exporter.get_finished_spans() if s.name == "inference.generate"]
+    assert len(spans) == 1
+    attributes = dict(spans[0].attributes or {})
+    assert attributes["gen_ai.request.model"] == VLLM_MODEL_NAME
+    assert attributes["gen_ai.usage.input_tokens"] == messages[-1].usage.input_tokens
+    assert attributes["gen_ai.usage.output_tokens"] == messages[-1].usage.output_tokens > 0
+    assert str(attributes["llmesh.inference.backend"]).startswith("vllm")
+    # The traceparent went to vLLM in the HTTP headers: its own request span joins our trace.
+    trace_id = format(spans[0].context.trace_id, "032x")
+    traces: OtlpReceiver = vllm.traces  # type: ignore[attr-defined]
+
+    async def continued() -> bool:
+        return bool(traces.trace(trace_id))
+
+    await wait_until(continued, 30, "vLLM exported a span in our trace")
+    ours = format(spans[0].context.span_id, "016x")
+    assert any(s["parent_span_id"] == ours for s in traces.trace(trace_id)), traces.trace(trace_id)
+
+
+async def test_model_info_names_the_backend_model_and_our_tokenizer(
+    stub: inference_pb2_grpc.InferenceStub, channel: grpc.aio.Channel, models_dir: Path
+) -> None:
+    info = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=10)
+    ours = verify((models_dir / "smollm2" / "current").resolve()).manifest["files"]["tokenizer.json"]
+    assert info.model_id == VLLM_MODEL_NAME
+    assert info.sha256 == ours
+    assert info.version.startswith("vllm")
+    assert info.max_context_tokens == 2048  # vLLM's --max-model-len, as /v1/models reports it
+    assert await health_of(channel) == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_cancel_frees_the_backend_sequence(
+    stub: inference_pb2_grpc.InferenceStub, inference: ServiceHost, vllm: VllmServer
+) -> None:
+    call = stub.Generate(request(LONG, ignore_eos=True), timeout=300)
+    first = await call.read()
+    assert isinstance(first, inference_pb2.InferenceResponse) and first.text
+
+    async def generating() -> bool:
+        return await running_in_vllm(vllm) >= 1
+
+    await wait_until(generating, 10, "vLLM reports the sequence running")
+    call.cancel()
+
+    async def freed() -> bool:
+        return await running_in_vllm(vllm) == 0 and backend_of(inference).replicas[0].in_flight == 0
+
+    # LONG tokens take half a minute and more: only an abort frees the sequence this soon.
+    await wait_until(freed, 5, "vLLM freed the cancelled sequence")
+
+
+async def test_deadline_shorter_than_the_generation(
+    stub: inference_pb2_grpc.InferenceStub, inference: ServiceHost, vllm: VllmServer
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as expired:
+        async for _ in stub.Generate(request(LONG, ignore_eos=True), timeout=2.0):
+            pass
+    assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - started < 4
+
+    async def closed() -> bool:
+        return backend_of(inference).replicas[0].in_flight == 0 and await running_in_vllm(vllm) == 0
+
+    await wait_until(closed, 5, "the HTTP stream closed and vLLM freed the sequence")
+
+
+async def test_a_parameter_the_backend_rejects_is_invalid_argument_naming_it(
+    stub: inference_pb2_grpc.InferenceStub,
+) -> None:
+    # Our proto allows any uint64 seed; vLLM takes a signed 64-bit one and answers 400.
+    with pytest.raises(grpc.aio.AioRpcError) as rejected:
+        async for _ in stub.Generate(request(4, seed=2**64 - 1, temperature=0.7), timeout=60):
+            pass
+    assert rejected.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = errors.unpack_details(errors.status_details(rejected.value.trailing_metadata()))
+    fields = [v.field for v in details["bad_request"].field_violations]  # type: ignore[attr-defined]
+    assert fields == ["sampling.seed"]
+
+
+async def test_a_mismatched_tokenizer_is_refused_at_start(vllm: VllmServer, models_dir: Path) -> None:
+    env = backend_env(vllm, models_dir, LLMESH_INFERENCE_MODEL="minilm")  # a BERT WordPiece tokenizer
+    app = InferenceApp(service_settings("inference", env))
+    with pytest.raises(errors.FailedPrecondition) as refused:
+        await app.start()
+    assert refused.value.reason == "TOKENIZER_MISMATCH"
+    assert not app.manager.ready
+    # As a process: the service stops with the message instead of serving.
+    child = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "services.inference"],
+        env={**os.environ, **env, "LLMESH_LISTEN": "127.0.0.1:0", "LLMESH_METRICS_PORT": "0"},
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert child.returncode != 0
+    assert "different tokenizers" in child.stderr
+
+
+async def test_gateway_on_the_openai_backend_then_backend_killed_and_restarted(
+    inference: ServiceHost, channel: grpc.aio.Channel, vllm: VllmServer, models_dir: Path
+) -> None:
+    env = {"LLMESH_MODELS_DIR": str(models_dir)}
+    async with hosted("tokenizer", TokenizerApp, env) as tok:
+        gateway_env = {
+            "LLMESH_TOKENIZER_TARGET": f"127.0.0.1:{tok.port}",
+            "LLMESH_INFERENCE_TARGET": f"127.0.0.1:{inference.port}",
+            "LLMESH_CACHE_TARGET": CLOSED,
+            "LLMESH_RETRIEVAL_TARGET": CLOSED,
+            "LLMESH_BREAKER_WINDOW": "3",
+            "LLMESH_BREAKER_MINIMUM_CALLS": "3",
+            "LLMESH_BREAKER_WAIT_SECONDS": "2",
+            "LLMESH_MAX_NEW_TOKENS": "1800",
+        }
+        async with (
+            hosted("gateway", GatewayApp, gateway_env) as gw,
+            grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as gw_channel,
+        ):
+            gateway = gateway_pb2_grpc.GatewayStub(gw_channel)
+
+            def ask(max_new_tokens: int) -> gateway_pb2.GenerateRequest:
+                return gateway_pb2.GenerateRequest(
+                    prompt="What is the capital of France?",
+                    sampling=common_pb2.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
+                )
+
+            # A whole request through the mesh on vLLM.
+            reply = await gateway.Generate(ask(12), timeout=120)
+            assert reply.text and reply.usage.output_tokens == 12
+            assert reply.model.startswith(VLLM_MODEL_NAME)
+
+            # vLLM killed mid-stream: the caller gets UNAVAILABLE, not a hang or a cut answer.
+            stream = gateway.GenerateStream(ask(LONG), timeout=120)
+            async for event in stream:
+                if event.WhichOneof("event") == "delta":
+                    break
+            vllm.kill()
+            with pytest.raises(grpc.aio.AioRpcError) as broken:
+                async for _ in stream:
+                    pass
+            assert broken.value.code() == grpc.StatusCode.UNAVAILABLE
+
+            async def not_serving() -> bool:
+                return await health_of(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+            await wait_until(not_serving, 10, "inference NOT_SERVING once vLLM is gone")
+            breaker = gw.app.peers.breakers["inference"]  # type: ignore[attr-defined]
+            for _ in range(3):
+                with pytest.raises(grpc.aio.AioRpcError) as down:
+                    await gateway.Generate(ask(4), timeout=30)
+                assert down.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert breaker.state.value == "open"
+
+            # Restarted on the same port: SERVING again, and the gateway answers once more.
+            vllm.start()
+            await asyncio.to_thread(vllm.wait_ready)
+
+            async def serving() -> bool:
+                return await health_of(channel) == health_pb2.HealthCheckResponse.SERVING
+
+            await wait_until(serving, 15, "inference SERVING again after vLLM restarted")
+
+            async def answers() -> bool:
+                try:
+                    again = await gateway.Generate(ask(4), timeout=60)
+                except grpc.aio.AioRpcError:
+                    return False
+                return again.usage.output_tokens == 4
+
+            await wait_until(answers, 30, "the gateway answers through the restarted backend")
