@@ -40,7 +40,7 @@ def fill(
     seed: int = 1,
 ) -> dict[str, float]:
     """Creates the collection with its payload indexes, upserts n points, builds the HNSW index
-    (the same background build the services run, waited for here); returns the seconds taken."""
+    (the services' background build, waited for here, at normal priority); returns the seconds taken."""
     client.create_collection(collection, vectors_config=qm.VectorParams(size=dim, distance=qm.Distance.DOT))
     for name, schema in indexes:
         client.create_payload_index(collection, name, schema)
@@ -51,7 +51,7 @@ def fill(
         ids = [point_id(i) for i in range(first, first + count)]
         client.upsert_arrays(collection, ids, vectors, [payload(i) for i in range(first, first + count)])
     upserted = time.perf_counter()
-    client.build_index(collection)
+    client.build_index(collection, nice=0)  # nothing is served meanwhile: no need to yield the cores
     built = time.perf_counter()
     points, indexed = client.indexed(collection)
     return {

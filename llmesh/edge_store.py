@@ -392,9 +392,10 @@ class EdgeClient:
         points, indexed = self.indexed(name)
         return (points - indexed) * coll.size * 4 >= BUILD_MIN_UNINDEXED_KB * 1024
 
-    def build_index(self, name: str, only_if_needed: bool = False) -> bool:
-        """Optimizes a copy of the collection's shard in a child process and swaps it in; returns
-        whether it did. Safe to call while searches and writes go on."""
+    def build_index(self, name: str, only_if_needed: bool = False, nice: int = NICE) -> bool:
+        """Optimizes a copy of the collection's shard in a child process (at niceness `nice`, so
+        serving keeps the cores) and swaps it in; returns whether it did. Safe to call while
+        searches and writes go on."""
         coll = self._get(name)
         coll.dirty = False
         if only_if_needed and not self.needs_build(name):
@@ -406,9 +407,10 @@ class EdgeClient:
             shutil.copytree(coll.path / coll.generation, target, ignore=shutil.ignore_patterns("*.lock"))
             coll.replay, coll.replay_points = [], 0
         started = time.monotonic()
+        built = None
         try:
             self._child = subprocess.Popen(
-                [sys.executable, "-m", "llmesh.edge_store", "optimize", str(target)],
+                [sys.executable, "-m", "llmesh.edge_store", "optimize", str(target), str(nice)],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
             )
@@ -420,18 +422,18 @@ class EdgeClient:
             built = qe.EdgeShard.load(str(target))
             with coll.write_lock:
                 if coll.replay_points > MAX_REPLAY_POINTS:
-                    built.close()
                     raise RuntimeError(f"{coll.replay_points} points written during the build; retrying later")
-                for op in coll.replay:
+                for op in coll.replay or []:
                     built.update(op)
                 built.flush()
                 _write_current(coll.path, generation)
                 old_generation = coll.generation
                 old = coll.swap(built, generation)
+                built = None  # live now
                 coll.replay = None
-            old.close()
-            shutil.rmtree(coll.path / old_generation, ignore_errors=True)
         except BaseException:
+            if built is not None:
+                built.close()
             with coll.write_lock:
                 coll.replay = None
                 coll.dirty = True
@@ -439,14 +441,16 @@ class EdgeClient:
             raise
         finally:
             self._child = None
+        old.close()
+        shutil.rmtree(coll.path / old_generation, ignore_errors=True)
         points, indexed = self.indexed(name)
         seconds = time.monotonic() - started
         log.info("HNSW index of %s built in %.1fs (%d of %d points indexed)", name, seconds, indexed, points)
         return True
 
 
-def _optimize_main(path: str) -> None:
-    os.nice(NICE)
+def _optimize_main(path: str, nice: int) -> None:
+    os.nice(nice)
     shard = qe.EdgeShard.load(path)
     try:
         shard.optimize()
@@ -456,6 +460,6 @@ def _optimize_main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "optimize":
-        sys.exit("usage: python -m llmesh.edge_store optimize SHARD_DIR")
-    _optimize_main(sys.argv[2])
+    if len(sys.argv) != 4 or sys.argv[1] != "optimize":
+        sys.exit("usage: python -m llmesh.edge_store optimize SHARD_DIR NICENESS")
+    _optimize_main(sys.argv[2], int(sys.argv[3]))
