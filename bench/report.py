@@ -57,6 +57,7 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "fill.store_filtered.p99_ms",
         "lookup_miss.p50_ms",
         "lookup_miss.p99_ms",
+        "lookup_miss_empty_scope.p50_ms",
         "semantic_hit.p50_ms",
         "fill.index_build_seconds",
     ),
