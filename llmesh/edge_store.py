@@ -49,8 +49,11 @@ CURRENT_FILE = "CURRENT"
 INDEXING_THRESHOLD_KB = 4096
 # A background build starts once this many bytes of vectors are not in an HNSW index ...
 BUILD_MIN_UNINDEXED_KB = 2 * INDEXING_THRESHOLD_KB
-# ... and no write came for this long (a bulk ingest is indexed once, at its end).
+# ... and no write came for this long (a bulk ingest is indexed once, at its end), or, under
+# writes that never pause (a busy cache), once this many are.
 BUILD_QUIET_S = 2.0
+BUILD_FORCE_UNINDEXED_KB = 4 * BUILD_MIN_UNINDEXED_KB
+BUILD_CHECK_S = 1.0
 # Writes made during a build are kept to replay onto the optimized copy; past this many points the
 # build is dropped (the next quiet period starts a new one).
 MAX_REPLAY_POINTS = 50_000
@@ -219,7 +222,6 @@ class EdgeClient:
         self._collections: dict[str, _Collection] = {}
         self._registry = threading.Lock()
         self._closed = threading.Event()
-        self._wake = threading.Event()
         self._child: subprocess.Popen[bytes] | None = None
         for path in sorted(p for p in root.iterdir() if (p / META_FILE).exists()):
             self._collections[path.name] = self._load(path)
@@ -288,7 +290,6 @@ class EdgeClient:
         coll = self._get(collection_name)
         edge_points = [qe.Point(p.id, cast(list[float], p.vector), p.payload) for p in points]
         coll.update(qe.UpdateOperation.upsert_points(edge_points), len(edge_points))
-        self._wake.set()
 
     def upsert_arrays(
         self, collection_name: str, ids: Sequence[str | int], vectors: Any, payloads: Sequence[dict[str, Any]]
@@ -297,7 +298,6 @@ class EdgeClient:
         coll = self._get(collection_name)
         edge_points = [qe.Point(i, v, p) for i, v, p in zip(ids, vectors, payloads, strict=True)]
         coll.update(qe.UpdateOperation.upsert_points(edge_points), len(edge_points))
-        self._wake.set()
 
     def delete(self, collection_name: str, points_selector: Any, wait: bool = True) -> None:
         coll = self._get(collection_name)
@@ -360,7 +360,6 @@ class EdgeClient:
         if self._closed.is_set():
             return
         self._closed.set()
-        self._wake.set()
         child = self._child
         if child is not None and child.poll() is None:
             child.kill()
@@ -373,33 +372,37 @@ class EdgeClient:
     # ----- background HNSW builds
 
     def _build_loop(self) -> None:
-        while not self._closed.is_set():
-            self._wake.wait(timeout=BUILD_QUIET_S)
-            self._wake.clear()
+        while not self._closed.wait(BUILD_CHECK_S):
             for name, coll in list(self._collections.items()):
                 if self._closed.is_set():
                     return
-                if not coll.dirty or time.monotonic() - coll.last_write < BUILD_QUIET_S:
+                if not coll.dirty:
+                    continue
+                quiet = time.monotonic() - coll.last_write >= BUILD_QUIET_S
+                unindexed_kb = self.unindexed_kb(name)
+                if unindexed_kb < BUILD_MIN_UNINDEXED_KB:
+                    if quiet:
+                        coll.dirty = False  # small enough to search exactly
+                    continue
+                if not quiet and unindexed_kb < BUILD_FORCE_UNINDEXED_KB:
                     continue
                 try:
-                    self.build_index(name, only_if_needed=True)
+                    self.build_index(name)
                 except Exception as exc:
                     if not self._closed.is_set():
                         log.warning("background index build of %s failed: %s", name, exc)
 
-    def needs_build(self, name: str) -> bool:
-        coll = self._get(name)
+    def unindexed_kb(self, name: str) -> float:
+        """KB of vectors searched exactly (not in an HNSW index yet)."""
         points, indexed = self.indexed(name)
-        return (points - indexed) * coll.size * 4 >= BUILD_MIN_UNINDEXED_KB * 1024
+        return (points - indexed) * self._get(name).size * 4 / 1024
 
-    def build_index(self, name: str, only_if_needed: bool = False, nice: int = NICE) -> bool:
+    def build_index(self, name: str, nice: int = NICE) -> bool:
         """Optimizes a copy of the collection's shard in a child process (at niceness `nice`, so
         serving keeps the cores) and swaps it in; returns whether it did. Safe to call while
         searches and writes go on."""
         coll = self._get(name)
         coll.dirty = False
-        if only_if_needed and not self.needs_build(name):
-            return False
         with coll.write_lock:
             generation = _next_generation(coll.generation)
             target = coll.path / generation

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -136,6 +137,26 @@ def test_index_build_runs_beside_searches_and_writes(tmp_path: Path, monkeypatch
         assert reopened.indexed("c")[0] == written - (written - 3000) // 100
     finally:
         reopened.close()
+
+
+def test_writes_are_indexed_in_the_background(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the services rely on: nobody calls build_index; once writes pause, the store indexes."""
+    monkeypatch.setattr(edge_store, "INDEXING_THRESHOLD_KB", 64)
+    monkeypatch.setattr(edge_store, "BUILD_MIN_UNINDEXED_KB", 128)  # 2,048 16-d vectors
+    monkeypatch.setattr(edge_store, "BUILD_QUIET_S", 0.2)
+    monkeypatch.setattr(edge_store, "BUILD_CHECK_S", 0.1)
+    client = EdgeClient(tmp_path / "store")
+    try:
+        client.create_collection("c", vectors_config=qm.VectorParams(size=DIM, distance=qm.Distance.DOT))
+        client.upsert("c", points=_points(_vectors(1000)))
+        client.upsert("c", points=_points(_vectors(2000, seed=1), first=1000))
+        deadline = time.monotonic() + 120
+        while client.indexed("c")[1] == 0 and time.monotonic() < deadline:
+            threading.Event().wait(0.2)
+        assert client.indexed("c") == (3000, 3000)
+        assert (tmp_path / "store" / "c" / "CURRENT").read_text().strip() == "g000002"
+    finally:
+        client.close()
 
 
 def test_a_second_process_gets_a_clear_error(tmp_path: Path) -> None:
