@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import subprocess
 import sys
@@ -162,12 +163,192 @@ async def throughput(gateway: str, http_base: str, chain: str, clients: int, sec
     }
 
 
+SCALE_POINTS = 100_000
+SCALE_TENANTS = 50
+SCALE_REDIS_DB = 9
+SCALE_TENANT = "t7"
+# Real questions stored through the service into the measured scope, then asked as paraphrases.
+SCALE_HITS = list(zip(QUESTIONS[: len(PARAPHRASES)], PARAPHRASES, strict=True))
+
+
+def _scale_scope(tenant: str) -> Any:
+    from llmesh.v1 import cache_pb2
+
+    return cache_pb2.CacheScope(model="smollm2", tenant=tenant, sampling=common_pb2.SamplingParams(max_new_tokens=32))
+
+
+def _scale_fill(root: Any) -> dict[str, Any]:
+    """SCALE_POINTS cached questions (random vectors, real scope payloads over SCALE_TENANTS
+    tenants) in the cache's collection, as CacheCore writes them; HNSW built."""
+    from qdrant_client import models as qm
+
+    from bench.scale import fill
+    from llmesh.edge_store import EdgeClient
+    from services.cache.core import SCOPE_FIELDS, CacheCore, point_id, redis_client
+    from services.cache.servicer import scope_of
+
+    class _Digest:  # what _scope_payload reads of the embedder
+        def __init__(self, digest: str, dimension: int) -> None:
+            self.digest, self.dimension = digest, dimension
+
+    from llmesh.embeddings import Embedder
+    from llmesh.testing import real_models_dir
+
+    embedder = Embedder.load(real_models_dir(), "minilm")
+    digest, dimension = embedder.digest, embedder.dimension
+    embedder.close()
+    core = CacheCore(
+        redis_client("redis://127.0.0.1:6379/0", 0.25),
+        embedder=_Digest(digest, dimension),  # type: ignore[arg-type]
+        qdrant=None,
+        threshold=0.9,
+        default_ttl=3600,
+        timeout=0.25,
+    )
+    collection = core.collection
+    scopes = [core._scope_payload(scope_of(_scale_scope(f"t{i}"))) for i in range(SCALE_TENANTS)]
+    expires = time.time() + 3600
+
+    def key(i: int) -> str:
+        return hashlib.sha256(f"scale-{i}".encode()).hexdigest()
+
+    def payload(i: int) -> dict[str, Any]:
+        return {**scopes[i % SCALE_TENANTS], "key": key(i), "expires_at": expires}
+
+    schema = qm.PayloadSchemaType
+    indexes = [(f, schema.INTEGER if f == "collection_version" else schema.KEYWORD) for f in SCOPE_FIELDS]
+    indexes.append(("expires_at", schema.FLOAT))
+    client = EdgeClient(root, background_builds=False)
+    try:
+        filled = fill(client, collection, SCALE_POINTS, dimension, payload, lambda i: point_id(key(i)), indexes)
+        filled.update(_scale_store_search(client, collection, scopes[7]))
+    finally:
+        client.close()
+    return filled
+
+
+def _scale_store_search(client: Any, collection: str, want: dict[str, Any]) -> dict[str, Any]:
+    from qdrant_client import models as qm
+
+    from bench.scale import time_searches, unit_vectors
+    from services.cache.core import SCOPE_FIELDS
+
+    probe = unit_vectors(300, 384, seed=98)
+    flt = qm.Filter(must=[qm.FieldCondition(key=f, match=qm.MatchValue(value=want[f])) for f in SCOPE_FIELDS])
+    return {
+        "store_search": time_searches(client, collection, probe, None, with_payload=["key"]),
+        "store_filtered": time_searches(client, collection, probe, flt, with_payload=["key"]),
+    }
+
+
+async def _scale_lookups(target: str, n_misses: int) -> dict[str, Any]:
+    """Lookup latency over gRPC with SCALE_POINTS cached questions, query embedding included:
+    new questions (exact miss, then the filtered semantic search finds nothing above the
+    threshold) and paraphrases of questions stored in the same scope (semantic hits)."""
+    from bench.retrieval import make_queries
+    from bench.scale import ms_percentiles
+    from llmesh.v1 import cache_pb2, cache_pb2_grpc
+
+    scope = _scale_scope(SCALE_TENANT)
+    # A tenant with no cached question: the same lookup path, with nothing for the index to scan
+    # (the baseline, measured interleaved: what embedding, Redis and gRPC cost on this machine now).
+    empty = _scale_scope("t-none")
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = cache_pb2_grpc.CacheStub(channel)
+
+        async def lookup(prompt: str, where: Any = scope) -> tuple[float, Any]:
+            t0 = time.perf_counter()
+            reply = await stub.Lookup(cache_pb2.CacheLookupRequest(prompt=prompt, scope=where, allow_semantic=True))
+            return time.perf_counter() - t0, reply
+
+        for question, _ in SCALE_HITS:
+            answer = cache_pb2.CachedAnswer(text="cached", finish_reason=common_pb2.FINISH_REASON_STOP)
+            await stub.Store(cache_pb2.CacheStoreRequest(prompt=question, scope=scope, answer=answer))
+        questions = list(dict.fromkeys(make_queries(n_misses + 10, seed=23)))
+        for q in questions[:10]:  # warm-up
+            await lookup(q + " (warm-up)")
+        misses, hits, hit_tiers, baseline = [], [], [], []
+        for i, q in enumerate(questions[10:]):
+            seconds, reply = await lookup(q)
+            assert not reply.hit
+            misses.append(seconds)
+            seconds, reply = await lookup(q, empty)
+            assert not reply.hit
+            baseline.append(seconds)
+            _, paraphrase = SCALE_HITS[i % len(SCALE_HITS)]
+            seconds, reply = await lookup(paraphrase)
+            hit_tiers.append(reply.tier)
+            if reply.tier == common_pb2.CACHE_TIER_SEMANTIC:
+                hits.append(seconds)
+    return {
+        "lookup_miss": ms_percentiles(misses),
+        "lookup_miss_empty_scope": ms_percentiles(baseline),
+        "semantic_hit": ms_percentiles(hits) if hits else None,
+        "semantic_hits": len(hits),
+        "semantic_asks": len(hit_tiers),
+    }
+
+
+def scale_run(n_misses: int) -> dict[str, Any]:
+    """bench.cache --scale: the semantic tier with SCALE_POINTS cached questions, through the store
+    module and through the running cache service."""
+    import tempfile
+    from pathlib import Path
+
+    import redis
+
+    from bench.scale import others_running
+    from llmesh.settings import load
+    from llmesh.supervisor import Mesh
+    from llmesh.testing import real_models_dir
+
+    result: dict[str, Any] = {"others_running_at_start": others_running()}
+    url = f"redis://127.0.0.1:6379/{SCALE_REDIS_DB}"
+    threshold = load("cache", {}).semantic_threshold  # the shipped default
+    with tempfile.TemporaryDirectory(prefix="llmesh-bench-cache-scale-") as tmp:
+        result["fill"] = _scale_fill(Path(tmp) / "qdrant-edge-cache")
+        redis.Redis.from_url(url).flushdb()
+        env = {
+            "LLMESH_DATA_DIR": tmp,
+            "LLMESH_MODELS_DIR": str(real_models_dir()),
+            "LLMESH_REDIS_URL": url,
+            "LLMESH_LOG_LEVEL": "WARNING",
+            "QDRANT_URL": "",
+        }
+        try:
+            with Mesh(env=env, services=("cache",)) as mesh:
+                result.update(asyncio.run(_scale_lookups(mesh.target("cache"), n_misses)))
+        finally:
+            redis.Redis.from_url(url).flushdb()
+    hit = result["semantic_hit"]
+    result["passes"] = {
+        "store_search_p50_ms@100k<=2": result["fill"]["store_search"]["p50_ms"] <= 2,
+        "store_filtered_p50_ms@100k<=5": result["fill"]["store_filtered"]["p50_ms"] <= 5,
+        "semantic_lookup_p50_ms@100k<=30": result["lookup_miss"]["p50_ms"] <= 30
+        and hit is not None
+        and hit["p50_ms"] <= 30,
+    }
+    result["semantic_threshold"] = threshold
+    result["qdrant"] = "embedded Qdrant Edge (qdrant-edge-py 0.9.0), HNSW built by the background build"
+    result["machine"] = machine()
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument(
+        "--scale", action="store_true", help="the scale run (100k stored cached questions) -> cache_scale.json"
+    )
     args = parser.parse_args(argv)
+    if args.scale:
+        scale = scale_run(args.repeats * 8)
+        print_table({k: v for k, v in scale.items() if k not in ("passes", "machine")}, "bench.cache --scale")
+        print_table(scale["passes"], "targets")
+        print(f"wrote {write_result('cache_scale', scale)}")
+        return
 
     accuracy = cache_eval.run()
     result: dict[str, Any] = {

@@ -233,18 +233,17 @@ async def _run(retrieval: str, tokenizer: str, target_chunks: int, n_queries: in
         "query_embed_p50_ms": _ms(percentile(embed_t, 0.5)),
         "_query_vectors": vectors,
         "target_search_p50_ms": 20.0,
-        "qdrant": "embedded local mode",
+        "qdrant": "embedded Qdrant Edge (qdrant-edge-py 0.9.0)",
         "services": "tokenizer and retrieval as separate processes (llmesh.supervisor.Mesh)",
     }
 
 
 def qdrant_p50_ms(path: Path, vectors: Sequence[Any]) -> float:
     """p50 of the embedded-Qdrant query alone (top 4 with payloads) on the benchmark collection."""
-    from qdrant_client import QdrantClient
-
+    from llmesh.edge_store import EdgeClient
     from services.retrieval.core import physical_name
 
-    client = QdrantClient(path=str(path))
+    client = EdgeClient(path, background_builds=False)
     try:
         name = physical_name("bench", "bench")
         times = []
@@ -257,15 +256,131 @@ def qdrant_p50_ms(path: Path, vectors: Sequence[Any]) -> float:
     return _ms(percentile(times, 0.5))
 
 
+SCALE_SIZES = (10_000, 100_000)
+SCALE_TOPICS = tuple(_TOPICS)
+
+
+def _scale_collection(points: int) -> str:
+    return f"scale{points // 1000}k"
+
+
+def _scale_payload(i: int) -> dict[str, Any]:
+    """What the service stores per chunk (text recycled from the corpus generator's words)."""
+    topic = SCALE_TOPICS[i % len(SCALE_TOPICS)]
+    a, b = _TOPICS[topic][i % 8], _TOPICS[topic][(i + 3) % 8]
+    return {
+        "document_id": f"doc-{i // 8:06d}",
+        "chunk_index": i % 8,
+        "text": f"The {_ADJ[i % 16]} {a} {_VERBS[i % 16]} the {_ADJ[(i + 5) % 16]} {b} {_TAILS[i % 10]}.",
+        "metadata": {"topic": topic},
+        "tenant": "bench",
+        "ingest": "scale",
+    }
+
+
+async def _scale_search(retrieval: str, queries: list[str], rounds: int) -> dict[str, Any]:
+    """Search p50/p99 over gRPC on each collection size, interleaved query by query so both sizes
+    see the same machine load (query embedding included: real MiniLM on real question text)."""
+    from bench.scale import ms_percentiles
+
+    times: dict[str, list[float]] = {}
+    async with grpc.aio.insecure_channel(retrieval) as channel:
+        stub = retrieval_pb2_grpc.RetrievalStub(channel)
+
+        async def search(size: int, q: str, **kw: Any) -> float:
+            request = retrieval_pb2.RetrievalSearchRequest(
+                query=q, collection=_scale_collection(size), tenant="bench", **kw
+            )
+            t0 = time.perf_counter()
+            reply = await stub.Search(request)
+            elapsed = time.perf_counter() - t0
+            assert len(reply.results) == 4, len(reply.results)
+            return elapsed
+
+        for q in queries[:10]:  # warm-up
+            for size in SCALE_SIZES:
+                await search(size, q)
+        for _ in range(rounds):
+            for q in queries:
+                for size in SCALE_SIZES:
+                    times.setdefault(f"search_{size // 1000}k", []).append(await search(size, q))
+                    times.setdefault(f"filtered_{size // 1000}k", []).append(
+                        await search(size, q, filter={"topic": "cloud"})
+                    )
+    return {name: ms_percentiles(values) for name, values in times.items()}
+
+
+def scale_run(n_queries: int) -> dict[str, Any]:
+    """Stored random vectors at 10k and 100k chunks: store search p50/p99 through llmesh.edge_store,
+    then the retrieval service's Search over gRPC on both, in one run."""
+    from qdrant_client import models as qm
+
+    from bench.scale import fill, others_running, time_searches, unit_vectors
+    from llmesh.edge_store import EdgeClient
+    from services.retrieval.core import INDEXED_FIELDS, chunk_point_id, physical_name
+
+    result: dict[str, Any] = {"others_running_at_start": others_running()}
+    indexes = [(f, qm.PayloadSchemaType.KEYWORD) for f in (*INDEXED_FIELDS, "metadata.topic")]
+    probe = unit_vectors(300, 384, seed=99)
+    topic = qm.Filter(must=[qm.FieldCondition(key="metadata.topic", match=qm.MatchValue(value="cloud"))])
+    with tempfile.TemporaryDirectory(prefix="llmesh-bench-retrieval-scale-") as tmp:
+        client = EdgeClient(Path(tmp) / "qdrant-edge-retrieval", background_builds=False)
+        try:
+            for size in SCALE_SIZES:
+                physical = physical_name("bench", _scale_collection(size))
+                key = f"{size // 1000}k"
+                result[f"fill_{key}"] = fill(
+                    client,
+                    physical,
+                    size,
+                    384,
+                    _scale_payload,
+                    lambda i, p=physical: chunk_point_id(p, f"doc-{i // 8:06d}", i % 8),
+                    indexes,
+                )
+                result[f"store_search_{key}"] = time_searches(client, physical, probe, None)
+                result[f"store_filtered_{key}"] = time_searches(client, physical, probe, topic)
+        finally:
+            client.close()
+        env = {
+            "LLMESH_MODELS_DIR": str(real_models_dir()),
+            "LLMESH_DATA_DIR": tmp,
+            "QDRANT_URL": "",
+            "LLMESH_LOG_LEVEL": "WARNING",
+        }
+        with Mesh(env=env, services=("tokenizer", "retrieval")) as mesh:
+            result.update(asyncio.run(_scale_search(mesh.target("retrieval"), make_queries(n_queries), rounds=1)))
+    lo, hi = (f"{size // 1000}k" for size in (SCALE_SIZES[0], SCALE_SIZES[-1]))
+    s_hi, s_lo = result[f"search_{hi}"]["p50_ms"], result[f"search_{lo}"]["p50_ms"]
+    result[f"search_p50_{hi}_minus_{lo}_ms"] = round(s_hi - s_lo, 2)
+    result["passes"] = {
+        f"store_search_p50_ms@{hi}<=2": result[f"store_search_{hi}"]["p50_ms"] <= 2,
+        f"store_filtered_p50_ms@{hi}<=5": result[f"store_filtered_{hi}"]["p50_ms"] <= 5,
+        f"search_p50@{hi}<=search_p50@{lo}+5ms": s_hi <= s_lo + 5,
+    }
+    result["qdrant"] = "embedded Qdrant Edge (qdrant-edge-py 0.9.0), HNSW built by the background build"
+    result["machine"] = machine()
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=10_000)
     parser.add_argument("--queries", type=int, default=200)
     parser.add_argument("--out", type=Path, default=RESULT)
+    parser.add_argument(
+        "--scale", action="store_true", help="the scale run (stored vectors, 10k vs 100k) -> retrieval_scale.json"
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # SIGTERM (a timeout) unwinds normally, so the service processes are stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.scale:
+        scale = scale_run(args.queries)
+        print_table({k: v for k, v in scale.items() if k not in ("passes", "machine")}, "bench.retrieval --scale")
+        print_table(scale["passes"], "targets")
+        print(f"wrote {write_result('retrieval_scale', scale)}")
+        return
     with tempfile.TemporaryDirectory(prefix="llmesh-bench-retrieval-") as tmp:
         env = {
             "LLMESH_MODELS_DIR": str(real_models_dir()),
@@ -276,7 +391,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         with Mesh(env=env, services=("tokenizer", "retrieval")) as mesh:
             result = asyncio.run(_run(mesh.target("retrieval"), mesh.target("tokenizer"), args.chunks, args.queries))
         # The service has stopped and released its store: time the Qdrant part of a search alone.
-        result["search_qdrant_p50_ms"] = qdrant_p50_ms(Path(tmp) / "qdrant-retrieval", result.pop("_query_vectors"))
+        store = Path(tmp) / "qdrant-edge-retrieval"
+        result["search_qdrant_p50_ms"] = qdrant_p50_ms(store, result.pop("_query_vectors"))
     result["passes"] = {
         "ingest_chunks_s>=0.8*raw_embed_chunks_s": result["ingest_vs_raw"] >= 0.8,
         "search_p50_ms<=20": result["search_p50_ms"] <= 20,

@@ -44,11 +44,8 @@ T = TypeVar("T")
 
 DEFAULT_PREFIX = "llmesh:cache:"
 MAX_PROMPT_BYTES = 64 * 1024
-# Embedded Qdrant filters payloads in Python (slow on large collections): it asks for every
-# point above the threshold, unfiltered, up to this many, and filters the scope itself; only a
-# saturated answer falls back to a filtered search.
-LOCAL_CANDIDATES = 32
-SERVER_CANDIDATES = 4
+# Candidates in scope above the threshold handed to the near-hit guard, best first.
+CANDIDATES = 4
 SCOPE_FIELDS = ("scope", "model", "tenant", "collection", "collection_version", "sampling")
 INVALIDATE_BATCH = 500
 PROBE_MIN_S, PROBE_MAX_S = 0.5, 1.0
@@ -190,15 +187,15 @@ class CacheCore:
         if not client.collection_exists(self.collection):
             client.create_collection(
                 self.collection,
-                # Unit vectors: dot product = cosine, without embedded Qdrant renormalizing per search.
+                # Unit vectors: dot product = cosine, without the engine renormalizing per search.
                 vectors_config=qm.VectorParams(size=self.embedder.dimension, distance=qm.Distance.DOT),
             )
-            if not self.qdrant.local:  # embedded mode has no payload indexes
-                schema = qm.PayloadSchemaType
-                for name in SCOPE_FIELDS:
-                    kind = schema.INTEGER if name == "collection_version" else schema.KEYWORD
-                    client.create_payload_index(self.collection, name, kind)
-                client.create_payload_index(self.collection, "expires_at", qm.PayloadSchemaType.FLOAT)
+        # Every start (idempotent): collections made before these indexes existed, or migrated.
+        schema = qm.PayloadSchemaType
+        for name in SCOPE_FIELDS:
+            kind = schema.INTEGER if name == "collection_version" else schema.KEYWORD
+            client.create_payload_index(self.collection, name, kind)
+        client.create_payload_index(self.collection, "expires_at", schema.FLOAT)
 
     # ----- Redis with degraded mode
 
@@ -428,26 +425,12 @@ class CacheCore:
         """(entry key, similarity) of the points in scope above the threshold, best first."""
         assert self.qdrant is not None
         client = self.qdrant.client
-        if self.qdrant.local:
-            found = client.query_points(
-                self.collection,
-                query=vector.tolist(),
-                limit=LOCAL_CANDIDATES,
-                score_threshold=self.threshold,
-                with_payload=True,
-            ).points
-            if len(found) < LOCAL_CANDIDATES:
-                return [
-                    (p.payload["key"], p.score)
-                    for p in found
-                    if p.payload and all(p.payload.get(f) == want[f] for f in SCOPE_FIELDS)
-                ][:SERVER_CANDIDATES]
         flt = qm.Filter(must=[qm.FieldCondition(key=f, match=qm.MatchValue(value=want[f])) for f in SCOPE_FIELDS])
         found = client.query_points(
             self.collection,
             query=vector.tolist(),
             query_filter=flt,
-            limit=SERVER_CANDIDATES,
+            limit=CANDIDATES,
             score_threshold=self.threshold,
             with_payload=["key"],
         ).points

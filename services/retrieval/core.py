@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 from opentelemetry import trace
@@ -49,10 +49,10 @@ MAX_QUERY_BYTES = 16 * 1024
 # Documents per progress message; the next batch is chunked while this one is embedded.
 DOCS_PER_BATCH = 16
 CHUNK_CONCURRENCY = 8
-# Embedded Qdrant filters payloads in Python over every point (~20 us each): filtered searches
-# first filter the best top_k * N unfiltered results here, which is exact when at least top_k of
-# them pass (or when that was every point); only then the full filtered scan.
-LOCAL_FILTER_OVERSAMPLE = (8, 64)
+# Payload indexes: the fields searches and deletes filter on, and the first metadata keys seen
+# per collection (filters name metadata keys; past this many, a key is filtered unindexed).
+INDEXED_FIELDS = ("document_id", "ingest", "tenant")
+MAX_INDEXED_METADATA_KEYS = 64
 
 SEARCH_SECONDS = Histogram(
     "llmesh_retrieval_search_duration_seconds", "Retrieval search latency.", buckets=LATENCY_BUCKETS
@@ -146,6 +146,8 @@ class RetrievalCore:
         self.default_collection = default_collection
         self.max_document_bytes = max_document_bytes
         self._version_lock = asyncio.Lock()
+        # Payload fields already indexed, per collection (in this process).
+        self._indexed: dict[str, set[str]] = {}
 
     async def start(self) -> None:
         await self.qdrant.run(self._ensure_meta)
@@ -318,6 +320,7 @@ class RetrievalCore:
 
     def _replace(self, physical: str, ingest: str, doc_ids: list[str], points: list[qm.PointStruct]) -> None:
         client = self.qdrant.client
+        self._index_metadata(physical, points)
         # Documents stored before (their chunk 0 exists) may leave chunks past the new count.
         firsts = {chunk_point_id(physical, d, 0): d for d in doc_ids}
         existed = [firsts[str(r.id)] for r in client.retrieve(physical, ids=list(firsts), with_payload=False)]
@@ -332,24 +335,35 @@ class RetrievalCore:
     def _ensure_collection(self, physical: str) -> None:
         client = self.qdrant.client
         if client.collection_exists(physical):
-            size = self._dimension(physical)
+            size = self.qdrant.vector_size(physical)
             if size != self.embedder.dimension:
                 raise FailedPrecondition(
                     f"collection holds {size}-dimensional vectors; the embedding model makes {self.embedder.dimension}",
                     reason="DIMENSION_MISMATCH",
                 )
-            return
-        client.create_collection(
-            physical, vectors_config=qm.VectorParams(size=self.embedder.dimension, distance=DISTANCE)
-        )
-        if not self.qdrant.local:  # embedded mode has no payload indexes
-            client.create_payload_index(physical, "document_id", qm.PayloadSchemaType.KEYWORD)
-            client.create_payload_index(physical, "ingest", qm.PayloadSchemaType.KEYWORD)
+        else:
+            client.create_collection(
+                physical, vectors_config=qm.VectorParams(size=self.embedder.dimension, distance=DISTANCE)
+            )
+        # Also for collections made before these indexes existed (or migrated): idempotent.
+        self._ensure_indexes(physical, INDEXED_FIELDS)
 
-    def _dimension(self, physical: str) -> int:
-        params = self.qdrant.client.get_collection(physical).config.params.vectors
-        size = getattr(params, "size", None)
-        return int(size) if size is not None else 0
+    def _ensure_indexes(self, physical: str, fields: Sequence[str]) -> None:
+        done = self._indexed.setdefault(physical, set())
+        for name in fields:
+            if name not in done:
+                self.qdrant.client.create_payload_index(physical, name, qm.PayloadSchemaType.KEYWORD)
+                done.add(name)
+
+    def _index_metadata(self, physical: str, points: list[qm.PointStruct]) -> None:
+        done = self._indexed.setdefault(physical, set())
+        room = MAX_INDEXED_METADATA_KEYS - sum(name.startswith("metadata.") for name in done)
+        keys: dict[str, None] = {}
+        for point in points:
+            for key in (point.payload or {}).get("metadata") or {}:
+                if re.fullmatch(r"[A-Za-z0-9_]+", key) and f"metadata.{key}" not in done:
+                    keys[f"metadata.{key}"] = None
+        self._ensure_indexes(physical, list(keys)[: max(0, room)])
 
     # ----- versions
 
@@ -425,30 +439,14 @@ class RetrievalCore:
         version = self._read_version(physical)
         if not client.collection_exists(physical):
             return [], version
-        query = vector.tolist()
-        found = None
-        if filters and self.qdrant.local:
-            for oversample in LOCAL_FILTER_OVERSAMPLE:
-                wide = limit * oversample
-                candidates = client.query_points(
-                    physical, query=query, limit=wide, score_threshold=threshold, with_payload=True
-                ).points
-                passing = [p for p in candidates if _matches(p.payload or {}, filters)]
-                if len(passing) >= limit or len(candidates) < wide:
-                    found = passing[:limit]
-                    break
-        if found is None:
-            flt = None
-            if filters:
-                flt = qm.Filter(
-                    must=[
-                        qm.FieldCondition(key=_metadata_key(k), match=qm.MatchValue(value=v))
-                        for k, v in filters.items()
-                    ]
-                )
-            found = client.query_points(
-                physical, query=query, query_filter=flt, limit=limit, score_threshold=threshold, with_payload=True
-            ).points
+        flt = None
+        if filters:
+            flt = qm.Filter(
+                must=[qm.FieldCondition(key=_metadata_key(k), match=qm.MatchValue(value=v)) for k, v in filters.items()]
+            )
+        found = client.query_points(
+            physical, query=vector.tolist(), query_filter=flt, limit=limit, score_threshold=threshold, with_payload=True
+        ).points
         hits = [
             Hit(
                 document_id=str(p.payload.get("document_id", "")),
@@ -504,9 +502,4 @@ class RetrievalCore:
         version = self._read_version(physical)
         if not self.qdrant.client.collection_exists(physical):
             return Info(False, 0, version, 0)
-        return Info(True, self._count(physical), version, self._dimension(physical))
-
-
-def _matches(payload: Mapping[str, Any], filters: Mapping[str, str]) -> bool:
-    metadata = payload.get("metadata") or {}
-    return all(metadata.get(k) == v for k, v in filters.items())
+        return Info(True, self._count(physical), version, self.qdrant.vector_size(physical))

@@ -20,6 +20,7 @@ import pytest
 import redis.asyncio as aioredis
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
+from qdrant_client import models as qm
 
 from llmesh import telemetry
 from llmesh.errors import status_details, unpack_details
@@ -203,6 +204,41 @@ async def test_ttl_expiry_in_both_tiers(cache: cache_pb2_grpc.CacheStub) -> None
     await asyncio.sleep(2.2)
     assert not (await lookup(cache, "How do I center a div in CSS?", sc)).hit
     assert not (await lookup(cache, "What's the way to center a div with CSS?", sc)).hit
+
+
+async def test_expired_questions_are_deleted_from_the_index_not_only_skipped(
+    models_dir: Path, tmp_path_factory: pytest.TempPathFactory, qdrant_env: dict[str, str]
+) -> None:
+    """An expired entry's point goes: when a lookup meets it, or at the next sweep."""
+    prefix = f"llmesh-test:{uuid.uuid4().hex[:12]}:"
+    env = {**_env(models_dir, tmp_path_factory.mktemp("cache-ttl")), **qdrant_env}
+    tenant = _tenant()
+    sc = scope(tenant)
+    try:
+        async with hosted("cache", lambda s: CacheApp(s, key_prefix=prefix), env) as host:
+            core = host.app.core.get()
+            assert core.qdrant is not None
+            mine = qm.Filter(must=[qm.FieldCondition(key="tenant", match=qm.MatchValue(value=tenant))])
+
+            async def indexed() -> int:
+                assert core.qdrant is not None
+                return (await core.qdrant.run(core.qdrant.client.count, core.collection, count_filter=mine)).count
+
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{host.port}") as channel:
+                stub = cache_pb2_grpc.CacheStub(channel)
+                met = await store(stub, "How do I rotate my API keys?", sc, "In the console.", ttl=1)
+                swept = await store(stub, "Where is the staff parking?", sc, "Behind building B.", ttl=1)
+                assert await indexed() == 2
+                entries = [f"{prefix}e:{met.key}", f"{prefix}e:{swept.key}"]
+                await asyncio.sleep(max([await core.redis.pttl(e) for e in entries]) / 1000 + 0.05)
+                assert not await core.redis.exists(*entries)  # Redis expired both entries
+                assert not (await lookup(stub, "How do I rotate my API keys?", sc)).hit
+                await asyncio.gather(*core._background)
+                assert await indexed() == 1
+                await core.qdrant.run(core._sweep_expired)
+                assert await indexed() == 0
+    finally:
+        await _drop_prefix(REDIS_URL, prefix)
 
 
 async def test_rag_answer_is_stale_for_a_newer_collection_version(cache: cache_pb2_grpc.CacheStub) -> None:
