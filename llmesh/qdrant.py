@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
 from qdrant_client import QdrantClient
-from qdrant_client.http.exceptions import ResponseHandlingException
 from qdrant_client import models as qm
+from qdrant_client.http.exceptions import ResponseHandlingException
 from qdrant_client.http.models import QueryResponse
 
 from llmesh.edge_store import EdgeClient, StoreInUse
