@@ -5,6 +5,7 @@ Every internal port refuses a client without a mesh certificate; the gateway ser
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -43,13 +44,18 @@ HOST_SPECIFIC = {
 }
 
 
+COMPOSE_DEFAULT = re.compile(r"\$\{\w+:-([^}]*)\}")
+
+
 def compose_environment(name: str, certs: Path) -> dict[str, str]:
     """The service's environment in docker-compose.yml, with the certificate volume mapped to
     `certs` and the host-specific variables left to the supervisor and the test."""
     service: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())["services"][name]
     env = {str(k): str(v) for k, v in service["environment"].items()}
     kept: dict[str, str] = {}
-    for key, value in env.items():
+    for key, raw in env.items():
+        # Compose interpolates ${NAME:-default}; the stack started as shipped gets the defaults.
+        value = COMPOSE_DEFAULT.sub(lambda m: m.group(1), raw)
         if key in HOST_SPECIFIC or key.endswith("_TARGET") or key.startswith(("OTEL_", "HF_")):
             continue
         if value.startswith(CERTS_MOUNT + "/"):
