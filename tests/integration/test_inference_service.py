@@ -209,7 +209,19 @@ async def test_metrics_and_spans(stub: inference_pb2_grpc.InferenceStub) -> None
     assert REGISTRY.get_sample_value("llmesh_inference_generation_tokens_total") == generated + 18
     assert REGISTRY.get_sample_value("llmesh_inference_requests_total", {"outcome": "length"})
 
-    await wait_for(lambda: len([s for s in exporter.get_finished_spans() if s.name == "inference.generate"]) == 3)
+    def all_exported() -> bool:
+        """Spans reach processors from a background thread (llmesh.spans), each when it ends: wait
+        for the three request spans, their gRPC server parents and the batch spans they link to."""
+        spans = exporter.get_finished_spans()
+        ids = {s.context.span_id for s in spans}
+        batches = {(s.attributes or {}).get("llmesh.batch.id") for s in spans if s.name == "inference.batch"}
+        generated = [s for s in spans if s.name == "inference.generate"]
+        return len(generated) == 3 and all(
+            s.parent is not None and s.parent.span_id in ids and (s.attributes or {})["llmesh.batch.id"] in batches
+            for s in generated
+        )
+
+    await wait_for(all_exported)
     spans = exporter.get_finished_spans()
     by_id = {s.context.span_id: s for s in spans}
     requests = [s for s in spans if s.name == "inference.generate"]
