@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
 import logging
 import os
 import signal
@@ -157,8 +158,11 @@ def _wrap(full: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         if span is not None:
             span.finish(code, exc)
 
-    if handler.unary_unary:
-        inner_uu = handler.unary_unary
+    # grpc's own streaming servicers (Health.Watch) are coroutines writing with context.write
+    # rather than async generators: they are awaited like a unary handler.
+    writes = handler.unary_stream is not None and inspect.iscoroutinefunction(handler.unary_stream)
+    if handler.unary_unary or writes:
+        inner_uu = handler.unary_unary or handler.unary_stream
 
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             started = time.perf_counter()
@@ -176,9 +180,8 @@ def _wrap(full: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
             finally:
                 finish(started, context, span, exc)
 
-        return grpc.unary_unary_rpc_method_handler(
-            unary_unary, _tolerant(handler.request_deserializer), handler.response_serializer
-        )
+        make = grpc.unary_stream_rpc_method_handler if writes else grpc.unary_unary_rpc_method_handler
+        return make(unary_unary, _tolerant(handler.request_deserializer), handler.response_serializer)
     inner_us = handler.unary_stream
 
     async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -97,6 +97,20 @@ async def test_not_serving_until_warm_then_unknown_errors_are_generic_internal()
             assert "secret" not in str(info.value.debug_error_string())
 
 
+async def test_health_watch_streams_status_changes_through_the_runtime_interceptor() -> None:
+    """grpc's Health.Watch writes with context.write instead of yielding; the one interceptor must
+    pass it through (it failed with "async for requires __aiter__")."""
+    async with hosted("tokenizer", WarmProbeApp) as host:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{host.port}") as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            first = await watch.read()
+            assert first.status == health_pb2.HealthCheckResponse.SERVING
+            await host.set_serving(False)
+            second = await watch.read()
+            assert second.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            watch.cancel()
+
+
 async def test_health_reports_not_serving_during_warm_up() -> None:
     from llmesh.server import ServiceHost
     from llmesh.testing import service_settings
