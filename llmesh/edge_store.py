@@ -133,6 +133,7 @@ class _Collection:
         self.replay_points = 0
         self.last_write = 0.0
         self.dirty = False
+        self.building = False  # a background HNSW build is running on a copy
         self.generation = _read_current(path)
         self.shard = qe.EdgeShard.load(str(path / self.generation))
 
@@ -348,6 +349,11 @@ class EdgeClient:
             info = shard.info()
         return int(info.points_count), int(info.indexed_vectors_count)
 
+    def indexing(self, collection_name: str) -> bool:
+        """Whether a background HNSW build is pending or running for the collection."""
+        coll = self._get(collection_name)
+        return coll.building or (coll.dirty and self.unindexed_kb(collection_name) >= BUILD_MIN_UNINDEXED_KB)
+
     # ----- lifecycle
 
     def flush(self) -> None:
@@ -402,7 +408,7 @@ class EdgeClient:
         serving keeps the cores) and swaps it in; returns whether it did. Safe to call while
         searches and writes go on."""
         coll = self._get(name)
-        coll.dirty = False
+        coll.building, coll.dirty = True, False
         with coll.write_lock:
             generation = _next_generation(coll.generation)
             target = coll.path / generation
@@ -444,6 +450,7 @@ class EdgeClient:
             raise
         finally:
             self._child = None
+            coll.building = False
         old.close()
         shutil.rmtree(coll.path / old_generation, ignore_errors=True)
         points, indexed = self.indexed(name)

@@ -110,6 +110,13 @@ class QdrantHandle:
         size = getattr(params, "size", None)
         return int(size) if size is not None else 0
 
+    def index_state(self, collection: str) -> tuple[int, bool]:
+        """Blocking: (vectors in an HNSW index, whether an index build is pending or running)."""
+        if self.edge is not None:
+            return self.edge.indexed(collection)[1], self.edge.indexing(collection)
+        info = cast(QdrantClient, self.client).get_collection(collection)
+        return int(info.indexed_vectors_count or 0), info.status != qm.CollectionStatus.GREEN
+
     def close(self) -> None:
         """Blocking: flushes the embedded store to disk (the drain path) and releases it."""
         try:

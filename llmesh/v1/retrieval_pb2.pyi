@@ -93,13 +93,17 @@ class CollectionInfoRequest(_message.Message):
     def __init__(self, collection: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class CollectionInfo(_message.Message):
-    __slots__ = ("exists", "points", "version", "dimension")
+    __slots__ = ("exists", "points", "version", "dimension", "indexed_points", "indexing")
     EXISTS_FIELD_NUMBER: _ClassVar[int]
     POINTS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DIMENSION_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_POINTS_FIELD_NUMBER: _ClassVar[int]
+    INDEXING_FIELD_NUMBER: _ClassVar[int]
     exists: bool
     points: int
     version: int
     dimension: int
-    def __init__(self, exists: _Optional[bool] = ..., points: _Optional[int] = ..., version: _Optional[int] = ..., dimension: _Optional[int] = ...) -> None: ...
+    indexed_points: int
+    indexing: bool
+    def __init__(self, exists: _Optional[bool] = ..., points: _Optional[int] = ..., version: _Optional[int] = ..., dimension: _Optional[int] = ..., indexed_points: _Optional[int] = ..., indexing: _Optional[bool] = ...) -> None: ...

@@ -98,6 +98,10 @@ class Info:
     points: int
     version: int
     dimension: int
+    #: Vectors in an HNSW index (the rest are searched exactly).
+    indexed_points: int = 0
+    #: A background index build is pending or running.
+    indexing: bool = False
 
 
 def _clean(name: str) -> str:
@@ -502,4 +506,5 @@ class RetrievalCore:
         version = self._read_version(physical)
         if not self.qdrant.client.collection_exists(physical):
             return Info(False, 0, version, 0)
-        return Info(True, self._count(physical), version, self.qdrant.vector_size(physical))
+        indexed, indexing = self.qdrant.index_state(physical)
+        return Info(True, self._count(physical), version, self.qdrant.vector_size(physical), indexed, indexing)

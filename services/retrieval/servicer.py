@@ -94,7 +94,12 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServicer):
     async def GetCollectionInfo(self, request, context):  # type: ignore[no-untyped-def]
         info = await self.core.info(request.collection, request.tenant)
         return retrieval_pb2.CollectionInfo(
-            exists=info.exists, points=info.points, version=info.version, dimension=info.dimension
+            exists=info.exists,
+            points=info.points,
+            version=info.version,
+            dimension=info.dimension,
+            indexed_points=info.indexed_points,
+            indexing=info.indexing,
         )
 
 

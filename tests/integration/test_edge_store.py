@@ -150,10 +150,12 @@ def test_writes_are_indexed_in_the_background(tmp_path: Path, monkeypatch: pytes
         client.create_collection("c", vectors_config=qm.VectorParams(size=DIM, distance=qm.Distance.DOT))
         client.upsert("c", points=_points(_vectors(1000)))
         client.upsert("c", points=_points(_vectors(2000, seed=1), first=1000))
+        assert client.indexing("c"), "3,000 unindexed vectors and no build pending"
         deadline = time.monotonic() + 120
-        while client.indexed("c")[1] == 0 and time.monotonic() < deadline:
+        while client.indexing("c") and time.monotonic() < deadline:
             threading.Event().wait(0.2)
         assert client.indexed("c") == (3000, 3000)
+        assert not client.indexing("c")
         assert (tmp_path / "store" / "c" / "CURRENT").read_text().strip() == "g000002"
     finally:
         client.close()
