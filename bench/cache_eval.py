@@ -140,6 +140,7 @@ def run(pairs_path: Path = PAIRS, min_precision: float = MIN_PRECISION) -> dict[
         },
         "false_hits_at_threshold": false_hits(pairs, sims, reasons, t),
         "embedding_model": embedder.model_id,
+        "embedding_dtype": embedder.dtype,
         "embed_seconds": round(time.perf_counter() - started, 3),
         "curve": curve,
     }

@@ -181,7 +181,7 @@ async def _run(retrieval: str, tokenizer: str, target_chunks: int, n_queries: in
                 texts,
                 batch_size=embedder.batch_size,
                 normalize_embeddings=True,
-                convert_to_numpy=True,
+                convert_to_tensor=True,
                 show_progress_bar=False,
             )
             raw_s += time.perf_counter() - t0
@@ -243,6 +243,7 @@ async def _run(retrieval: str, tokenizer: str, target_chunks: int, n_queries: in
         "search_p95_ms": _ms(percentile(e2e, 0.95)),
         "search_filtered_p50_ms": _ms(percentile(filtered, 0.5)),
         "query_embed_p50_ms": _ms(percentile(embed_t, 0.5)),
+        "embedding_dtype": embedder.dtype,
         "_query_vectors": vectors,
         "target_search_p50_ms": 20.0,
         "qdrant": "embedded Qdrant Edge (qdrant-edge-py 0.9.0)",

@@ -17,9 +17,11 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from llmesh.hardware import cpu_has_native_bf16
 from llmesh.models import VerifiedModel, resolve, verify
 
 log = logging.getLogger("llmesh.embeddings")
@@ -33,19 +35,64 @@ SINGLE_THREAD_TEXTS = 8
 # Texts folded into one forward pass when several callers wait at once.
 MAX_COALESCED_TEXTS = 64
 
-_models: dict[tuple[str, str], object] = {}
+_models: dict[tuple[str, str, str], tuple[object, str]] = {}
 _models_lock = threading.Lock()
 _torch_threads = 0  # torch's own thread count, read before anything changes it
 
+# bf16 vectors must stay this close (cosine) to fp32's on the check sentences, else fp32 is served.
+BF16_MIN_COSINE = 0.995
+CHECK_SENTENCES = (
+    "How do I reset my password?",
+    "The quarterly report shows revenue grew eleven percent, driven by the cloud business.",
+    "Kubernetes restarts a pod whose liveness probe fails three times in a row.",
+    "Refunds are issued to the original payment method within five business days.",
+    "What is the capital of Australia?",
+    "Our on-call rotation hands over every Monday at nine in the morning, Berlin time.",
+)
 
-def _load_model(verified: VerifiedModel) -> object:
-    """One SentenceTransformer per verified model per process (services hosted side by side in
-    one process, as in the tests, share the read-only weights)."""
+
+def resolve_dtype(requested: str) -> str:
+    """The dtype an embedding model runs in: `requested`, or for auto bf16 where the CPU computes
+    it natively (about 1.5x faster for MiniLM, same vectors to 1e-3) and fp32 elsewhere."""
+    if requested != "auto":
+        return requested
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
+def _to_dtype(model: Any, dtype: str) -> str:
+    """Casts the float32 model to `dtype` if its vectors stay within BF16_MIN_COSINE of fp32's;
+    returns the dtype served."""
+    if dtype == "float32":
+        return dtype
+    import torch
+
+    with torch.inference_mode():
+        reference = _encode(model, CHECK_SENTENCES)
+        model.to(getattr(torch, dtype))
+        cosine = float((_encode(model, CHECK_SENTENCES) * reference).sum(dim=1).min())
+    if cosine < BF16_MIN_COSINE:
+        model.to(torch.float32)
+        log.warning("embedding model in %s drifts from float32 (cosine %.4f); serving float32", dtype, cosine)
+        return "float32"
+    return dtype
+
+
+def _encode(model: Any, texts: Sequence[str], batch_size: int = DEFAULT_BATCH_SIZE) -> Any:
+    """Unit-length float32 rows as a tensor; normalized in float32, whatever the model computes in."""
+    import torch
+
+    vectors = model.encode(list(texts), batch_size=batch_size, convert_to_tensor=True, show_progress_bar=False)
+    return torch.nn.functional.normalize(vectors.float(), dim=-1)
+
+
+def _load_model(verified: VerifiedModel, dtype: str) -> tuple[object, str]:
+    """One SentenceTransformer per verified model and dtype per process (services hosted side by
+    side in one process, as in the tests, share the read-only weights), and the dtype it serves."""
     global _torch_threads
-    key = (str(verified.path), verified.digest)
+    key = (str(verified.path), verified.digest, dtype)
     with _models_lock:
-        model = _models.get(key)
-        if model is None:
+        loaded = _models.get(key)
+        if loaded is None:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             import torch
             from sentence_transformers import SentenceTransformer
@@ -61,8 +108,8 @@ def _load_model(verified: VerifiedModel) -> object:
                 model_kwargs={"use_safetensors": True},
             )
             model.eval()
-            _models[key] = model
-        return model
+            loaded = _models[key] = (model, _to_dtype(model, dtype))
+        return loaded
 
 
 @dataclass
@@ -79,6 +126,8 @@ class Embedder:
     verified: VerifiedModel
     batch_size: int = DEFAULT_BATCH_SIZE
     dimension: int = 0
+    #: The dtype the model computes in (float32 or bfloat16); vectors are float32 either way.
+    dtype: str = "float32"
     _executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed")
     )
@@ -87,14 +136,15 @@ class Embedder:
     _drainer: asyncio.Task[None] | None = None
 
     @classmethod
-    def load(cls, models_dir: Path, name: str, batch_size: int = DEFAULT_BATCH_SIZE) -> Embedder:
-        """Verifies and loads `name` (a folder under models_dir, a name/version or a path). Blocking."""
+    def load(cls, models_dir: Path, name: str, batch_size: int = DEFAULT_BATCH_SIZE, dtype: str = "auto") -> Embedder:
+        """Verifies and loads `name` (a folder under models_dir, a name/version or a path) in `dtype`
+        (auto, float32 or bfloat16; see resolve_dtype). Blocking."""
         verified = verify(resolve(models_dir, name))
-        model = _load_model(verified)
+        model, served = _load_model(verified, resolve_dtype(dtype))
         get_dim = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension  # type: ignore[attr-defined]
         dim = int(get_dim())
-        log.info("embedding model %s (%s) loaded, dimension %d", verified.model_id, verified.version, dim)
-        return cls(model=model, verified=verified, batch_size=batch_size, dimension=dim)
+        log.info("embedding model %s (%s) loaded, dimension %d, %s", verified.model_id, verified.version, dim, served)
+        return cls(model=model, verified=verified, batch_size=batch_size, dimension=dim, dtype=served)
 
     @property
     def model_id(self) -> str:
@@ -114,14 +164,8 @@ class Embedder:
         if not texts:
             return np.zeros((0, self.dimension), dtype=np.float32)
         self._set_threads(1 if len(texts) <= SINGLE_THREAD_TEXTS else 0)
-        vectors = self.model.encode(  # type: ignore[attr-defined]
-            list(texts),
-            batch_size=self.batch_size,
-            normalize_embeddings=True,
-            convert_to_numpy=True,
-            show_progress_bar=False,
-        )
-        return np.ascontiguousarray(vectors, dtype=np.float32)
+        vectors = _encode(self.model, texts, self.batch_size)
+        return np.ascontiguousarray(vectors.cpu().numpy(), dtype=np.float32)
 
     @staticmethod
     def _set_threads(wanted: int) -> None:

@@ -622,6 +622,15 @@ DECLARED: tuple[Setting, ...] = (
     Setting(
         "LLMESH_EMBEDDING_MODEL", "minilm", "Embedding model (folder under the models dir).", ("cache", "retrieval")
     ),
+    Setting(
+        "LLMESH_EMBEDDING_DTYPE",
+        "auto",
+        "auto, float32 or bfloat16 for the embedding model. auto: bfloat16 where the CPU computes it natively "
+        "(AVX-512 BF16 or AMX; about 1.5x faster), float32 elsewhere. bfloat16 is refused at load, falling back "
+        "to float32, when its vectors drift from float32's (cosine below 0.995 on fixed sentences).",
+        ("cache", "retrieval"),
+        _choice("auto", "float32", "bfloat16"),
+    ),
     # Retrieval.
     Setting(
         "QDRANT_URL", "", "Qdrant server URL; empty uses embedded Qdrant under the data dir.", ("cache", "retrieval")

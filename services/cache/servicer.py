@@ -130,7 +130,9 @@ class CacheApp:
     async def start(self) -> None:
         s = self.settings
         if self.semantic:
-            self._embedder = await asyncio.to_thread(Embedder.load, s.models_path, s.embedding_model)
+            self._embedder = await asyncio.to_thread(
+                Embedder.load, s.models_path, s.embedding_model, dtype=s.embedding_dtype
+            )
             await self._embedder.aencode(["warm up"])
             self._qdrant = await asyncio.to_thread(qdrant_mod.open_client, s, "cache")
         if not s.redis_url:

@@ -118,7 +118,9 @@ class RetrievalApp:
 
     async def start(self) -> None:
         s = self.settings
-        self._embedder = await asyncio.to_thread(Embedder.load, s.models_path, s.embedding_model)
+        self._embedder = await asyncio.to_thread(
+            Embedder.load, s.models_path, s.embedding_model, dtype=s.embedding_dtype
+        )
         await self._embedder.aencode(["warm up"])
         self._qdrant = await asyncio.to_thread(qdrant_mod.open_client, s, "retrieval")
         self._chunker = TokenizerChunker(s.tokenizer_target, s.max_message_bytes, peer_credentials(s))

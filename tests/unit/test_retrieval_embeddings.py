@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from llmesh import embeddings
 from llmesh.embeddings import Embedder
 from llmesh.models import ModelError
 
@@ -41,3 +42,33 @@ def test_tampered_model_is_refused(models_dir: Path, tmp_path: Path) -> None:
     (copy / "config.json").write_text("{}")
     with pytest.raises(ModelError):
         Embedder.load(tmp_path, str(copy))
+
+
+def test_auto_dtype_follows_the_cpu_flags() -> None:
+    from llmesh import hardware
+
+    assert hardware.cpu_has_native_bf16(frozenset({"avx512f", "avx512_bf16"}))
+    assert hardware.cpu_has_native_bf16(frozenset({"amx_bf16"}))
+    assert not hardware.cpu_has_native_bf16(frozenset({"avx512f", "avx2"}))
+    expected = "bfloat16" if hardware.cpu_has_native_bf16() else "float32"
+    assert embeddings.resolve_dtype("auto") == expected
+    assert embeddings.resolve_dtype("float32") == "float32"
+
+
+def test_bf16_vectors_match_float32(models_dir: Path) -> None:
+    fp32 = Embedder.load(models_dir, "minilm", dtype="float32")
+    bf16 = Embedder.load(models_dir, "minilm", dtype="bfloat16")
+    assert (fp32.dtype, bf16.dtype) == ("float32", "bfloat16")
+    texts = ["How do I reset my password?", "Invoices are due within thirty days of delivery.", "volcanoes"]
+    a, b = fp32.encode(texts), bf16.encode(texts)
+    assert b.dtype == np.float32 and np.allclose(np.linalg.norm(b, axis=1), 1.0, atol=1e-4)
+    assert (a * b).sum(axis=1).min() > embeddings.BF16_MIN_COSINE
+
+
+def test_bf16_that_drifts_is_refused(models_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # No cosine reaches 1.01: every bf16 model "drifts", so the loader must serve float32.
+    monkeypatch.setattr(embeddings, "BF16_MIN_COSINE", 1.01)
+    monkeypatch.setattr(embeddings, "_models", {})
+    embedder = Embedder.load(models_dir, "minilm", dtype="bfloat16")
+    assert embedder.dtype == "float32"
+    assert str(next(embedder.model.parameters()).dtype) == "torch.float32"  # type: ignore[attr-defined]
