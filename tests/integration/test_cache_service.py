@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import grpc
 import pytest
@@ -445,12 +446,13 @@ async def test_redis_acl_credentials_come_from_the_url(models_dir: Path, tmp_pat
     admin = aioredis.Redis.from_url(REDIS_URL)
     await admin.acl_setuser(user, enabled=True, passwords=[f"+{password}"], keys=[f"{prefix}*"], commands=["+@all"])
     try:
-        good = f"redis://{user}:{password}@127.0.0.1:6379/15"
+        base = urlsplit(REDIS_URL)  # the same server and database as REDIS_URL, as the ACL user
+        good = urlunsplit(base._replace(netloc=f"{user}:{password}@{base.hostname}:{base.port or 6379}"))
         async with cache_service(_env(models_dir, tmp_path / "a", redis_url=good), prefix) as stub:
             sc = scope("t")
             await store(stub, "What is an API?", sc, "An interface.")
             assert (await lookup(stub, "What is an API?", sc)).hit
-        bad = f"redis://{user}:wrong@127.0.0.1:6379/15"
+        bad = urlunsplit(base._replace(netloc=f"{user}:wrong@{base.hostname}:{base.port or 6379}"))
         async with cache_service(_env(models_dir, tmp_path / "b", redis_url=bad), prefix) as stub:
             reply = await lookup(stub, "What is an API?", scope("t"))
             assert not reply.hit and reply.degraded
