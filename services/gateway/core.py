@@ -36,7 +36,7 @@ from services.gateway.admission import (
     WeightWindow,
 )
 from services.gateway.breaker import BreakerOpen
-from services.gateway.peers import BREAKER_FAILURE_CODES, Deadline, PeerCallError, Peers, inference_peer
+from services.gateway.peers import BREAKER_FAILURE_CODES, Deadline, PeerCallError, Peers
 
 # A downstream that failed, or whose breaker is open: optional hops degrade on these.
 DOWNSTREAM_ERRORS = (PeerCallError, BreakerOpen)
@@ -346,6 +346,14 @@ class ModelRoute:
     def tokenizer(self) -> str:
         return self.name
 
+    def expire(self) -> None:
+        """The next `model_key` asks inference again (the learned key serves if it fails)."""
+        if self.learned is not None:
+            self.learned = (-math.inf, self.learned[1])
+
+    def expired(self) -> bool:
+        return self.learned is not None and self.learned[0] == -math.inf
+
     def public_name(self) -> str | None:
         """The name clients see and route by; for the unnamed model, None until learned."""
         if self.name:
@@ -436,17 +444,19 @@ class Gateway:
         return route.public_name() or "default"
 
     async def list_models(self, deadline: Deadline) -> gateway_pb2.ListModelsResponse:
-        """Every model with its key and whether its inference answers now (asked with the
-        model-info budget each, all at once; a model whose inference is down is listed, unavailable)."""
+        """Every model with its key and whether its inference answers now: each is asked for its
+        model info (all at once, with the model-info budget each, through its breaker); one that
+        fails or whose breaker is open is listed unavailable, with the key last learned."""
 
         async def entry(route: ModelRoute) -> gateway_pb2.ModelEntry:
             available = True
             try:
+                route.expire()  # asked again now; on failure the last key is kept, still expired
                 key = await self.model_key(deadline, route.name)
             except DOWNSTREAM_ERRORS:
                 key, available = "", False
-            if self.peers.breakers[inference_peer(route.name)].state.value == "open":
-                available = False
+            else:
+                available = route.learned is not None and not route.expired()
             return gateway_pb2.ModelEntry(
                 name=route.public_name() or "",
                 default=route.name == self.default_model,
