@@ -65,6 +65,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         openai_api=openai_api,
         redis=procs.redis.url if procs.redis else "LLMESH_REDIS_URL",
     )
+    if procs.models:
+        say("models: " + ", ".join(f"{m} at {procs.target(f'inference/{m}')}" for m in procs.models))
     try:
         while not stop["now"]:
             for name, sp in list(procs.procs.items()):

@@ -441,7 +441,8 @@ class Gateway:
             route = self.routes[""]
         if route is None:
             return "unknown"
-        return route.public_name() or "default"
+        # The unnamed model of a one-model deployment: a label that does not change once its id is learned.
+        return route.name or "default"
 
     async def list_models(self, deadline: Deadline) -> gateway_pb2.ListModelsResponse:
         """Every model with its key and whether its inference answers now: each is asked for its
