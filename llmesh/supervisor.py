@@ -291,7 +291,9 @@ class Mesh:
             if fixed:
                 self.ports[name] = int(target.rpartition(":")[2])
                 extra["LLMESH_METRICS_PORT"] = str(DEFAULT_METRICS_PORTS["inference"] + 100 * i)
-            self.start_one(name, timeout, {**self.service_env.get("inference", {}), **extra}, module="inference")
+            # Settings of this model's process (service_env["inference/NAME"]), else of `inference`.
+            own = self.service_env.get(name) or self.service_env.get("inference", {})
+            self.start_one(name, timeout, {**own, **extra}, module="inference")
 
     def target(self, name: str) -> str:
         return self.procs[name].target
