@@ -65,6 +65,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         openai_api=openai_api,
         redis=procs.redis.url if procs.redis else "LLMESH_REDIS_URL",
     )
+    if procs.models:
+        say("models: " + ", ".join(f"{m} at {procs.target(f'inference/{m}')}" for m in procs.models))
     try:
         while not stop["now"]:
             for name, sp in list(procs.procs.items()):
@@ -87,6 +89,7 @@ def _ask_options(args: argparse.Namespace) -> dict[str, object]:
         "top_k": args.top_k,
         "collection": args.collection,
         "tenant": args.tenant,
+        "model": args.model,
     }
     if args.seed is not None:
         options["seed"] = args.seed
@@ -360,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--top-k", type=int, default=0)
     ask.add_argument("--no-cache", action="store_true")
     ask.add_argument("--no-retrieval", action="store_true")
+    ask.add_argument("--model", default="", help="one of the gateway's models by name (default: its default)")
     ask.set_defaults(func=cmd_ask)
 
     ingest = sub.add_parser("ingest", help="add text files to a collection")

@@ -144,14 +144,22 @@ def generate_request(
     collection: str = "",
     tenant: str = "",
     system_prompt: str = "",
+    model: str = "",
 ) -> gateway_pb2.GenerateRequest:
+    """`model`: one of the gateway's models by name (`list_models`); "" = its default."""
     sampling = common_pb2.SamplingParams(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop=list(stop)
     )
     if seed is not None:
         sampling.seed = seed
     request = gateway_pb2.GenerateRequest(
-        prompt=prompt, system_prompt=system_prompt, sampling=sampling, top_k=top_k, collection=collection, tenant=tenant
+        prompt=prompt,
+        system_prompt=system_prompt,
+        sampling=sampling,
+        top_k=top_k,
+        collection=collection,
+        tenant=tenant,
+        model=model,
     )
     if use_cache is not None:
         request.use_cache = use_cache
@@ -279,6 +287,14 @@ class Mesh:
         except grpc.RpcError as err:
             raise to_mesh_error(err) from None
 
+    def list_models(self, *, timeout: float | None = None) -> list[gateway_pb2.ModelEntry]:
+        """The models the gateway routes to (the default first), each with its key and whether
+        its inference answers now."""
+        try:
+            return list(self.stub.ListModels(gateway_pb2.ListModelsRequest(), **self._kw(timeout)).models)
+        except grpc.RpcError as err:
+            raise to_mesh_error(err) from None
+
     def close(self) -> None:
         self.channel.close()
 
@@ -358,6 +374,12 @@ class AsyncMesh:
         )
         try:
             return await self.stub.Search(request, **self._kw(timeout))
+        except grpc.RpcError as err:
+            raise to_mesh_error(err) from None
+
+    async def list_models(self, *, timeout: float | None = None) -> list[gateway_pb2.ModelEntry]:
+        try:
+            return list((await self.stub.ListModels(gateway_pb2.ListModelsRequest(), **self._kw(timeout))).models)
         except grpc.RpcError as err:
             raise to_mesh_error(err) from None
 

@@ -167,6 +167,36 @@ def parse_lane_shares(raw: str) -> dict[str, float]:
     return lanes
 
 
+def parse_models(raw: str) -> dict[str, str]:
+    """Models the gateway routes to, ``"smollm2=127.0.0.1:50053,mymodel=127.0.0.1:50056"``: each
+    name (a model folder under the models dir, as `llmesh models import --name` wrote it) and the
+    address of the inference service that serves it. Empty: none listed."""
+    found: dict[str, str] = {}
+    for item in filter(None, (i.strip() for i in raw.split(","))):
+        name, sep, target = (part.strip() for part in item.partition("="))
+        if not sep or not name or not target:
+            raise ValueError(f"model entry {item!r} must look like name=host:port")
+        if not _NAME.match(name) or len(name) > 64:
+            raise ValueError(f"model name {name!r} may only hold letters, digits, '_', '-' and '.' (at most 64)")
+        if name in found:
+            raise ValueError(f"model {name!r} is listed twice")
+        try:
+            found[name] = _target(target)
+        except ValueError as exc:
+            raise ValueError(f"model {name!r}: {exc}") from None
+    return found
+
+
+def _names(raw: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in raw.split(",") if n.strip())
+    for name in names:
+        if not _NAME.match(name):
+            raise ValueError(f"model name {name!r} may only hold letters, digits, '_', '-' and '.'")
+    if len(set(names)) != len(names):
+        raise ValueError("a model is listed twice")
+    return names
+
+
 def _optional_file(raw: str) -> str:
     if raw and not Path(raw).is_file():
         raise ValueError("no such file")
@@ -291,7 +321,29 @@ DECLARED: tuple[Setting, ...] = (
     Setting(
         "LLMESH_TOKENIZER_TARGET", "127.0.0.1:50052", "Tokenizer service address.", ("gateway", "retrieval"), _target
     ),
-    Setting("LLMESH_INFERENCE_TARGET", "127.0.0.1:50053", "Inference service address.", ("gateway",), _target),
+    Setting(
+        "LLMESH_INFERENCE_TARGET",
+        "127.0.0.1:50053",
+        "Inference service address of the one model, when LLMESH_MODELS is empty.",
+        ("gateway",),
+        _target,
+    ),
+    Setting(
+        "LLMESH_MODELS",
+        "",
+        "Several models behind one gateway: `name=host:port,...`, each model's name (its folder under the "
+        "models dir, also the tokenizer the gateway asks for) and its inference service; requests route by "
+        "`model`. Empty: the one model at LLMESH_INFERENCE_TARGET, named by the id its inference reports. "
+        "`llmesh up` starts one inference service per model listed.",
+        ("gateway",),
+        parse_models,
+    ),
+    Setting(
+        "LLMESH_DEFAULT_MODEL",
+        "",
+        "Model of LLMESH_MODELS that answers requests naming none (empty: the first listed).",
+        ("gateway",),
+    ),
     Setting("LLMESH_CACHE_TARGET", "127.0.0.1:50054", "Cache service address.", ("gateway",), _target),
     Setting("LLMESH_RETRIEVAL_TARGET", "127.0.0.1:50055", "Retrieval service address.", ("gateway",), _target),
     # Gateway.
@@ -458,8 +510,16 @@ DECLARED: tuple[Setting, ...] = (
     Setting(
         "LLMESH_TOKENIZER_MODEL",
         "smollm2",
-        "Model (folder under the models dir) whose tokenizer is served.",
+        "Model (folder under the models dir) whose tokenizer is served, when LLMESH_TOKENIZER_MODELS is empty.",
         ("tokenizer",),
+    ),
+    Setting(
+        "LLMESH_TOKENIZER_MODELS",
+        "",
+        "Several tokenizers served by name: `smollm2,mymodel` (folders under the models dir); a request "
+        "naming none gets the first. Empty: only LLMESH_TOKENIZER_MODEL.",
+        ("tokenizer",),
+        _names,
     ),
     Setting(
         "LLMESH_MAX_TEXT_BYTES",
@@ -680,6 +740,21 @@ class Settings:
 
     def as_env(self) -> dict[str, str]:
         return {k: str(v) for k, v in self._values.items()}
+
+
+def model_routes(settings: Settings) -> tuple[dict[str, str], str]:
+    """The gateway's models (name -> inference target) and the default one's name. Without
+    LLMESH_MODELS: one model named "" (its name is the id its inference reports) at
+    LLMESH_INFERENCE_TARGET, the deployment of a single model."""
+    routes: dict[str, str] = settings.models
+    if not routes:
+        return {"": settings.inference_target}, ""
+    default = settings.default_model or next(iter(routes))
+    if default not in routes:
+        raise SettingsError(
+            f"invalid settings: LLMESH_DEFAULT_MODEL={default!r} is not one of LLMESH_MODELS ({', '.join(routes)})"
+        )
+    return routes, default
 
 
 def attr_name(env: str) -> str:

@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmesh import redis_server, telemetry
+from llmesh.settings import DEFAULT_METRICS_PORTS, parse_models
 
 # Start order: a service starts after the peers it dials.
 START_ORDER = ("tokenizer", "inference", "cache", "retrieval", "gateway")
@@ -210,10 +211,16 @@ class Mesh:
         self.procs: dict[str, ServiceProcess] = {}
         #: The embedded Redis, when LLMESH_REDIS_URL is unset (started first, stopped last).
         self.redis: redis_server.EmbeddedRedis | None = None
+        #: LLMESH_MODELS: one inference service per model (process `inference/NAME`) instead of one.
+        try:
+            self.models = parse_models(self.base_env.get("LLMESH_MODELS", ""))
+        except ValueError as exc:
+            raise RuntimeError(f"LLMESH_MODELS: {exc}") from None
 
     def start_one(
-        self, name: str, timeout: float = 180.0, extra_env: Mapping[str, str] | None = None
+        self, name: str, timeout: float = 180.0, extra_env: Mapping[str, str] | None = None, module: str = ""
     ) -> ServiceProcess:
+        """`module`: the service to run when `name` is not one (`inference/NAME` runs `inference`)."""
         env = dict(self.base_env)
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -227,11 +234,17 @@ class Mesh:
         for peer, var in TARGET_ENV.items():
             if peer in self.procs:
                 env[var] = self.procs[peer].target
-        env["OTEL_SERVICE_NAME"] = f"llmesh-{name}"
+        if self.models:
+            # Every model's tokenizer, and the gateway routing to each model's inference.
+            env.setdefault("LLMESH_TOKENIZER_MODELS", ",".join(self.models))
+            running = {m: self.procs[f"inference/{m}"].target for m in self.models if f"inference/{m}" in self.procs}
+            if running:
+                env["LLMESH_MODELS"] = ",".join(f"{m}={target}" for m, target in running.items())
+        env["OTEL_SERVICE_NAME"] = f"llmesh-{name.replace('/', '-')}"
         env.update(self.service_env.get(name, {}))
         env.update(extra_env or {})
         proc = subprocess.Popen(
-            [sys.executable, "-m", f"services.{name}"],
+            [sys.executable, "-m", f"services.{module or name}"],
             env=env,
             cwd=self.cwd,
             stdin=subprocess.DEVNULL,
@@ -258,12 +271,29 @@ class Mesh:
                 if self.echo is not None:
                     self.echo.say("embedded redis ready", url=self.redis.url, dir=str(self.redis.directory))
             for name in START_ORDER:
-                if name in self.services:
+                if name == "inference" and self.models and name in self.services:
+                    self.start_models(timeout)
+                elif name in self.services:
                     self.start_one(name, timeout)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def start_models(self, timeout: float = 180.0) -> None:
+        """One inference service per model of LLMESH_MODELS, each serving its model folder. On
+        fixed ports (`llmesh up`) each listens on the port its LLMESH_MODELS target names, with
+        metrics on the inference metrics port + 100 per model after the first (9093, 9193, ...)."""
+        fixed = "inference" in self.ports
+        for i, (model, target) in enumerate(self.models.items()):
+            name = f"inference/{model}"
+            extra = {"LLMESH_INFERENCE_MODEL": model}
+            if fixed:
+                self.ports[name] = int(target.rpartition(":")[2])
+                extra["LLMESH_METRICS_PORT"] = str(DEFAULT_METRICS_PORTS["inference"] + 100 * i)
+            # Settings of this model's process (service_env["inference/NAME"]), else of `inference`.
+            own = self.service_env.get(name) or self.service_env.get("inference", {})
+            self.start_one(name, timeout, {**own, **extra}, module="inference")
 
     def target(self, name: str) -> str:
         return self.procs[name].target
@@ -283,6 +313,9 @@ class Mesh:
 
     def stop(self) -> None:
         for name in reversed(START_ORDER):
+            if name == "inference":
+                for model in reversed(self.models):
+                    self.stop_one(f"inference/{model}")
             self.stop_one(name)
         # After every service drained: the server writes its snapshot and exits.
         if self.redis is not None:

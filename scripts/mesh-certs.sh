@@ -4,6 +4,8 @@
 # cert-manager writes, so every deployment reads the same file names:
 #
 #   OUT/<name>/tls.crt  tls.key  ca.crt        name: gateway tokenizer inference cache retrieval client
+#                                              and each of MESH_EXTRA_SERVICES (space- or comma-separated,
+#                                              e.g. "inference-assistant": one inference service per model)
 #   CA_DIR/ca.crt ca.key                       the CA's key never goes into OUT (default OUT/../<OUT>-ca)
 #
 # Used by the compose `certs` job, `make certs`, the tests, and to create Kubernetes Secrets
@@ -19,6 +21,13 @@
 set -euo pipefail
 
 services=(gateway tokenizer inference cache retrieval)
+extras=${MESH_EXTRA_SERVICES:-}
+for extra in ${extras//,/ }; do
+  case "$extra" in
+    *[!a-z0-9-]*|"") echo "MESH_EXTRA_SERVICES: bad name '$extra' (a-z, 0-9, '-')" >&2; exit 2 ;;
+  esac
+  services+=("$extra")
+done
 rotate=0 new_ca=0 ca_dir="" owner=""
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -26,7 +35,7 @@ while [ $# -gt 0 ]; do
     --new-ca) new_ca=1 rotate=1 ;;
     --ca-dir) ca_dir=$2; shift ;;
     --owner) owner=$2; shift ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     -*) echo "unknown option $1" >&2; exit 2 ;;
     *) break ;;
   esac

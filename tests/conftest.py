@@ -27,12 +27,18 @@ def tiny_model(models_dir: Path) -> Path:
 def mesh_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The mesh CA and certificates from scripts/mesh-certs.sh, the script the compose `certs` job
     runs: <dir>/<name>/tls.crt, tls.key and ca.crt for each service and for `client`."""
+    import os
     import subprocess
+
+    import yaml
 
     from llmesh.testing import REPO_ROOT
 
     out = tmp_path_factory.mktemp("certs") / "mesh"
-    subprocess.run([str(REPO_ROOT / "scripts" / "mesh-certs.sh"), str(out)], check=True, capture_output=True)
+    # As the compose job runs it: also a certificate for each model's inference service beyond the first.
+    job = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())["services"]["certs"]
+    env = {**os.environ, **{k: str(v) for k, v in job.get("environment", {}).items()}}
+    subprocess.run([str(REPO_ROOT / "scripts" / "mesh-certs.sh"), str(out)], check=True, capture_output=True, env=env)
     return out
 
 

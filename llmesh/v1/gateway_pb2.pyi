@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "system_prompt", "sampling", "use_cache", "use_retrieval", "top_k", "collection", "tenant", "lane")
+    __slots__ = ("prompt", "system_prompt", "sampling", "use_cache", "use_retrieval", "top_k", "collection", "tenant", "lane", "model")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class GenerateRequest(_message.Message):
     COLLECTION_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     system_prompt: str
     sampling: _common_pb2.SamplingParams
@@ -27,7 +28,8 @@ class GenerateRequest(_message.Message):
     collection: str
     tenant: str
     lane: str
-    def __init__(self, prompt: _Optional[str] = ..., system_prompt: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., use_cache: _Optional[bool] = ..., use_retrieval: _Optional[bool] = ..., top_k: _Optional[int] = ..., collection: _Optional[str] = ..., tenant: _Optional[str] = ..., lane: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, prompt: _Optional[str] = ..., system_prompt: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., use_cache: _Optional[bool] = ..., use_retrieval: _Optional[bool] = ..., top_k: _Optional[int] = ..., collection: _Optional[str] = ..., tenant: _Optional[str] = ..., lane: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class CacheInfo(_message.Message):
     __slots__ = ("hit", "tier", "similarity")
@@ -123,3 +125,25 @@ class SearchResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[_common_pb2.ScoredChunk]
     trace_id: str
     def __init__(self, results: _Optional[_Iterable[_Union[_common_pb2.ScoredChunk, _Mapping]]] = ..., trace_id: _Optional[str] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelEntry(_message.Message):
+    __slots__ = ("name", "default", "key", "available")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    default: bool
+    key: str
+    available: bool
+    def __init__(self, name: _Optional[str] = ..., default: _Optional[bool] = ..., key: _Optional[str] = ..., available: _Optional[bool] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelEntry]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelEntry, _Mapping]]] = ...) -> None: ...

@@ -55,6 +55,11 @@ class GatewayStub:
                 request_serializer=llmesh_dot_v1_dot_gateway__pb2.SearchRequest.SerializeToString,
                 response_deserializer=llmesh_dot_v1_dot_gateway__pb2.SearchResponse.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/llmesh.v1.Gateway/ListModels',
+                request_serializer=llmesh_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=llmesh_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -89,6 +94,13 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModels(self, request, context):
+        """The models this gateway routes to, by the name a request gives in `model`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +123,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.Search,
                     request_deserializer=llmesh_dot_v1_dot_gateway__pb2.SearchRequest.FromString,
                     response_serializer=llmesh_dot_v1_dot_gateway__pb2.SearchResponse.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=llmesh_dot_v1_dot_gateway__pb2.ListModelsRequest.FromString,
+                    response_serializer=llmesh_dot_v1_dot_gateway__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +239,33 @@ class Gateway:
             '/llmesh.v1.Gateway/Search',
             llmesh_dot_v1_dot_gateway__pb2.SearchRequest.SerializeToString,
             llmesh_dot_v1_dot_gateway__pb2.SearchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmesh.v1.Gateway/ListModels',
+            llmesh_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
+            llmesh_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("text", "add_special_tokens")
+    __slots__ = ("text", "add_special_tokens", "model")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     text: str
     add_special_tokens: bool
-    def __init__(self, text: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+    model: str
+    def __init__(self, text: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("ids",)
@@ -22,12 +24,14 @@ class EncodeResponse(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("ids", "skip_special_tokens")
+    __slots__ = ("ids", "skip_special_tokens", "model")
     IDS_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
     skip_special_tokens: bool
-    def __init__(self, ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+    model: str
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("text",)
@@ -36,10 +40,12 @@ class DecodeResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class CountRequest(_message.Message):
-    __slots__ = ("texts",)
+    __slots__ = ("texts", "model")
     TEXTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, texts: _Optional[_Iterable[str]] = ...) -> None: ...
+    model: str
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class CountResponse(_message.Message):
     __slots__ = ("counts", "total")
@@ -50,14 +56,16 @@ class CountResponse(_message.Message):
     def __init__(self, counts: _Optional[_Iterable[int]] = ..., total: _Optional[int] = ...) -> None: ...
 
 class ApplyChatTemplateRequest(_message.Message):
-    __slots__ = ("messages", "add_generation_prompt", "tokenize")
+    __slots__ = ("messages", "add_generation_prompt", "tokenize", "model")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     TOKENIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     add_generation_prompt: bool
     tokenize: bool
-    def __init__(self, messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., tokenize: _Optional[bool] = ...) -> None: ...
+    model: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., tokenize: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ApplyChatTemplateResponse(_message.Message):
     __slots__ = ("text", "ids", "token_count")
@@ -70,14 +78,16 @@ class ApplyChatTemplateResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ..., token_count: _Optional[int] = ...) -> None: ...
 
 class ChunkRequest(_message.Message):
-    __slots__ = ("text", "chunk_tokens", "overlap_tokens")
+    __slots__ = ("text", "chunk_tokens", "overlap_tokens", "model")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     text: str
     chunk_tokens: int
     overlap_tokens: int
-    def __init__(self, text: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., overlap_tokens: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, text: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., overlap_tokens: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class TextChunk(_message.Message):
     __slots__ = ("text", "token_start", "token_count", "char_start", "char_end")

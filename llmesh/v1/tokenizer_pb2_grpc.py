@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class TokenizerStub:
-    """The model's Hugging Face tokenizer as a service.
+    """The models' Hugging Face tokenizers as a service. Every request may name the model whose
+    tokenizer to use (`model`, a folder under the models dir; "" = the default); an unknown
+    model is NOT_FOUND.
     """
 
     def __init__(self, channel):
@@ -63,7 +65,9 @@ class TokenizerStub:
 
 
 class TokenizerServicer:
-    """The model's Hugging Face tokenizer as a service.
+    """The models' Hugging Face tokenizers as a service. Every request may name the model whose
+    tokenizer to use (`model`, a folder under the models dir; "" = the default); an unknown
+    model is NOT_FOUND.
     """
 
     def Encode(self, request, context):
@@ -138,7 +142,9 @@ def add_TokenizerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Tokenizer:
-    """The model's Hugging Face tokenizer as a service.
+    """The models' Hugging Face tokenizers as a service. Every request may name the model whose
+    tokenizer to use (`model`, a folder under the models dir; "" = the default); an unknown
+    model is NOT_FOUND.
     """
 
     @staticmethod

@@ -15,12 +15,12 @@ import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
-from llmesh.errors import InvalidArgument, LlmeshError, ResourceExhausted
+from llmesh.errors import InvalidArgument, LlmeshError, NotFound, ResourceExhausted
 from llmesh.metrics import trace_exemplar
 from llmesh.telemetry import current_trace_id
 from llmesh.v1 import cache_pb2, common_pb2, gateway_pb2, retrieval_pb2
@@ -47,6 +47,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MAX_TOP_K = 20
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_BYTES = 64
+MAX_MODEL_BYTES = 256
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and accurately."
 CONTEXT_INSTRUCTION = (
     "Use the following context to answer the question. If the context does not contain the answer, "
@@ -99,6 +100,8 @@ class Plan:
     collection: str
     tenant: str
     lane: str = INTERACTIVE
+    # The model asked for ("" = the default); resolved to a route by `Gateway.route`.
+    model: str = ""
     degradations: list[str] = field(default_factory=list)
     # The predicted weight reserved from the precheck until the exact admission.
     hold: Hold | None = None
@@ -159,6 +162,8 @@ def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Pla
     for i, stop in enumerate(s.stop):
         if not stop or len(stop.encode()) > MAX_STOP_BYTES:
             bad.append((f"sampling.stop[{i}]", f"must be 1..{MAX_STOP_BYTES} bytes"))
+    if len(request.model.encode("utf-8", "surrogatepass")) > MAX_MODEL_BYTES:
+        bad.append(("model", f"longer than {MAX_MODEL_BYTES} bytes"))
     if request.top_k > MAX_TOP_K:
         bad.append(("top_k", f"at most {MAX_TOP_K}"))
     for name in ("collection", "tenant"):
@@ -185,6 +190,7 @@ def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Pla
         collection=request.collection or config.default_collection,
         tenant=request.tenant or "default",
         lane=request.lane or INTERACTIVE,
+        model=request.model,
     )
 
 
@@ -323,35 +329,144 @@ class CollectionVersions:
         self.known.pop((tenant, collection), None)
 
 
+@dataclass
+class ModelRoute:
+    """One model the gateway routes to: its name (requests' `model`), its inference peer in
+    `Peers` (own channel and circuit breaker: `inference_peer(name)`), the tokenizer it asks for,
+    and its model key as last learned from its inference. Admission is per model through the
+    model key (`WeightWindow.capacity(key)`: its own in-flight limit, learned from its own
+    tokens). The name "" is the one model of a deployment that lists none (LLMESH_MODELS empty):
+    its public name is the id its inference reports, and the tokenizer's default serves it."""
+
+    name: str
+    # (when learned, model key)
+    learned: tuple[float, str] | None = None
+
+    @property
+    def tokenizer(self) -> str:
+        return self.name
+
+    def expire(self) -> None:
+        """The next `model_key` asks inference again (the learned key serves if it fails)."""
+        if self.learned is not None:
+            self.learned = (-math.inf, self.learned[1])
+
+    def expired(self) -> bool:
+        return self.learned is not None and self.learned[0] == -math.inf
+
+    def public_name(self) -> str | None:
+        """The name clients see and route by; for the unnamed model, None until learned."""
+        if self.name:
+            return self.name
+        return self.learned[1].rpartition("@")[0] if self.learned is not None else None
+
+
 class Gateway:
-    def __init__(self, peers: Peers, config: GatewayConfig, window: WeightWindow | RedisWeightWindow) -> None:
+    def __init__(
+        self,
+        peers: Peers,
+        config: GatewayConfig,
+        window: WeightWindow | RedisWeightWindow,
+        models: Sequence[str] = ("",),
+        default_model: str = "",
+    ) -> None:
         self.peers = peers
         self.config = config
         self.window = window
         metrics.ADMISSION_BUDGET.set(window.config.budget)
-        self._model: tuple[float, str] | None = None
+        self.routes = {name: ModelRoute(name) for name in models}
+        if default_model not in self.routes:
+            raise ValueError(f"default model {default_model!r} is not one of {list(self.routes)}")
+        self.default_model = default_model
         self.predictor = InputTokenPredictor()
         self.versions = CollectionVersions(peers, config.version_ttl)
         self._background: set[asyncio.Task[None]] = set()
         self.stores_skipped = 0
         self._cache_slow_until = 0.0
 
-    async def model_key(self, deadline: Deadline) -> str:
-        """Model id + weights digest: new weights never serve answers cached from old ones."""
+    async def model_key(self, deadline: Deadline, model: str = "") -> str:
+        """Model id + weights digest of one model (a route name; "" = the default): new weights
+        never serve answers cached from old ones. A named model's key starts with its name, so
+        one model's cached answers never serve another, even on the same weights."""
+        route = self.routes[model or self.default_model]
         now = time.monotonic()
-        if self._model is None or now - self._model[0] > MODEL_INFO_TTL_S:
+        if route.learned is None or now - route.learned[0] > MODEL_INFO_TTL_S:
             try:
-                info = await self.peers.model_info(deadline)
+                info = await self.peers.model_info(deadline, route.name)
             except DOWNSTREAM_ERRORS:
-                if self._model is None:
+                if route.learned is None:
                     raise
-                return self._model[1]  # inference down: cached answers for the last known weights still serve
-            self._model = (now, f"{info.model_id}@{info.sha256[:16]}")
-        return self._model[1]
+                return route.learned[1]  # inference down: cached answers for the last known weights still serve
+            prefix = f"{route.name}:" if route.name else ""
+            route.learned = (now, f"{prefix}{info.model_id}@{info.sha256[:16]}")
+        return route.learned[1]
+
+    async def route(self, model: str, deadline: Deadline) -> ModelRoute:
+        """The route of the model a request names ("" = the default); NotFound naming the model
+        and the ones served."""
+        if not model:
+            return self.routes[self.default_model]
+        found = self.routes.get(model)
+        if found is not None and found.name:
+            return found
+        unnamed = self.routes.get("")
+        if unnamed is not None:
+            # The one model of a deployment that names none answers to the id it reports.
+            await self.model_key(deadline, "")
+            if unnamed.public_name() == model:
+                return unnamed
+        raise NotFound(
+            f"model {model!r} is not served here; this gateway serves {', '.join(await self.served_models(deadline))}",
+            reason="MODEL_NOT_FOUND",
+            metadata={"model": model},
+        )
 
     async def served_models(self, deadline: Deadline) -> list[str]:
-        """Ids of the models this gateway answers with (one today): the one list every API shows."""
-        return [(await self.model_key(deadline)).rpartition("@")[0]]
+        """Names of the models this gateway answers with, the default first: the one list every
+        API shows. The unnamed model of a one-model deployment shows the id its inference reports."""
+        names: list[str] = []
+        for route in sorted(self.routes.values(), key=lambda r: r.name != self.default_model):
+            if not route.name:
+                await self.model_key(deadline, "")
+            name = route.public_name()
+            if name is not None:
+                names.append(name)
+        return names
+
+    def _label(self, model: str) -> str:
+        """The metrics label of a request's model: a served model's name (a bounded set), never
+        the caller's text ("unknown" for a name not served)."""
+        route = self.routes.get(model) if model else self.routes[self.default_model]
+        if route is None and "" in self.routes and self.routes[""].public_name() == model:
+            route = self.routes[""]
+        if route is None:
+            return "unknown"
+        # The unnamed model of a one-model deployment: a label that does not change once its id is learned.
+        return route.name or "default"
+
+    async def list_models(self, deadline: Deadline) -> gateway_pb2.ListModelsResponse:
+        """Every model with its key and whether its inference answers now: each is asked for its
+        model info (all at once, with the model-info budget each, through its breaker); one that
+        fails or whose breaker is open is listed unavailable, with the key last learned."""
+
+        async def entry(route: ModelRoute) -> gateway_pb2.ModelEntry:
+            available = True
+            try:
+                route.expire()  # asked again now; on failure the last key is kept, still expired
+                key = await self.model_key(deadline, route.name)
+            except DOWNSTREAM_ERRORS:
+                key, available = "", False
+            else:
+                available = route.learned is not None and not route.expired()
+            return gateway_pb2.ModelEntry(
+                name=route.public_name() or "",
+                default=route.name == self.default_model,
+                key=key,
+                available=available,
+            )
+
+        ordered = sorted(self.routes.values(), key=lambda r: r.name != self.default_model)
+        return gateway_pb2.ListModelsResponse(models=await asyncio.gather(*(entry(r) for r in ordered)))
 
     async def _retrieval_scope(self, plan: Plan, deadline: Deadline) -> tuple[str, int]:
         """(collection, version) the answer will be grounded in, or ("", 0) without retrieval.
@@ -434,6 +549,7 @@ class Gateway:
         started = time.perf_counter()
         tier = "none"
         outcome = "error"
+        label = self._label(request.model)
         try:
             async for event in self._generate(request, deadline):
                 if isinstance(event, Final):
@@ -452,9 +568,9 @@ class Gateway:
             raise
         finally:
             elapsed = time.perf_counter() - started
-            metrics.REQUESTS.labels(outcome, tier).inc()
+            metrics.REQUESTS.labels(outcome, tier, label).inc()
             if outcome == "ok":
-                metrics.REQUEST_DURATION.labels(tier).observe(elapsed, trace_exemplar())
+                metrics.REQUEST_DURATION.labels(tier, label).observe(elapsed, trace_exemplar())
             # One access-log line per request; the JSON formatter adds trace_id and span_id.
             log.info(
                 "generate",
@@ -463,6 +579,7 @@ class Gateway:
                         "event": "generate",
                         "outcome": outcome,
                         "cache_tier": tier,
+                        "model": label,
                         "duration_ms": round(elapsed * 1000, 2),
                     }
                 },
@@ -496,7 +613,10 @@ class Gateway:
         if self.config.log_prompts:
             span.set_attribute("llmesh.prompt", plan.prompt)
         with plan.timed("model"):
-            model = await self.model_key(deadline)
+            route = await self.route(plan.model, deadline)
+            model = await self.model_key(deadline, route.name)
+        span.set_attribute("gen_ai.request.model", route.public_name() or model)
+        span.set_attribute("llmesh.model_key", model)
         if not plan.use_cache:
             # No cache hit is possible: shed before any other downstream call.
             with plan.timed("admission"):
@@ -545,7 +665,7 @@ class Gateway:
         with plan.timed("retrieval"):
             sources = await self._retrieve(plan, collection, deadline)
         with plan.timed("tokenizer"):
-            prompt, input_tokens = await self._render(plan, sources, deadline)
+            prompt, input_tokens = await self._render(plan, sources, deadline, route.tokenizer)
         if "tokenizer_estimate" not in plan.degradations:
             self.predictor.observe(plan, input_tokens, with_context=bool(sources))
         if input_tokens > self.config.max_prompt_tokens:
@@ -564,7 +684,7 @@ class Gateway:
         request_id = uuid.uuid4().hex
         with plan.timed("inference"):
             generated = 0
-            async for message in self.peers.generate(prompt, plan.sampling, request_id, deadline):
+            async for message in self.peers.generate(prompt, plan.sampling, request_id, deadline, route.name):
                 # Tokens as they come (a backend that sends text only: a message is a token); the
                 # final usage settles the count.
                 step = len(message.token_ids) or (1 if message.text else 0)
@@ -601,13 +721,14 @@ class Gateway:
         yield Final(response, plan.timings)
 
     async def _render(
-        self, plan: Plan, sources: list[common_pb2.ScoredChunk], deadline: Deadline
+        self, plan: Plan, sources: list[common_pb2.ScoredChunk], deadline: Deadline, tokenizer: str = ""
     ) -> tuple[list[int] | str, int]:
-        """The prompt as token ids and its exact length; while the tokenizer is down, ChatML text
-        and a local estimate (inference tokenizes the text itself)."""
+        """The prompt as token ids and its exact length (`tokenizer`: whose, "" = the tokenizer
+        service's default); while the tokenizer is down, ChatML text and a local estimate
+        (inference tokenizes the text itself)."""
         messages = build_messages(plan, sources)
         try:
-            rendered = await self.peers.chat_template(messages, deadline)
+            rendered = await self.peers.chat_template(messages, deadline, tokenizer)
             return list(rendered.ids), len(rendered.ids)
         except DOWNSTREAM_ERRORS as exc:
             if isinstance(exc, PeerCallError) and exc.code not in BREAKER_FAILURE_CODES:

@@ -4,11 +4,13 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from llmesh.metrics import LATENCY_BUCKETS
 
-REQUESTS = Counter("llmesh_gateway_requests", "Generate requests by outcome and cache tier.", ["outcome", "cache_tier"])
+REQUESTS = Counter(
+    "llmesh_gateway_requests", "Generate requests by outcome, cache tier and model.", ["outcome", "cache_tier", "model"]
+)
 REQUEST_DURATION = Histogram(
     "llmesh_gateway_request_duration_seconds",
     "End-to-end latency of Generate requests (exemplars carry the trace id).",
-    ["cache_tier"],
+    ["cache_tier", "model"],
     buckets=LATENCY_BUCKETS,
 )
 ADMISSION_WEIGHT = Gauge("llmesh_gateway_admission_weight", "Request weight admitted in the current window.")

@@ -115,6 +115,8 @@ class Sampling(Strict):
             collection=self.llmesh.collection,
             tenant=tenant,
             lane=self.llmesh.lane,
+            # `model` routes: one of the gateway's models by name (checked against /v1/models first).
+            model=self.model,
         )
         if self.llmesh.use_cache is not None:
             request.use_cache = self.llmesh.use_cache

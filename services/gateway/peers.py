@@ -273,9 +273,17 @@ def _context_copy(otel: otel_context.Context) -> contextvars.Context:
 PEERS = ("tokenizer", "inference", "cache", "retrieval")
 
 
+def inference_peer(model: str) -> str:
+    """The peer (channel, breaker) of a model's inference service: `inference` for the one model
+    of a deployment that names none, `inference/NAME` for each of several."""
+    return f"inference/{model}" if model else "inference"
+
+
 class Peers:
     """Stubs to the four downstreams, each behind its own circuit breaker; every call gets the
-    smaller of the request's remaining deadline and its hop's budget."""
+    smaller of the request's remaining deadline and its hop's budget. Inference is one peer per
+    model (`models`: name -> target; by default the one unnamed model at targets["inference"]),
+    each with its own channel and breaker."""
 
     def __init__(
         self,
@@ -285,9 +293,15 @@ class Peers:
         on_transition: Callable[[str], TransitionListener] | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         budgets: HopBudgets | None = None,
+        models: Mapping[str, str] | None = None,
     ) -> None:
         self.budgets = budgets or HopBudgets()
-        self.channels = {name: peer_channel(targets[name], max_message_bytes, credentials) for name in PEERS}
+        models = models or {"": targets["inference"]}
+        all_targets = {name: targets[name] for name in PEERS if name != "inference"}
+        all_targets.update({inference_peer(model): target for model, target in models.items()})
+        self.channels = {
+            name: peer_channel(target, max_message_bytes, credentials) for name, target in all_targets.items()
+        }
         self.breakers = {
             name: CircuitBreaker(
                 name,
@@ -295,10 +309,12 @@ class Peers:
                 is_failure=counts_as_failure,
                 on_transition=[on_transition(name)] if on_transition else None,
             )
-            for name in PEERS
+            for name in all_targets
         }
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self.channels["tokenizer"])
-        self.inference = inference_pb2_grpc.InferenceStub(self.channels["inference"])
+        self.inferences = {
+            model: inference_pb2_grpc.InferenceStub(self.channels[inference_peer(model)]) for model in models
+        }
         self.cache = cache_pb2_grpc.CacheStub(self.channels["cache"])
         self.retrieval = retrieval_pb2_grpc.RetrievalStub(self.channels["retrieval"])
         self.lookups = LookupCoalescer(self._cache_lookup, self._cache_lookup_batch)
@@ -309,9 +325,12 @@ class Peers:
 
     # Each call relays the peer's status as a domain error naming the peer.
     async def chat_template(
-        self, messages: list[common_pb2.ChatMessage], deadline: Deadline
+        self, messages: list[common_pb2.ChatMessage], deadline: Deadline, model: str = ""
     ) -> tokenizer_pb2.ApplyChatTemplateResponse:
-        request = tokenizer_pb2.ApplyChatTemplateRequest(messages=messages, add_generation_prompt=True, tokenize=True)
+        """`model`: whose tokenizer ("" = the tokenizer service's default)."""
+        request = tokenizer_pb2.ApplyChatTemplateRequest(
+            messages=messages, add_generation_prompt=True, tokenize=True, model=model
+        )
         return await _unary(
             self.breakers["tokenizer"],
             lambda timeout: self.tokenizer.ApplyChatTemplate(request, timeout=timeout),
@@ -319,26 +338,34 @@ class Peers:
             self.budgets.tokenizer,
         )
 
-    async def model_info(self, deadline: Deadline) -> inference_pb2.ModelInfo:
+    async def model_info(self, deadline: Deadline, model: str = "") -> inference_pb2.ModelInfo:
         request = inference_pb2.GetModelInfoRequest()
+        stub = self.inferences[model]
         return await _unary(
-            self.breakers["inference"],
-            lambda timeout: self.inference.GetModelInfo(request, timeout=timeout),
+            self.breakers[inference_peer(model)],
+            lambda timeout: stub.GetModelInfo(request, timeout=timeout),
             deadline,
             self.budgets.collection_info,
         )
 
     def generate(
-        self, prompt: list[int] | str, sampling: common_pb2.SamplingParams, request_id: str, deadline: Deadline
+        self,
+        prompt: list[int] | str,
+        sampling: common_pb2.SamplingParams,
+        request_id: str,
+        deadline: Deadline,
+        model: str = "",
     ) -> AsyncIterator[inference_pb2.InferenceResponse]:
-        """Token ids normally; rendered text when the tokenizer is down (inference tokenizes it)."""
+        """Token ids normally; rendered text when the tokenizer is down (inference tokenizes it).
+        `model`: whose inference service (a key of `models`)."""
+        stub = self.inferences[model]
         request = inference_pb2.InferenceRequest(sampling=sampling, request_id=request_id)
         if isinstance(prompt, str):
             request.text = prompt
         else:
             request.token_ids.ids.extend(prompt)
         return _stream(
-            self.breakers["inference"], lambda timeout: self.inference.Generate(request, timeout=timeout), deadline
+            self.breakers[inference_peer(model)], lambda timeout: stub.Generate(request, timeout=timeout), deadline
         )
 
     async def cache_lookup(

@@ -9,7 +9,7 @@ from opentelemetry import trace
 
 from llmesh import redis_server
 from llmesh.channels import peer_credentials, remaining_seconds
-from llmesh.settings import Settings
+from llmesh.settings import Settings, model_routes
 from llmesh.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway import metrics
 from services.gateway.admission import AdmissionConfig, RedisWeightWindow, WeightWindow, connect_redis
@@ -95,6 +95,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Search(self, request, context):  # type: ignore[no-untyped-def]
         return await self.gateway.search(request, self._begin(context, request.tenant))
 
+    async def ListModels(self, request, context):  # type: ignore[no-untyped-def]
+        authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+        self.api_keys.authenticate(authorization if isinstance(authorization, str) else None)
+        deadline = Deadline.after(remaining_seconds(context, self.default_deadline))
+        return await self.gateway.list_models(deadline)
+
 
 class GatewayApp:
     service_names = (gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,)
@@ -123,7 +129,12 @@ class GatewayApp:
             search=s.hop_search_seconds,
             tokenizer=s.hop_tokenizer_seconds,
         )
-        self.peers = Peers(targets, s.max_message_bytes, breakers, breaker_listener, peer_credentials(s), budgets)
+        # One inference peer per model (name -> target); without LLMESH_MODELS the one at
+        # LLMESH_INFERENCE_TARGET, unnamed.
+        models, default_model = model_routes(s)
+        self.peers = Peers(
+            targets, s.max_message_bytes, breakers, breaker_listener, peer_credentials(s), budgets, models
+        )
         admission = AdmissionConfig.from_settings(s)
         self.window: WeightWindow | RedisWeightWindow = (
             RedisWeightWindow(
@@ -146,7 +157,7 @@ class GatewayApp:
             version_ttl=s.collection_version_ttl_seconds,
             cache_store_budget=s.hop_cache_store_seconds,
         )
-        self.gateway = Gateway(self.peers, config, self.window)
+        self.gateway = Gateway(self.peers, config, self.window, list(models), default_model)
         api_keys = ApiKeys.parse(s.api_keys)
         self.servicer = GatewayServicer(self.gateway, s.default_deadline_seconds, api_keys)
         # The OpenAI-compatible HTTP API: another adapter over the same Gateway.

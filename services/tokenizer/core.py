@@ -9,7 +9,7 @@ from pathlib import Path
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from llmesh.errors import InvalidArgument
+from llmesh.errors import InvalidArgument, NotFound
 
 MAX_CHUNK_TOKENS = 8192
 ROLES = ("system", "user", "assistant")
@@ -95,3 +95,24 @@ class TokenizerCore:
                 break
             start += step
         return chunks, total
+
+
+class Tokenizers:
+    """The tokenizers of several models by name; a request naming none gets the default (the
+    first). An unknown name is NotFound, naming the model and the ones served."""
+
+    def __init__(self, cores: dict[str, TokenizerCore]) -> None:
+        if not cores:
+            raise ValueError("at least one tokenizer is required")
+        self.cores = cores
+        self.default = next(iter(cores))
+
+    def get(self, model: str) -> TokenizerCore:
+        found = self.cores.get(model or self.default)
+        if found is None:
+            raise NotFound(
+                f"no tokenizer for model {model!r}; this service has {', '.join(self.cores)}",
+                reason="MODEL_NOT_FOUND",
+                metadata={"model": model},
+            )
+        return found

@@ -10,7 +10,7 @@ from llmesh.models import resolve, verify
 from llmesh.server import Readiness
 from llmesh.settings import Settings
 from llmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from services.tokenizer.core import TokenizerCore
+from services.tokenizer.core import TokenizerCore, Tokenizers
 
 # Texts above this size are tokenized on a worker thread so the event loop keeps serving.
 THREAD_THRESHOLD_BYTES = 16 * 1024
@@ -23,36 +23,45 @@ async def _run(fn, *args, size: int = 0):  # type: ignore[no-untyped-def]
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
-    def __init__(self, core: Readiness[TokenizerCore]) -> None:
-        self._core = core
+    def __init__(self, tokenizers: Readiness[Tokenizers]) -> None:
+        self._tokenizers = tokenizers
 
-    @property
-    def core(self) -> TokenizerCore:
-        return self._core.get()
+    def core(self, model: str) -> TokenizerCore:
+        """The named model's tokenizer ("" = the default); NOT_FOUND for one not served."""
+        return self._tokenizers.get().get(model)
 
     async def Encode(self, request, context):  # type: ignore[no-untyped-def]
-        ids = await _run(self.core.encode, request.text, request.add_special_tokens, size=len(request.text))
+        ids = await _run(
+            self.core(request.model).encode, request.text, request.add_special_tokens, size=len(request.text)
+        )
         return tokenizer_pb2.EncodeResponse(ids=ids)
 
     async def Decode(self, request, context):  # type: ignore[no-untyped-def]
-        return tokenizer_pb2.DecodeResponse(text=self.core.decode(list(request.ids), request.skip_special_tokens))
+        return tokenizer_pb2.DecodeResponse(
+            text=self.core(request.model).decode(list(request.ids), request.skip_special_tokens)
+        )
 
     async def Count(self, request, context):  # type: ignore[no-untyped-def]
         texts = list(request.texts)
-        counts = await _run(self.core.count, texts, size=sum(len(t) for t in texts))
+        counts = await _run(self.core(request.model).count, texts, size=sum(len(t) for t in texts))
         return tokenizer_pb2.CountResponse(counts=counts, total=sum(counts))
 
     async def ApplyChatTemplate(self, request, context):  # type: ignore[no-untyped-def]
         messages = [(m.role, m.content) for m in request.messages]
-        text = self.core.chat_template(messages, request.add_generation_prompt)
-        ids = await _run(self.core.encode, text, False, size=len(text))
+        core = self.core(request.model)
+        text = core.chat_template(messages, request.add_generation_prompt)
+        ids = await _run(core.encode, text, False, size=len(text))
         return tokenizer_pb2.ApplyChatTemplateResponse(
             text=text, ids=ids if request.tokenize else [], token_count=len(ids)
         )
 
     async def Chunk(self, request, context):  # type: ignore[no-untyped-def]
         chunks, total = await _run(
-            self.core.chunk, request.text, request.chunk_tokens, request.overlap_tokens, size=len(request.text)
+            self.core(request.model).chunk,
+            request.text,
+            request.chunk_tokens,
+            request.overlap_tokens,
+            size=len(request.text),
         )
         return tokenizer_pb2.ChunkResponse(
             chunks=[
@@ -74,14 +83,18 @@ class TokenizerApp:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.core: Readiness[TokenizerCore] = Readiness()
+        self.core: Readiness[Tokenizers] = Readiness()
 
     def register(self, server: grpc.aio.Server) -> None:
         tokenizer_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(self.core), server)
 
     async def start(self) -> None:
-        model = await asyncio.to_thread(verify, resolve(self.settings.models_path, self.settings.tokenizer_model))
-        self.core.set(await asyncio.to_thread(TokenizerCore, model.path, self.settings.max_text_bytes))
+        s = self.settings
+        cores: dict[str, TokenizerCore] = {}
+        for name in s.tokenizer_models or (s.tokenizer_model,):
+            model = await asyncio.to_thread(verify, resolve(s.models_path, name))
+            cores[name] = await asyncio.to_thread(TokenizerCore, model.path, s.max_text_bytes)
+        self.core.set(Tokenizers(cores))
 
     async def stop(self) -> None:
         return None

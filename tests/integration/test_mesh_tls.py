@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmesh import settings
 from llmesh.client import Mesh as Client
 from llmesh.supervisor import Mesh
-from llmesh.testing import REPO_ROOT
+from llmesh.testing import REPO_ROOT, build_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -29,6 +29,14 @@ COMPOSE = REPO_ROOT / "docker-compose.yml"
 CERTS_MOUNT = "/certs"
 REDIS_URL = "redis://127.0.0.1:6379/14"
 INTERNAL = tuple(s for s in settings.SERVICES if s != "gateway")
+# The compose file's two models, as tiny models here: the supervisor runs one inference process
+# per model (`inference/NAME`) with the environment of the compose service serving it.
+MODELS = {"tiny": "inference", "tiny-seed1": "inference-assistant"}
+# Each process of the mesh and the compose service (the name peers dial, in its certificate) it is.
+INTERNAL_PROCESSES = {
+    **{name: name for name in INTERNAL if name != "inference"},
+    **{f"inference/{model}": service for model, service in MODELS.items()},
+}
 # What differs between containers and processes on one host: addresses and ports (the
 # supervisor binds port 0 and sets the peer targets), the data folder, the backing stores, the
 # trace collector. The inference model is the tiny one to keep the test fast.
@@ -39,6 +47,10 @@ HOST_SPECIFIC = {
     "LLMESH_DATA_DIR",
     "LLMESH_REDIS_URL",
     "LLMESH_INFERENCE_MODEL",
+    # Which models and where: the tiny models here, on the supervisor's ports.
+    "LLMESH_MODELS",
+    "LLMESH_DEFAULT_MODEL",
+    "LLMESH_TOKENIZER_MODELS",
     "QDRANT_URL",
     "QDRANT_API_KEY",
 }
@@ -79,17 +91,19 @@ def foreign_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def mesh(
     models_dir: Path, tiny_model: Path, mesh_certs: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Mesh]:
+    build_tiny_model(models_dir, name="tiny-seed1", seed=1)
     service_env = {name: compose_environment(name, mesh_certs) for name in settings.SERVICES}
+    service_env |= {f"inference/{model}": compose_environment(svc, mesh_certs) for model, svc in MODELS.items()}
     for name, env in service_env.items():
         # The compose stack runs every service with TLS on, and the internal ones require client certs.
         assert Path(env["LLMESH_TLS_CERT"]).is_file() and Path(env["LLMESH_TLS_KEY"]).is_file(), name
         assert Path(env["LLMESH_TLS_CA"]).is_file(), name
-        assert ("LLMESH_TLS_CLIENT_CA" in env) == (name in INTERNAL), name
+        assert ("LLMESH_TLS_CLIENT_CA" in env) == (name in INTERNAL or name in INTERNAL_PROCESSES), name
     redis.Redis.from_url(REDIS_URL).flushdb()
     base = {
         "LLMESH_MODELS_DIR": str(models_dir),
         "LLMESH_DATA_DIR": str(tmp_path_factory.mktemp("mesh-tls-data")),
-        "LLMESH_INFERENCE_MODEL": "tiny",
+        "LLMESH_MODELS": ",".join(f"{model}=127.0.0.1:0" for model in MODELS),
         "LLMESH_REDIS_URL": REDIS_URL,
         "QDRANT_URL": "",
     }
@@ -121,11 +135,11 @@ def refused(target: str, creds: grpc.ChannelCredentials | None) -> grpc.StatusCo
     return info.value.code()  # type: ignore[attr-defined, no-any-return]
 
 
-@pytest.mark.parametrize("name", INTERNAL)
+@pytest.mark.parametrize("process", INTERNAL_PROCESSES)
 def test_internal_port_refuses_clients_without_a_mesh_certificate(
-    mesh: Mesh, mesh_certs: Path, foreign_certs: Path, name: str
+    mesh: Mesh, mesh_certs: Path, foreign_certs: Path, process: str
 ) -> None:
-    target = mesh.target(name)
+    target, name = mesh.target(process), INTERNAL_PROCESSES[process]
     serving = health_pb2.HealthCheckResponse.SERVING
     # Control: with a mesh certificate the port answers, also under the names peers dial it by
     # (compose service name, Kubernetes Service name): the certificate covers them.
@@ -148,9 +162,10 @@ def test_gateway_serves_callers_without_a_client_certificate(mesh: Mesh, mesh_ce
         # Ingest: gateway -> retrieval -> tokenizer, each hop over mutual TLS.
         assert client.ingest([("tls-doc", "The mesh speaks mutual TLS between its services.")]).chunks == 1
         # Generation: gateway -> cache, retrieval, tokenizer, inference, each over mutual TLS.
-        reply = client.ask("Hello over TLS", max_new_tokens=4)
-        assert reply.usage.output_tokens == 4
-        assert not reply.degradations, reply.degradations  # no hop was left out
+        for model in MODELS:  # each model's inference over mutual TLS, with its own certificate
+            reply = client.ask("Hello over TLS", max_new_tokens=4, model=model)
+            assert reply.usage.output_tokens == 4 and reply.model.startswith(f"{model}:")
+            assert not reply.degradations, reply.degradations  # no hop was left out
     # The gateway speaks TLS only: a plaintext caller is refused.
     assert refused(target, None) == grpc.StatusCode.UNAVAILABLE
 
@@ -160,7 +175,8 @@ def test_compose_health_checks_pass_without_a_certificate(mesh: Mesh) -> None:
     listener: healthy while the service port requires mTLS."""
     check = yaml.safe_load(COMPOSE.read_text())["x-llmesh-healthcheck"]["test"]
     assert check[:3] == ["CMD", "python", "-c"]
-    for name in settings.SERVICES:
+    assert set(mesh.procs) == {"gateway", *INTERNAL_PROCESSES}
+    for name in mesh.procs:
         health_port = mesh.procs[name].health_port
         assert health_port, f"{name} has no health listener"
         env = {"LLMESH_HEALTH_LISTEN": f"127.0.0.1:{health_port}", "PATH": "/usr/bin:/bin"}

@@ -23,7 +23,7 @@ DOCKERFILE = ROOT / "Dockerfile"
 STANDARD_PREFIXES = ("OTEL_", "HF_")
 MODEL_READERS = ("tokenizer", "inference", "cache", "retrieval")
 # Jobs that run once and exit (the others are long-running with a health check).
-ONE_SHOT_JOBS = ("models", "models-gguf", "certs")
+ONE_SHOT_JOBS = ("models", "models-import", "models-gguf", "certs")
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -141,7 +141,48 @@ def test_peer_targets_point_at_the_peer_services(services: dict[str, dict[str, A
             assert services[name]["depends_on"][peer]["condition"] == "service_healthy", (name, peer)
     gateway_targets = {v for v in env_of(services["gateway"]) if v.endswith("_TARGET")}
     expected = {s.env for s in settings.DECLARED if s.env.endswith("_TARGET") and "gateway" in s.services}
-    assert gateway_targets == expected
+    # With LLMESH_MODELS, each model's inference target is there instead of LLMESH_INFERENCE_TARGET.
+    assert "LLMESH_MODELS" in env_of(services["gateway"])
+    assert gateway_targets == expected - {"LLMESH_INFERENCE_TARGET"}
+
+
+def test_two_models_each_with_its_own_inference_service(services: dict[str, dict[str, Any]]) -> None:
+    """LLMESH_MODELS names two models; each target is an inference service of this file serving
+    that model, with its own certificate (SAN = its service name, issued by the certs job) and
+    mutual TLS; the gateway waits for each, and the tokenizer serves every model's tokenizer."""
+    gateway = env_of(services["gateway"])
+    models = settings.parse_models(gateway["LLMESH_MODELS"])
+    assert len(models) == 2 and gateway["LLMESH_DEFAULT_MODEL"] == next(iter(models)) == "smollm2"
+    extra_certs = env_of(services["certs"]).get("MESH_EXTRA_SERVICES", "").replace(",", " ").split()
+    for model, target in models.items():
+        host, _, port = target.rpartition(":")
+        assert port == str(settings.DEFAULT_PORTS["inference"]), target
+        svc = services[host]
+        env = env_of(svc)
+        assert svc["build"]["target"] == "inference" and "command" not in svc, host
+        assert env["LLMESH_INFERENCE_MODEL"] == model, host
+        assert env["LLMESH_LISTEN"] == f"0.0.0.0:{port}", host
+        assert {int(port), settings.DEFAULT_METRICS_PORTS["inference"]} <= container_ports(svc), host
+        for var in env:
+            assert var.startswith(STANDARD_PREFIXES) or "inference" in settings.BY_ENV[var].services, (host, var)
+        assert env["LLMESH_TLS_CERT"] == f"/certs/{host}/tls.crt", host
+        assert env["LLMESH_TLS_KEY"] == f"/certs/{host}/tls.key", host
+        assert env["LLMESH_TLS_CLIENT_CA"] == env["LLMESH_TLS_CA"] == f"/certs/{host}/ca.crt", host
+        assert host == "inference" or host in extra_certs, f"the certs job issues no certificate for {host}"
+        assert "certs:/certs:ro" in svc["volumes"] and "models:/data/models:ro" in svc["volumes"], host
+        assert svc["depends_on"]["certs"]["condition"] == "service_completed_successfully", host
+        assert svc.get("healthcheck"), host
+        assert services["gateway"]["depends_on"][host]["condition"] == "service_healthy", host
+    assert settings.BY_ENV["LLMESH_TOKENIZER_MODELS"].parse(
+        env_of(services["tokenizer"])["LLMESH_TOKENIZER_MODELS"]
+    ) == tuple(models)
+    # The second model is imported once, after the packaged ones are prepared.
+    job = services["models-import"]
+    assert "llmesh models import" in " ".join(job["entrypoint"]) and "--name assistant" in " ".join(job["entrypoint"])
+    assert job["depends_on"]["models"]["condition"] == "service_completed_successfully"
+    assert services["inference-assistant"]["depends_on"]["models-import"]["condition"] == (
+        "service_completed_successfully"
+    )
 
 
 def test_healthchecks_everywhere(services: dict[str, dict[str, Any]]) -> None:

@@ -5,6 +5,7 @@ workloads agree with llmesh/settings.py (ports, declared variables, gRPC probes,
 from __future__ import annotations
 
 import base64
+import copy
 import functools
 import os
 import re
@@ -33,7 +34,22 @@ CUSTOM_API_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/")
 # Oldest Kubernetes the manifests are written for (native gRPC probes are GA from 1.27).
 MIN_KUBERNETES = "1.29.0"
 STANDARD_PREFIXES = ("OTEL_", "HF_")
-MODEL_READERS = {"tokenizer": "smollm2", "inference": "smollm2", "cache": "minilm", "retrieval": "minilm"}
+MODEL_READERS = {
+    "tokenizer": ("smollm2", "assistant"),
+    "inference": ("smollm2",),
+    "inference-assistant": ("assistant",),
+    "cache": ("minilm",),
+    "retrieval": ("minilm",),
+}
+# The second model's inference service: an inference Deployment of its own (LLMESH_MODELS).
+SECOND_MODELS = {"inference-assistant": "assistant"}
+
+
+def kind_of(workload: str) -> str:
+    """The service a workload runs: `inference-assistant` runs inference."""
+    return "inference" if workload in SECOND_MODELS else workload
+
+
 HPA_MANAGED = ("gateway", "inference")
 
 Obj = dict[str, Any]
@@ -98,7 +114,7 @@ def pod_spec(workload: Obj) -> Obj:
 
 
 def container(workload: Obj, name: str | None = None) -> Obj:
-    containers = pod_spec(workload)["containers"]
+    containers = pod_spec(workload)["containers"] + (pod_spec(workload).get("initContainers") or [])
     name = name or workload["metadata"]["name"]
     match = [c for c in containers if c["name"] == name]
     assert match, f"{workload['metadata']['name']} has no container {name}"
@@ -138,6 +154,10 @@ def environment(objects: tuple[Obj, ...], c: Obj) -> dict[str, str]:
 
 def test_renders_every_expected_object(objects: tuple[Obj, ...]) -> None:
     for name in settings.SERVICES:
+        one(objects, "Deployment", name)
+        one(objects, "Service", name)
+        one(objects, "PodDisruptionBudget", name)
+    for name in SECOND_MODELS:
         one(objects, "Deployment", name)
         one(objects, "Service", name)
         one(objects, "PodDisruptionBudget", name)
@@ -193,7 +213,7 @@ def test_schema_validation_rejects_a_broken_object() -> None:
 
 
 def test_settings_env_names_are_declared(objects: tuple[Obj, ...]) -> None:
-    for name in settings.SERVICES:
+    for name in (*settings.SERVICES, *SECOND_MODELS):
         deployment = one(objects, "Deployment", name)
         for c in pod_spec(deployment)["containers"] + (pod_spec(deployment).get("initContainers") or []):
             for var in environment(objects, c):
@@ -201,29 +221,33 @@ def test_settings_env_names_are_declared(objects: tuple[Obj, ...]) -> None:
                     continue
                 declared = settings.BY_ENV.get(var)
                 assert declared is not None, f"{name}/{c['name']}: {var} is not declared in llmesh/settings.py"
-                assert name in declared.services, f"{name} sets {var}, read only by {declared.services}"
+                assert kind_of(name) in declared.services, f"{name} sets {var}, read only by {declared.services}"
     job = one(objects, "Job", "llmesh-models")
-    for var in environment(objects, container(job, "prepare")):
-        assert var.startswith(STANDARD_PREFIXES) or var in settings.BY_ENV, f"models job sets {var}"
+    for step in ("prepare", "import"):
+        for var in environment(objects, container(job, step)):
+            assert var.startswith(STANDARD_PREFIXES) or var in settings.BY_ENV, f"models job sets {var}"
 
 
 def test_settings_values_parse(objects: tuple[Obj, ...]) -> None:
     """The settings each service is given pass its own validation (secrets stubbed)."""
-    for name in settings.SERVICES:
+    for name in (*settings.SERVICES, *SECOND_MODELS):
         env = environment(objects, container(one(objects, "Deployment", name)))
         concrete = {k: v for k, v in env.items() if not v.startswith("<secret")}
         # Certificate files exist only in the pod (the mounted Secret): any file stands in.
         files = [k for k in concrete if k in settings.BY_ENV and settings.BY_ENV[k].parse is settings._optional_file]
         concrete |= dict.fromkeys(files, __file__)
-        settings.load(name, concrete)
+        loaded = settings.load(kind_of(name), concrete)
+        if name in SECOND_MODELS:
+            assert loaded.inference_model == SECOND_MODELS[name], name
 
 
 def test_ports_probes_and_listen_address(objects: tuple[Obj, ...]) -> None:
-    for name in settings.SERVICES:
+    for name in (*settings.SERVICES, *SECOND_MODELS):
         deployment = one(objects, "Deployment", name)
         c = container(deployment)
-        port, metrics = settings.DEFAULT_PORTS[name], settings.DEFAULT_METRICS_PORTS[name]
-        assert re.fullmatch(rf"llmesh/{name}:[\w.-]+", c["image"]), c["image"]
+        kind = kind_of(name)
+        port, metrics = settings.DEFAULT_PORTS[kind], settings.DEFAULT_METRICS_PORTS[kind]
+        assert re.fullmatch(rf"llmesh/{kind}:[\w.-]+", c["image"]), c["image"]
         env = environment(objects, c)
         health = int(env["LLMESH_HEALTH_LISTEN"].rpartition(":")[2])
         http = {settings.DEFAULT_HTTP_PORT} if name == "gateway" else set()
@@ -243,7 +267,7 @@ def test_ports_probes_and_listen_address(objects: tuple[Obj, ...]) -> None:
 
 
 def test_termination_grace_covers_the_drain(objects: tuple[Obj, ...]) -> None:
-    for name in settings.SERVICES:
+    for name in (*settings.SERVICES, *SECOND_MODELS):
         deployment = one(objects, "Deployment", name)
         env = environment(objects, container(deployment))
         grace = float(env.get("LLMESH_GRACE_SECONDS", settings.BY_ENV["LLMESH_GRACE_SECONDS"].default))
@@ -268,19 +292,28 @@ def test_security_context(objects: tuple[Obj, ...]) -> None:
             assert sc["readOnlyRootFilesystem"] is True, (label, c["name"])
             assert sc["capabilities"]["drop"] == ["ALL"], (label, c["name"])
             assert c["resources"]["requests"] and c["resources"]["limits"]["memory"], (label, c["name"])
-        if workload["metadata"]["name"] in (*settings.SERVICES, "llmesh-models"):
+        if workload["metadata"]["name"] in (*settings.SERVICES, *SECOND_MODELS, "llmesh-models"):
             assert spec["securityContext"]["runAsUser"] == 10001, label
 
 
 def test_headless_services_and_peer_targets(objects: tuple[Obj, ...]) -> None:
-    for name in settings.SERVICES:
+    deployments = find(objects, "Deployment")
+    for name in (*settings.SERVICES, *SECOND_MODELS):
         service = one(objects, "Service", name)
         assert service["spec"]["clusterIP"] == "None", f"{name} must be headless for client-side balancing"
         ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
         http = {"http": settings.DEFAULT_HTTP_PORT} if name == "gateway" else {}
-        assert ports == {"grpc": settings.DEFAULT_PORTS[name], "metrics": settings.DEFAULT_METRICS_PORTS[name], **http}
+        kind = kind_of(name)
+        assert ports == {"grpc": settings.DEFAULT_PORTS[kind], "metrics": settings.DEFAULT_METRICS_PORTS[kind], **http}
         pod_labels = one(objects, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
         assert service["spec"]["selector"].items() <= pod_labels.items(), name
+        # Each Service selects its own pods only (the second model's pods are not `inference`'s).
+        selected = [
+            d
+            for d in deployments
+            if service["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        assert [d["metadata"]["name"] for d in selected] == [name], name
     for name in settings.SERVICES:
         deployment = one(objects, "Deployment", name)
         namespace = deployment["metadata"]["namespace"]
@@ -293,7 +326,20 @@ def test_headless_services_and_peer_targets(objects: tuple[Obj, ...]) -> None:
             one(objects, "Service", peer)
     gateway_env = environment(objects, container(one(objects, "Deployment", "gateway")))
     expected = {s.env for s in settings.DECLARED if s.env.endswith("_TARGET") and "gateway" in s.services}
-    assert expected <= gateway_env.keys()
+    # With LLMESH_MODELS, each model's inference target is there instead of LLMESH_INFERENCE_TARGET.
+    assert expected - {"LLMESH_INFERENCE_TARGET"} <= gateway_env.keys()
+    models = settings.parse_models(gateway_env["LLMESH_MODELS"])
+    assert gateway_env["LLMESH_DEFAULT_MODEL"] == next(iter(models)) == "smollm2"
+    namespace = one(objects, "Deployment", "gateway")["metadata"]["namespace"]
+    served = {}
+    for name in ("inference", *SECOND_MODELS):
+        env = environment(objects, container(one(objects, "Deployment", name)))
+        served[env["LLMESH_INFERENCE_MODEL"]] = (
+            f"dns:///{name}.{namespace}.svc.cluster.local:{settings.DEFAULT_PORTS['inference']}"
+        )
+    assert models == served, "each model routes to the inference service that serves it"
+    tokenizer_env = environment(objects, container(one(objects, "Deployment", "tokenizer")))
+    assert settings.BY_ENV["LLMESH_TOKENIZER_MODELS"].parse(tokenizer_env["LLMESH_TOKENIZER_MODELS"]) == tuple(models)
 
 
 def test_autoscalers(objects: tuple[Obj, ...]) -> None:
@@ -315,7 +361,7 @@ def test_autoscalers(objects: tuple[Obj, ...]) -> None:
 
 
 def test_disruption_budgets_select_the_pods(objects: tuple[Obj, ...]) -> None:
-    for name in settings.SERVICES:
+    for name in (*settings.SERVICES, *SECOND_MODELS):
         pdb = one(objects, "PodDisruptionBudget", name)
         labels = one(objects, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
         assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items(), name
@@ -326,12 +372,16 @@ def test_models_prepared_once_and_mounted_read_only(objects: tuple[Obj, ...]) ->
     prepare = container(job, "prepare")
     assert re.fullmatch(r"llmesh/models:[\w.-]+", prepare["image"])
     assert prepare["args"] == ["models", "prepare"]
+    # The second model is imported after the packaged ones are prepared (an init container first).
+    assert [c["name"] for c in pod_spec(job)["initContainers"]] == ["prepare"]
+    imports = " ".join(container(job, "import")["command"])
+    assert "llmesh models import" in imports and "--name assistant" in imports
     claim = one(objects, "PersistentVolumeClaim", "llmesh-models")["metadata"]["name"]
     job_volumes = {v["name"]: v for v in pod_spec(job)["volumes"]}
     mount = next(m for m in prepare["volumeMounts"] if m["mountPath"] == "/data/models")
     assert job_volumes[mount["name"]]["persistentVolumeClaim"]["claimName"] == claim
     assert environment(objects, prepare)["LLMESH_DATA_DIR"] == "/data"
-    for name, model in MODEL_READERS.items():
+    for name, names in MODEL_READERS.items():
         deployment = one(objects, "Deployment", name)
         spec = pod_spec(deployment)
         volumes = {v["name"]: v for v in spec["volumes"]}
@@ -340,7 +390,8 @@ def test_models_prepared_once_and_mounted_read_only(objects: tuple[Obj, ...]) ->
         assert volumes[mount["name"]]["persistentVolumeClaim"]["claimName"] == claim, name
         assert environment(objects, container(deployment))["LLMESH_DATA_DIR"] == "/data", name
         (wait,) = spec["initContainers"]
-        assert f"/data/models/{model}/current/manifest.json" in " ".join(wait["command"]), name
+        for model in names:
+            assert f"/data/models/{model}/current/manifest.json" in " ".join(wait["command"]), name
     gateway = pod_spec(one(objects, "Deployment", "gateway"))
     assert "initContainers" not in gateway, "the gateway needs no models"
 
@@ -379,10 +430,16 @@ def test_gpu_overlay_only_changes_inference() -> None:
     spec = pod_spec(inference)
     assert spec["nodeSelector"] and any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
     assert all("cuda" in init["image"] for init in spec["initContainers"])
-    for name in settings.SERVICES:
+    for name in (*settings.SERVICES, *SECOND_MODELS):
         if name == "inference":
             continue
-        assert one(gpu, "Deployment", name) == one(base, "Deployment", name), f"gpu overlay changed {name}"
+        on_gpu, on_cpu = copy.deepcopy(one(gpu, "Deployment", name)), one(base, "Deployment", name)
+        if name in SECOND_MODELS:
+            # The inference image is the CUDA build (it runs on CPU too); nothing else changes.
+            assert environment(gpu, container(on_gpu))["LLMESH_DEVICE"] == "cpu", name
+            for c in pod_spec(on_gpu)["containers"] + pod_spec(on_gpu)["initContainers"]:
+                c["image"] = c["image"].replace("-cuda", "")
+        assert on_gpu == on_cpu, f"gpu overlay changed {name}"
     kinds = lambda objs: sorted((o["kind"], o["metadata"]["name"].rsplit("-", 1)[0]) for o in objs)  # noqa: E731
     assert kinds(base) == kinds(gpu)
 
@@ -396,7 +453,7 @@ def test_every_service_serves_and_dials_with_mutual_tls(objects: tuple[Obj, ...]
     """Each pod mounts Secret llmesh-tls-<service>, serves TLS with it and presents it to peers;
     the internal services require client certificates from the mesh CA, the gateway does not
     (callers authenticate with API keys)."""
-    for name in settings.SERVICES:
+    for name in (*settings.SERVICES, *SECOND_MODELS):
         deployment = one(objects, "Deployment", name)
         c = container(deployment)
         env = environment(objects, c)
@@ -421,7 +478,7 @@ def test_cert_manager_issues_one_certificate_per_service() -> None:
     assert ca["spec"]["isCA"] is True
     issuer = one(objects, "Issuer", "llmesh-mesh-ca")
     assert issuer["spec"]["ca"]["secretName"] == ca["spec"]["secretName"]
-    for name in settings.SERVICES:
+    for name in (*settings.SERVICES, *SECOND_MODELS):
         cert = one(objects, "Certificate", f"llmesh-tls-{name}")["spec"]
         assert cert["secretName"] == f"llmesh-tls-{name}"
         assert cert["issuerRef"] == {"kind": "Issuer", "name": "llmesh-mesh-ca"}
@@ -444,6 +501,7 @@ def test_cert_manager_issues_one_certificate_per_service() -> None:
 ALLOWED_CALLERS = {
     "tokenizer": {"gateway", "retrieval"},
     "inference": {"gateway"},
+    "inference-assistant": {"gateway"},
     "cache": {"gateway"},
     "retrieval": {"gateway"},
     "redis": {"cache", "gateway"},
@@ -554,7 +612,7 @@ def test_internal_services_admit_only_their_callers(objects: tuple[Obj, ...]) ->
     allowed = {**ALLOWED_CALLERS, **{b: {"inference"} for b in BACKEND_PORTS if b in present}}
     for target, callers in allowed.items():
         workload = present[target]
-        metrics = settings.DEFAULT_METRICS_PORTS.get(target)
+        metrics = settings.DEFAULT_METRICS_PORTS.get(kind_of(target))
         for port in service_ports(workload):
             peers = admitted(objects, target, port)
             if port == metrics:
@@ -565,7 +623,7 @@ def test_internal_services_admit_only_their_callers(objects: tuple[Obj, ...]) ->
                 assert scrapers == [{"namespaceSelector": {"matchLabels": MONITORING}}], f"{target}: {scrapers}"
                 peers = [p for p in peers if "namespaceSelector" not in p]
             admitted_workloads = set().union(*(same_namespace_workloads(objects, p) for p in peers))
-            if port in (settings.DEFAULT_PORTS.get(target), 6379, 6333, 6334, BACKEND_PORTS.get(target)):
+            if port in (settings.DEFAULT_PORTS.get(kind_of(target)), 6379, 6333, 6334, BACKEND_PORTS.get(target)):
                 assert admitted_workloads == callers, f"{target}:{port} admits {sorted(admitted_workloads)}"
                 for caller in callers:
                     assert egress_allows(objects, caller, target, port), f"{caller} may not dial {target}:{port}"
@@ -591,7 +649,7 @@ def test_gateway_admits_callers_by_the_documented_label(objects: tuple[Obj, ...]
 
 def test_egress_is_dns_otlp_and_the_peers(objects: tuple[Obj, ...]) -> None:
     expected_peers = {
-        "gateway": {"tokenizer", "inference", "cache", "retrieval", "redis"},
+        "gateway": {"tokenizer", "inference", *SECOND_MODELS, "cache", "retrieval", "redis"},
         "retrieval": {"tokenizer", "qdrant"},
         "cache": {"redis", "qdrant"},
     }

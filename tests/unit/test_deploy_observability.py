@@ -58,7 +58,12 @@ def test_prometheus_scrapes_every_service_and_itself() -> None:
     }
     assert targets["prometheus"] == ["localhost:9090"]
     for name in settings.SERVICES:
-        assert targets[name] == [f"{name}:{settings.DEFAULT_METRICS_PORTS[name]}"], name
+        assert targets[name][0] == f"{name}:{settings.DEFAULT_METRICS_PORTS[name]}", name
+    # Every model's inference service (compose's LLMESH_MODELS) is scraped in the inference job.
+    gateway = yaml.safe_load(COMPOSE.read_text())["services"]["gateway"]["environment"]
+    hosts = [t.rpartition(":")[0] for t in settings.parse_models(gateway["LLMESH_MODELS"]).values()]
+    port = settings.DEFAULT_METRICS_PORTS["inference"]
+    assert targets["inference"] == [f"{host}:{port}" for host in hosts]
 
 
 def test_prometheus_config_is_mounted_by_compose() -> None:
