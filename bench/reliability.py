@@ -480,6 +480,7 @@ class Outcome:
     weight: int = 0  # input tokens x requested max_new_tokens of an answer that was generated
     detail: str = ""
     timings: dict[str, float] = field(default_factory=dict)  # the gateway's server-timing, ms per hop
+    reason: str = ""  # google.rpc.ErrorInfo reason of a refusal (e.g. IN_FLIGHT_LIMIT)
 
     @property
     def latency(self) -> float:
@@ -566,6 +567,7 @@ class Load:
             if retry is not None:
                 retry_after = retry.retry_delay.seconds + retry.retry_delay.nanos / 1e9  # type: ignore[attr-defined]
             shed_timing = [str(v) for k, v in (err.trailing_metadata() or ()) if k == "server-timing"]
+            error_info = info.get("error_info")
             return Outcome(
                 kind,
                 err.code().name,
@@ -575,6 +577,7 @@ class Load:
                 retry_after=retry_after,
                 detail=(err.details() or "")[:200],
                 timings=parse_server_timing(shed_timing[0]) if shed_timing else {},
+                reason=getattr(error_info, "reason", ""),
             )
         ended = now()
         if reply is None:
@@ -1090,7 +1093,33 @@ class Reliability:
         if name in FREEZES:
             out.update(freeze_figures(sink, result, down_kinds))
         out.update(result.extra)
+        if args.dump is not None:
+            self.dump(name, sink, watch, result)
         return out
+
+    def dump(self, name: str, sink: Sequence[Outcome], watch: BreakerWatch, fault: FaultResult) -> None:
+        """Every request of a fault and the breaker samples, times relative to the fault's start
+        (`t_down`), for looking at where the time went (--dump DIR)."""
+        t0 = fault.t_down or fault.t_inject
+        self.args.dump.mkdir(parents=True, exist_ok=True)
+        record = {
+            "t_back": round(fault.t_back - t0, 3),
+            "requests": [
+                {
+                    "kind": o.kind,
+                    "code": o.code,
+                    "reason": o.reason,
+                    "start": round(o.started - t0, 3),
+                    "latency": round(o.latency, 4),
+                    "degradations": list(o.degradations),
+                    "hit": o.cache_hit,
+                    "timings": o.timings,
+                }
+                for o in sink
+            ],
+            "breakers": [(round(ts - t0, 3), states) for ts, states in watch.samples],
+        }
+        (self.args.dump / f"{name}.json").write_text(json.dumps(record) + "\n")
 
     async def fault_freeze(self, name: str, result: FaultResult) -> None:
         """SIGSTOP for --freeze-seconds, then SIGCONT: the process is there, and answers nothing.
@@ -1561,6 +1590,24 @@ def freeze_figures(sink: Sequence[Outcome], fault: FaultResult, kinds: Sequence[
         "deadline_exceeded": sum(o.code == "DEADLINE_EXCEEDED" for o in sink if o.ended >= fault.t_down),
         "other_errors_during": sum(o.error for o in started_during),
         "degradations_during": dict(Counter(d for o in during if o.ok for d in o.degradations)),
+        "shed_reasons": dict(Counter(o.reason or "none" for o in sheds)),
+        "slow_sheds": slow_sheds(sheds),
+    }
+
+
+def slow_sheds(sheds: Sequence[Outcome], over: float = 0.050) -> dict[str, Any]:
+    """Where the sheds slower than `over` spent their time: per kind and reason, and the mean of
+    the gateway's server-timing per hop (ms; `total` is the gateway's own time before refusing)."""
+    slow = [o for o in sheds if o.latency > over]
+    hops: Counter[str] = Counter()
+    for o in slow:
+        hops.update(o.timings)
+    return {
+        "count": len(slow),
+        "by_kind": dict(Counter(o.kind for o in slow)),
+        "by_reason": dict(Counter(o.reason or "none" for o in slow)),
+        "without_server_timing": sum(not o.timings for o in slow),
+        "mean_ms": {hop: round(ms / len(slow), 1) for hop, ms in hops.items()} if slow else {},
     }
 
 
@@ -1640,6 +1687,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="phases: load, default_budget, faults (or fault names), bad_input",
     )
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here instead of bench/results")
+    parser.add_argument(
+        "--dump", type=Path, default=None, help="write every request and breaker sample of each fault under DIR"
+    )
     parser.add_argument(
         "--gateway-nice",
         type=int,

@@ -109,6 +109,7 @@ class GatewayApp:
             slow_call_duration=s.breaker_slow_call_seconds,
             wait_in_open=s.breaker_wait_seconds,
             permitted_calls_in_half_open=s.breaker_half_open_calls,
+            consecutive_failures=s.breaker_consecutive_failures,
         )
         targets = {
             "tokenizer": s.tokenizer_target,
@@ -123,7 +124,15 @@ class GatewayApp:
             search=s.hop_search_seconds,
             tokenizer=s.hop_tokenizer_seconds,
         )
-        self.peers = Peers(targets, s.max_message_bytes, breakers, breaker_listener, peer_credentials(s), budgets)
+        self.peers = Peers(
+            targets,
+            s.max_message_bytes,
+            breakers,
+            breaker_listener,
+            peer_credentials(s),
+            budgets,
+            probe_seconds=s.breaker_probe_seconds,
+        )
         admission = AdmissionConfig.from_settings(s)
         self.window: WeightWindow | RedisWeightWindow = (
             RedisWeightWindow(
