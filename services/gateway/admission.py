@@ -288,13 +288,21 @@ def _refusal(
 # --- in-process window ---------------------------------------------------------------------------
 
 
+# Over its life an admitted request's weight not yet generated falls from its whole reservation to
+# nothing: half of it on average. By Little's law the weight in flight is then
+# throughput x time in system x this share.
+REMAINING_SHARE = 0.5
+
+
 class CapacityLimit:
     """How much weight one model may have in flight from this gateway, learned from what it is
     measured to deliver.
 
     Throughput is the weight generated per second (input tokens x tokens streamed back), measured
     only while requests are in flight and smoothed over samples of `sample_seconds`. By Little's
-    law a limit of ``throughput x target_seconds`` keeps a request's time in the system near
+    law, with each request's weight in flight falling from its reservation to nothing as its tokens
+    come back (half of it on average, `REMAINING_SHARE`), a limit of
+    ``throughput x target_seconds / 2`` keeps a request's time in the system near
     `target_seconds`: below capacity, requests finish faster than the target, so the limit sits
     above what is in flight and opens up as throughput follows demand; at capacity, the queue
     stays bounded and the surplus is shed. A cold gateway allows `initial` until it has measured;
@@ -350,7 +358,7 @@ class CapacityLimit:
             return self.cap
         if not self.throughput:
             return self.initial
-        return min(self.cap, max(self.initial / 4, self.throughput * self.target_seconds))
+        return min(self.cap, max(self.initial / 4, self.throughput * self.target_seconds * REMAINING_SHARE))
 
     def room(self, with_holds: bool) -> float:
         taken = self.in_flight + (self.held if with_holds else 0)
@@ -372,11 +380,12 @@ class CapacityLimit:
             self._busy = self._done = 0.0
 
     def drain_seconds(self, extra: float) -> float:
-        """Seconds until what is in flight, and `extra` more, is generated at the measured
-        throughput (a request's expected time in the system); 0 until measured."""
+        """A request of weight `extra` joining now: its expected time in the system at the measured
+        throughput (the weight in flight is about REMAINING_SHARE of throughput x time in system,
+        and the request's own weight comes on top); 0 until measured."""
         if self.throughput <= 0 or not self.adaptive:
             return 0.0
-        return (self.in_flight + self.held + extra) / self.throughput
+        return ((self.in_flight + self.held) / REMAINING_SHARE + extra) / self.throughput
 
     def retry_after(self, need: float, window_seconds: float) -> float:
         """Time for `need` weight in flight to drain at the measured throughput."""

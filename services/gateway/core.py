@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from opentelemetry import trace
 
@@ -257,6 +258,12 @@ class InputTokenPredictor:
             self.context_tokens[plan.collection] = added if known is None else _ema(known, added, self.ALPHA)
 
 
+def _consume(task: asyncio.Future[Any]) -> None:
+    """Retrieves a background call's outcome (no "exception was never retrieved" warnings)."""
+    if not task.cancelled():
+        task.exception()
+
+
 def _ema(old: float, new: float, alpha: float) -> float:
     return old + alpha * (new - old)
 
@@ -382,15 +389,29 @@ class Gateway:
         self, plan: Plan, scope: cache_pb2.CacheScope, deadline: Deadline, wait: float | None = None
     ) -> cache_pb2.CacheLookupResponse | None:
         """A hit, or None (a miss, or the cache unavailable). `wait`: give up on the cache after
-        this long (the request is shed on a miss, so it only waits as long as a refusal may take)."""
+        this long (the request is shed on a miss, so it only waits as long as a refusal may take).
+
+        The wait, queueing behind other lookups included, never exceeds the lookup's hop budget.
+        The call itself is not cancelled when the request stops waiting: it runs to its own budget
+        in the background, so the cache's breaker hears how it ended (a frozen cache is cut off
+        even when every request gives up on it early)."""
         # Attributes go on the request span: the client span of the RPC already times the hop.
         span = trace.get_current_span()
-        lookup = self.peers.cache_lookup(
-            cache_pb2.CacheLookupRequest(prompt=plan.prompt, scope=scope, allow_semantic=True), deadline
+        budget = self.peers.budgets.cache_lookup
+        lookup = asyncio.ensure_future(
+            self.peers.cache_lookup(
+                cache_pb2.CacheLookupRequest(prompt=plan.prompt, scope=scope, allow_semantic=True), deadline
+            )
         )
+        lookup.add_done_callback(_consume)
         try:
-            found = await (lookup if wait is None else asyncio.wait_for(lookup, wait))
+            found = await asyncio.wait_for(asyncio.shield(lookup), budget if wait is None else min(wait, budget))
         except TimeoutError:
+            if wait is not None and wait < budget:
+                return None  # the request decides without the cache; the lookup goes on
+            self._cache_slow_until = time.monotonic() + CACHE_SUSPECT_S
+            log.warning("cache lookup took its whole budget (%.3fs)", budget)
+            plan.degrade("cache_unavailable")
             return None
         except DOWNSTREAM_ERRORS as exc:
             self._cache_slow_until = time.monotonic() + CACHE_SUSPECT_S

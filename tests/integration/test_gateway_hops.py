@@ -439,6 +439,45 @@ async def test_a_request_that_would_be_shed_on_a_miss_does_not_wait_for_a_frozen
         no_weight_left(app)
 
 
+async def test_a_frozen_cache_is_cut_off_though_every_request_gives_up_on_it_early() -> None:
+    # Every request would be shed on a miss, so each waits 20 ms for the cache and goes on; the
+    # lookups they started still run to their budget and the breaker hears the timeouts.
+    env = {"LLMESH_HOP_CACHE_LOOKUP_SECONDS": "0.1", "LLMESH_ADMISSION_INITIAL_IN_FLIGHT": "640"}
+    async with fake_mesh(**env) as (fake, app, _):
+        breaker = app.peers.breakers["cache"]
+        opened = asyncio.Event()
+        breaker.on_transition.append(lambda old, new, reason: opened.set() if new.value == "open" else None)
+        fake.generate.mode = "hang"
+        busy = asyncio.create_task(run(app, ask(max_new_tokens=64, use_cache=False, use_retrieval=False), 20))
+        await fake.generate.called.wait()  # the in-flight limit is now full
+        fake.lookup.mode = "hang"
+        for _ in range(8):
+            if opened.is_set():
+                break
+            with pytest.raises(LlmeshError) as shed:
+                await run(app, ask(max_new_tokens=64, use_retrieval=False), 10)
+            assert shed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(opened.wait(), 0.5)
+        assert opened.is_set() and breaker.state.value == "open"
+        busy.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await busy
+        no_weight_left(app)
+
+
+async def test_lookups_queued_behind_a_frozen_cache_wait_no_longer_than_the_budget() -> None:
+    # Two lookups go out at once; the rest queue for the next batch. A queued request's wait for
+    # the cache (its queue time included) is one budget, not one for the queue and one for its batch.
+    async with fake_mesh(LLMESH_HOP_CACHE_LOOKUP_SECONDS="0.3") as (fake, app, _):
+        fake.lookup.mode = "hang"
+        finals = await asyncio.gather(*(run(app, ask(use_retrieval=False), 10) for _ in range(6)))
+        for final in finals:
+            assert "cache_unavailable" in final.response.degradations
+            assert final.timings["cache"] < 450  # ms; queued behind the first batch: about 600
+        no_weight_left(app)
+
+
 async def test_a_request_that_could_not_finish_in_time_is_shed_not_timed_out() -> None:
     async with fake_mesh() as (fake, app, _):
         capacity = app.window.capacity(MODEL)  # type: ignore[union-attr]

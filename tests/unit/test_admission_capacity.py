@@ -80,7 +80,7 @@ def test_a_cold_limit_is_conservative_and_opens_up_as_throughput_is_measured() -
         now.t += 0.5
         cap.advance(now.t, 1000)
     assert cap.throughput == pytest.approx(2000)
-    assert cap.limit() == pytest.approx(4000)  # Little: throughput x target
+    assert cap.limit() == pytest.approx(2000)  # Little: throughput x target x the half still in flight
 
 
 def test_a_stalled_downstream_shrinks_the_limit_to_its_floor() -> None:
@@ -94,8 +94,27 @@ def test_a_stalled_downstream_shrinks_the_limit_to_its_floor() -> None:
     for _ in range(40):  # busy, and nothing comes back
         now.t += 0.5
         cap.advance(now.t)
-    assert high == pytest.approx(20_000)
+    assert high == pytest.approx(10_000)
     assert cap.limit() == 250  # initial / 4
+
+
+def test_at_the_limit_a_request_spends_the_target_in_the_system() -> None:
+    # A batch of k requests, each 10 input tokens x 100 new tokens, one token per 10 ms step: a
+    # request is in the system 1 s. Arrivals staggered evenly, so the tokens still to come are
+    # spread over 0..100: the weight in flight is k x 10 x 50 (not k x 10 x 100).
+    k, unit, tokens, step = 8, 10, 100, 0.01
+    now = Clock(0.0)
+    cap = CapacityLimit(cap=1e9, adaptive=True, target_seconds=tokens * step, initial=1, now=now.t)
+    cap.requests = cap.streaming = k
+    for _ in range(20):
+        now.t += 0.5
+        cap.advance(now.t, k * unit * 0.5 / step)
+    in_flight = sum(unit * (tokens - i * tokens // k) for i in range(k))  # staggered: 100, 88, ... 13
+    assert cap.limit() == pytest.approx(k * unit * tokens / 2)
+    assert cap.limit() == pytest.approx(in_flight, rel=0.15)
+    # A request joining such a batch waits about the target, not half of it.
+    cap.in_flight = k * unit * tokens / 2
+    assert cap.drain_seconds(unit * tokens) == pytest.approx(tokens * step * (1 + 1 / k))
 
 
 def test_idle_time_does_not_dilute_the_measured_throughput() -> None:
