@@ -541,8 +541,11 @@ class WeightWindow:
             return self._take(req, model=model)
         # The request's own reservation turns into its admission; the reservations of requests
         # still on their way are counted, so this one cannot take the room they were promised.
+        # What it held is its own whatever changed meanwhile (the learned limit may have shrunk):
+        # a request that passed the precheck is not refused after its hops for that.
+        promised = 0 if hold.released else hold.weight
         hold.release()
-        return self._take(req, with_holds=True, model=model)
+        return self._take(req, with_holds=True, model=model, promised=promised)
 
     def precheck(
         self,
@@ -667,16 +670,20 @@ class WeightWindow:
     def flight_room(self, req: _Request, model: str, with_holds: bool, own_hold: int = 0) -> tuple[int, float]:
         """(max_new_tokens that fit in the in-flight limit now, retry_after when fewer than
         `least` do): the cap a cluster window applies before asking Redis. `own_hold`: the
-        request's own hold, not counted against it."""
+        request's own hold, not counted against it, and always room for it."""
         with self._lock:
             capacity = self.capacity(model)
             capacity.advance(self.clock())
-            room = capacity.room(with_holds) + own_hold
+            room = max(capacity.room(with_holds) + own_hold, own_hold)
             n = req.want if req.unit * req.want <= room else max(0, math.floor(room / req.unit))
             retry = capacity.retry_after(req.unit * req.least - room, self.config.window_seconds)
             return n, retry
 
-    def _take(self, req: _Request, record: bool = True, with_holds: bool = False, model: str = "") -> Admission:
+    def _take(
+        self, req: _Request, record: bool = True, with_holds: bool = False, model: str = "", promised: int = 0
+    ) -> Admission:
+        """`promised`: weight this request held since its precheck (already released): room for at
+        least that much is its own."""
         config = self.config
         lane_limit, tenant_limit = config.lane_limit(req.lane), config.tenant_limit(req.tenant)
         with self._lock:
@@ -688,8 +695,10 @@ class WeightWindow:
             tenant_held = self._held_by_tenant.get(req.tenant, 0) if with_holds else 0
             capacity = self.capacity(model)
             capacity.advance(now)
-            flight = capacity.room(with_holds)
-            window_room = min(lane_limit - self._all.total - held, tenant_limit - series.total - tenant_held)
+            flight = max(capacity.room(with_holds), promised)
+            window_room = max(
+                min(lane_limit - self._all.total - held, tenant_limit - series.total - tenant_held), promised
+            )
             room = min(window_room, flight)
             n = req.want if req.unit * req.want <= room else math.floor(room / req.unit)
             if n >= req.least:

@@ -276,3 +276,22 @@ def test_a_long_prefill_does_not_dilute_the_measured_throughput() -> None:
         a.ticket.progress(1)  # 100 weight every 0.125 s once streaming
     # The first tokens' weight arrives with no streaming time before it: 500 weight in 0.5 s.
     assert w.capacity().throughput == pytest.approx(1000)
+
+
+def test_a_request_that_passed_the_precheck_keeps_its_room_when_the_limit_shrinks() -> None:
+    # It held its predicted weight through its hops; the measured throughput fell meanwhile. It is
+    # admitted with what it held (capped), not refused after the hops it already paid for.
+    clock = Clock()
+    w = WeightWindow(cfg(adaptive=True, initial_in_flight=4000, degrade=True), clock=clock)
+    running = w.plan("t", 10, 100)  # 1,000 in flight
+    hold = w.precheck("t", 10, 100, hold=True)
+    assert hold is not None and hold.weight == 1000
+    w.capacity("").throughput = 100.0  # limit now max(initial / 4, 100 x 3 / 2) = 1,000: full
+    with pytest.raises(ResourceExhausted):
+        w.precheck("t", 10, 100)  # a newcomer is shed
+    admitted = w.plan("t", 12, 100, hold=hold)  # its true size is a bit more than predicted
+    assert admitted.ticket is not None and admitted.weight <= 1000 and admitted.max_new_tokens == 83
+    assert admitted.degraded
+    admitted.ticket.finish()
+    assert running.ticket is not None
+    running.ticket.finish()
