@@ -477,6 +477,17 @@ class _Series:
         return None
 
 
+def _promised(req: _Request, held: int) -> int:
+    """Room in the learned in-flight limit owed to a request that held `held` weight since its
+    precheck: what it held, or its least admissible weight when its exact size outgrew the
+    prediction by at most 2x (capping absorbs the rest), so the prediction's error does not turn
+    into a refusal after its hops."""
+    if held <= 0:
+        return 0
+    least = req.unit * req.least
+    return max(held, least) if least <= 2 * held else held
+
+
 class WeightWindow:
     """Sliding-window weight admission in one process, with the weight in flight bounded per model.
     Sync and lock-protected (no awaits)."""
@@ -674,7 +685,7 @@ class WeightWindow:
         with self._lock:
             capacity = self.capacity(model)
             capacity.advance(self.clock())
-            room = max(capacity.room(with_holds) + own_hold, own_hold)
+            room = max(capacity.room(with_holds) + own_hold, _promised(req, own_hold))
             n = req.want if req.unit * req.want <= room else max(0, math.floor(room / req.unit))
             retry = capacity.retry_after(req.unit * req.least - room, self.config.window_seconds)
             return n, retry
@@ -695,7 +706,9 @@ class WeightWindow:
             tenant_held = self._held_by_tenant.get(req.tenant, 0) if with_holds else 0
             capacity = self.capacity(model)
             capacity.advance(now)
-            flight = max(capacity.room(with_holds), promised)
+            # The learned limit owes a holder room for its prediction's error too; the budget, an
+            # operator's hard cap, only what the holder held.
+            flight = max(capacity.room(with_holds), _promised(req, promised))
             window_room = max(
                 min(lane_limit - self._all.total - held, tenant_limit - series.total - tenant_held), promised
             )

@@ -466,6 +466,25 @@ async def test_a_frozen_cache_is_cut_off_though_every_request_gives_up_on_it_ear
         no_weight_left(app)
 
 
+async def test_a_request_waiting_for_the_cache_holds_its_room_and_is_not_shed_after_the_wait() -> None:
+    # A fits when it starts and holds its predicted weight while the frozen cache keeps it
+    # waiting; B, arriving meanwhile, is shed at once; A then misses and is admitted on its hold.
+    env = {"LLMESH_HOP_CACHE_LOOKUP_SECONDS": "0.3", "LLMESH_ADMISSION_INITIAL_IN_FLIGHT": "640"}
+    async with fake_mesh(**env) as (fake, app, _):
+        fake.lookup.mode = "hang"
+        waiting = asyncio.create_task(run(app, ask(max_new_tokens=64, use_retrieval=False), 10))
+        await fake.lookup.called.wait()
+        deadline = Deadline.after(10)
+        with pytest.raises(LlmeshError) as shed:
+            await run(app, ask(max_new_tokens=64, use_cache=False, use_retrieval=False), 10)
+        assert shed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert deadline.remaining() > 9.9  # refused without waiting for anything
+        final = await waiting
+        assert final.response.text and "cache_unavailable" in final.response.degradations
+        assert fake.generate.calls == 1
+        no_weight_left(app)
+
+
 async def test_lookups_queued_behind_a_frozen_cache_wait_no_longer_than_the_budget() -> None:
     # Two lookups go out at once; the rest queue for the next batch. A queued request's wait for
     # the cache (its queue time included) is one budget, not one for the queue and one for its batch.
@@ -485,7 +504,7 @@ async def test_a_request_that_could_not_finish_in_time_is_shed_not_timed_out() -
         with pytest.raises(LlmeshError) as shed:
             await run(app, ask(max_new_tokens=64, use_cache=False, use_retrieval=False), 3.0)  # 6.4 s of work
         assert shed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and shed.value.reason == "DEADLINE_TOO_SHORT"
-        assert fake.generate.calls == 0
+        assert fake.tokenizer.calls == 0 and fake.generate.calls == 0  # decided before the hops: a fast refusal
         final = await run(app, ask(max_new_tokens=16, use_cache=False, use_retrieval=False), 3.0)  # 1.6 s
         assert final.response.text
         no_weight_left(app)

@@ -295,3 +295,22 @@ def test_a_request_that_passed_the_precheck_keeps_its_room_when_the_limit_shrink
     admitted.ticket.finish()
     assert running.ticket is not None
     running.ticket.finish()
+
+
+def test_a_request_that_held_its_least_weight_is_admitted_when_its_prompt_came_out_longer() -> None:
+    # The precheck capped it to its least new tokens at the predicted size; the exact prompt is a
+    # little longer. It runs with its least new tokens rather than being refused after its hops.
+    clock = Clock()
+    w = WeightWindow(cfg(adaptive=True, initial_in_flight=4000, degrade=True, min_new_tokens=16), clock=clock)
+    running = w.plan("t", 10, 300)  # 3,000 of 4,000 in flight
+    hold = w.precheck("t", 50, 100, hold=True)  # 1,000 left: 20 new tokens at 50 input tokens
+    assert hold is not None and hold.weight == 1000
+    admitted = w.plan("t", 70, 100, hold=hold)  # 70 x 16 = 1,120: a little over what it held
+    assert admitted.max_new_tokens == 16 and admitted.weight == 1120
+    assert admitted.ticket is not None and running.ticket is not None
+    admitted.ticket.finish()
+    again = w.precheck("t", 50, 100, hold=True)
+    assert again is not None and again.weight == 1000
+    with pytest.raises(ResourceExhausted):
+        w.plan("t", 500, 100, hold=again)  # 10x the prediction: refused
+    running.ticket.finish()
