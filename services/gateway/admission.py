@@ -292,6 +292,9 @@ def _refusal(
 # nothing: half of it on average. By Little's law the weight in flight is then
 # throughput x time in system x this share.
 REMAINING_SHARE = 0.5
+# The learned limit never drops below initial / this: a few typical requests. Higher, it outweighs
+# what a slow machine delivers (at 3,000 weight/s, 16,384 in flight is 11 s in the system).
+FLOOR_DIVISOR = 16
 
 
 class CapacityLimit:
@@ -306,7 +309,7 @@ class CapacityLimit:
     `target_seconds`: below capacity, requests finish faster than the target, so the limit sits
     above what is in flight and opens up as throughput follows demand; at capacity, the queue
     stays bounded and the surplus is shed. A cold gateway allows `initial` until it has measured;
-    the limit never drops below `initial / 4` (and one request always runs when none is in
+    the limit never drops below `initial / 16` (and one request always runs when none is in
     flight), so a gateway that measured nothing recently can still learn. `cap` bounds it all;
     without `adaptive` the cap is the limit."""
 
@@ -358,7 +361,7 @@ class CapacityLimit:
             return self.cap
         if not self.throughput:
             return self.initial
-        return min(self.cap, max(self.initial / 4, self.throughput * self.target_seconds * REMAINING_SHARE))
+        return min(self.cap, max(self.initial / FLOOR_DIVISOR, self.throughput * self.target_seconds * REMAINING_SHARE))
 
     def room(self, with_holds: bool) -> float:
         taken = self.in_flight + (self.held if with_holds else 0)

@@ -14,7 +14,10 @@ OPEN
     that finds the downstream answering again (`probe_passed`, the gateway's health check while
     the breaker is open) turns it HALF_OPEN before that, unless the breaker opened because its
     half-open trials failed: then it waits the whole `wait_in_open`, so a service that answers
-    health checks but fails calls is not tried again on every probe.
+    health checks but fails calls is not tried again on every probe. A probe that gets no answer
+    (`probe_failed`) starts the wait again: no trial calls are spent on a service that is known
+    not to answer, so a frozen service is not tried, failed and shut out for a whole wait just
+    before it comes back.
 HALF_OPEN
     `permitted_calls_in_half_open` trial calls are allowed, the rest rejected (retry_after =
     `wait_in_open`). When all trials have reported, the breaker closes (fresh window) if their
@@ -261,6 +264,11 @@ class CircuitBreaker:
     def probe_may_half_open(self) -> bool:
         """Whether a passing probe would end the current OPEN period (see `probe_passed`)."""
         return self.state is State.OPEN and self._probe_may_close
+
+    def probe_failed(self) -> None:
+        """A health probe got no answer: an OPEN breaker's wait starts again."""
+        if self.state is State.OPEN:
+            self._opened_at = self.clock()
 
     def probe_passed(self) -> bool:
         """A health probe found the downstream answering: an OPEN breaker turns HALF_OPEN now

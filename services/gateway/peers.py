@@ -281,7 +281,9 @@ class Peers:
     While a breaker is open, the peer's gRPC health service is checked every `probe_seconds`
     (each check with that timeout); the first SERVING answer half-opens the breaker at once, so a
     service back from a freeze or a restart is tried again within a probe interval instead of the
-    breaker's whole wait (`CircuitBreaker.probe_passed`)."""
+    breaker's whole wait (`CircuitBreaker.probe_passed`); no answer (or NOT_SERVING) keeps it
+    open and starts its wait again (`probe_failed`). A peer without a health service
+    (UNIMPLEMENTED) is left to the breaker's timer."""
 
     def __init__(
         self,
@@ -337,15 +339,19 @@ class Peers:
         """Health-checks the peer while its breaker is open; a SERVING answer half-opens it."""
         breaker = self.breakers[name]
         request = health_pb2.HealthCheckRequest(service="")
-        while breaker.probe_may_half_open:
+        while breaker.state is State.OPEN:
             started = time.monotonic()
             try:
                 reply = await self.health[name].Check(request, timeout=self.probe_seconds)
-            except grpc.aio.AioRpcError:
-                pass
+            except grpc.aio.AioRpcError as err:
+                if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    breaker.probe_failed()  # no answer: no trials until it answers (or the wait ends)
             else:
-                if reply.status == health_pb2.HealthCheckResponse.SERVING and breaker.probe_passed():
-                    return
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    if breaker.probe_passed():
+                        return
+                else:
+                    breaker.probe_failed()
             await asyncio.sleep(max(0.0, self.probe_seconds - (time.monotonic() - started)))
 
     # Each call relays the peer's status as a domain error naming the peer.

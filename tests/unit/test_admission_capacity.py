@@ -95,7 +95,7 @@ def test_a_stalled_downstream_shrinks_the_limit_to_its_floor() -> None:
         now.t += 0.5
         cap.advance(now.t)
     assert high == pytest.approx(10_000)
-    assert cap.limit() == 250  # initial / 4
+    assert cap.limit() == 1000 / 16  # the floor: initial / 16
 
 
 def test_at_the_limit_a_request_spends_the_target_in_the_system() -> None:

@@ -355,3 +355,24 @@ def test_a_probe_changes_nothing_unless_open(clock: FakeClock) -> None:
     b, seen = make(clock)
     assert not b.probe_passed()
     assert b.state is State.CLOSED and not seen
+
+
+def test_a_failed_probe_keeps_it_open_until_a_probe_passes(clock: FakeClock) -> None:
+    # A frozen service: no trial calls are spent on it while probes get no answer, however long.
+    b, _ = make(clock, wait_in_open=2.0)
+    trip(b)
+    for _ in range(20):
+        clock.advance(0.5)
+        b.probe_failed()
+        assert b.state is State.OPEN
+    assert b.probe_passed()  # it answers again
+    assert b.state is State.HALF_OPEN
+
+
+def test_without_probes_the_wait_still_ends(clock: FakeClock) -> None:
+    b, _ = make(clock, wait_in_open=2.0)
+    trip(b)
+    clock.advance(1.0)
+    b.probe_failed()
+    clock.advance(2.0)
+    assert b.state is State.HALF_OPEN
