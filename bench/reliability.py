@@ -760,13 +760,26 @@ def gauge(port: int, name: str) -> float | None:
     return None
 
 
+ADMISSION_GAUGES = {
+    "llmesh_gateway_admission_in_flight_limit": "limit",
+    "llmesh_gateway_admission_in_flight": "in_flight",
+    "llmesh_gateway_admission_throughput": "throughput",
+}
+
+
 def scrape(port: int) -> dict[str, Any]:
-    """Breaker states and transition counts from the gateway's Prometheus endpoint."""
+    """Breaker states, transition counts and the admission gauges from the gateway's Prometheus
+    endpoint."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as reply:
         text = reply.read().decode()
     states: dict[str, int] = {}
     transitions: dict[str, float] = {}
+    admission: dict[str, float] = {}
     for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ADMISSION_GAUGES:
+            with contextlib.suppress(ValueError):
+                admission[ADMISSION_GAUGES[name]] = round(float(value), 1)
         m = _SAMPLE.match(line)
         if not m:
             continue
@@ -776,7 +789,7 @@ def scrape(port: int) -> dict[str, Any]:
             states[labels["peer"]] = int(float(value))
         elif name == "llmesh_gateway_breaker_transitions_total":
             transitions[f"{labels['peer']}:{labels['from_state']}->{labels['to_state']}"] = float(value)
-    return {"states": states, "transitions": transitions}
+    return {"states": states, "transitions": transitions, "admission": admission}
 
 
 class BreakerWatch:
@@ -786,6 +799,7 @@ class BreakerWatch:
         self.mesh = mesh
         self.interval = interval
         self.samples: list[tuple[float, dict[str, int]]] = []
+        self.admission: list[tuple[float, dict[str, float]]] = []
         # Transition counters per gateway process: (first seen, last seen). A process started while
         # watching counts from 0; the one already running counts from the first scrape.
         self.counters: dict[int, tuple[dict[str, float], dict[str, float]]] = {}
@@ -806,6 +820,7 @@ class BreakerWatch:
             if found is not None:
                 pid, metrics = found
                 self.samples.append((now(), metrics["states"]))
+                self.admission.append((now(), metrics["admission"]))
                 first = {} if self.counters else dict(metrics["transitions"])
                 self.counters.setdefault(pid, (first, {}))[1].update(metrics["transitions"])
             await asyncio.sleep(self.interval)
@@ -1118,6 +1133,7 @@ class Reliability:
                 for o in sink
             ],
             "breakers": [(round(ts - t0, 3), states) for ts, states in watch.samples],
+            "admission": [(round(ts - t0, 3), gauges) for ts, gauges in watch.admission],
         }
         (self.args.dump / f"{name}.json").write_text(json.dumps(record) + "\n")
 

@@ -733,6 +733,8 @@ class Gateway:
             raise
         metrics.ADMISSION_WEIGHT.set(admission.occupancy)
         metrics.ADMISSION_IN_FLIGHT_LIMIT.set(capacity.limit())
+        metrics.ADMISSION_IN_FLIGHT.set(capacity.in_flight)
+        metrics.ADMISSION_THROUGHPUT.set(capacity.throughput)
         span.set_attribute("llmesh.admission.in_flight_limit", capacity.limit())
         span.set_attribute("llmesh.admission.decision", "capped" if admission.degraded else "admitted")
         span.set_attribute("llmesh.admission.weight", admission.weight)
