@@ -392,7 +392,7 @@ DECLARED: tuple[Setting, ...] = (
     Setting(
         "LLMESH_ADMISSION_TARGET_SECONDS",
         "3",
-        "Latency the learned in-flight limit aims at: measured weight throughput x this.",
+        "Latency the learned in-flight limit aims at: measured weight throughput x this / 2.",
         ("gateway",),
         _positive_float,
     ),
