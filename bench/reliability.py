@@ -1442,6 +1442,7 @@ class Reliability:
         with process_niceness(args.client_nice):
             outcomes, elapsed = await self.load.for_seconds(args.clients, args.duration, deadline=args.deadline)
         limit = gauge(self.mesh.procs["gateway"].metrics_port, "llmesh_gateway_admission_in_flight_limit")
+        throughput = gauge(self.mesh.procs["gateway"].metrics_port, "llmesh_gateway_admission_throughput")
         out = summarize(outcomes)
         generated = [o for o in outcomes if o.ok and o.weight]
         out.update(
@@ -1452,8 +1453,8 @@ class Reliability:
                 "deadline_exceeded": sum(o.code == "DEADLINE_EXCEEDED" for o in outcomes),
                 "generated_weight_per_s": round(sum(o.weight for o in generated) / max(elapsed, 1e-9), 1),
                 "learned_in_flight_limit": limit,
-                # The limit is measured throughput x LLMESH_ADMISSION_TARGET_SECONDS (default 3 s).
-                "learned_weight_per_s": None if limit is None else round(limit / 3.0, 1),
+                # The limit is measured throughput x LLMESH_ADMISSION_TARGET_SECONDS (3 s) / 2.
+                "learned_weight_per_s": None if throughput is None else round(throughput, 1),
                 "default_window_budget": "LLMESH_ADMISSION_BUDGET default (cap only)",
             }
         )
