@@ -27,8 +27,8 @@ and the five services as separate processes on loopback (llmesh.supervisor.Mesh)
             for a request that happens to be valid).
 
 Writes bench/results/reliability.json (with "passes") and prints a table. The default run takes
-about 5-6 minutes on 2 shared CPU cores, --quick about 3. The tiny random-weight model is the
-default: the suite measures the mesh's behaviour, not model speed.
+about 8 minutes on 2 shared CPU cores (freezes and the default-budget phase included). The tiny
+random-weight model is the default: the suite measures the mesh's behaviour, not model speed.
 """
 
 from __future__ import annotations
