@@ -27,8 +27,8 @@ and the five services as separate processes on loopback (llmesh.supervisor.Mesh)
             for a request that happens to be valid).
 
 Writes bench/results/reliability.json (with "passes") and prints a table. The default run takes
-about 5-6 minutes on 2 shared CPU cores, --quick about 3. The tiny random-weight model is the
-default: the suite measures the mesh's behaviour, not model speed.
+about 8 minutes on 2 shared CPU cores (freezes and the default-budget phase included). The tiny
+random-weight model is the default: the suite measures the mesh's behaviour, not model speed.
 """
 
 from __future__ import annotations
@@ -480,6 +480,7 @@ class Outcome:
     weight: int = 0  # input tokens x requested max_new_tokens of an answer that was generated
     detail: str = ""
     timings: dict[str, float] = field(default_factory=dict)  # the gateway's server-timing, ms per hop
+    reason: str = ""  # google.rpc.ErrorInfo reason of a refusal (e.g. IN_FLIGHT_LIMIT)
 
     @property
     def latency(self) -> float:
@@ -566,6 +567,7 @@ class Load:
             if retry is not None:
                 retry_after = retry.retry_delay.seconds + retry.retry_delay.nanos / 1e9  # type: ignore[attr-defined]
             shed_timing = [str(v) for k, v in (err.trailing_metadata() or ()) if k == "server-timing"]
+            error_info = info.get("error_info")
             return Outcome(
                 kind,
                 err.code().name,
@@ -575,6 +577,7 @@ class Load:
                 retry_after=retry_after,
                 detail=(err.details() or "")[:200],
                 timings=parse_server_timing(shed_timing[0]) if shed_timing else {},
+                reason=getattr(error_info, "reason", ""),
             )
         ended = now()
         if reply is None:
@@ -757,13 +760,26 @@ def gauge(port: int, name: str) -> float | None:
     return None
 
 
+ADMISSION_GAUGES = {
+    "llmesh_gateway_admission_in_flight_limit": "limit",
+    "llmesh_gateway_admission_in_flight": "in_flight",
+    "llmesh_gateway_admission_throughput": "throughput",
+}
+
+
 def scrape(port: int) -> dict[str, Any]:
-    """Breaker states and transition counts from the gateway's Prometheus endpoint."""
+    """Breaker states, transition counts and the admission gauges from the gateway's Prometheus
+    endpoint."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as reply:
         text = reply.read().decode()
     states: dict[str, int] = {}
     transitions: dict[str, float] = {}
+    admission: dict[str, float] = {}
     for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ADMISSION_GAUGES:
+            with contextlib.suppress(ValueError):
+                admission[ADMISSION_GAUGES[name]] = round(float(value), 1)
         m = _SAMPLE.match(line)
         if not m:
             continue
@@ -773,7 +789,7 @@ def scrape(port: int) -> dict[str, Any]:
             states[labels["peer"]] = int(float(value))
         elif name == "llmesh_gateway_breaker_transitions_total":
             transitions[f"{labels['peer']}:{labels['from_state']}->{labels['to_state']}"] = float(value)
-    return {"states": states, "transitions": transitions}
+    return {"states": states, "transitions": transitions, "admission": admission}
 
 
 class BreakerWatch:
@@ -783,6 +799,7 @@ class BreakerWatch:
         self.mesh = mesh
         self.interval = interval
         self.samples: list[tuple[float, dict[str, int]]] = []
+        self.admission: list[tuple[float, dict[str, float]]] = []
         # Transition counters per gateway process: (first seen, last seen). A process started while
         # watching counts from 0; the one already running counts from the first scrape.
         self.counters: dict[int, tuple[dict[str, float], dict[str, float]]] = {}
@@ -803,6 +820,7 @@ class BreakerWatch:
             if found is not None:
                 pid, metrics = found
                 self.samples.append((now(), metrics["states"]))
+                self.admission.append((now(), metrics["admission"]))
                 first = {} if self.counters else dict(metrics["transitions"])
                 self.counters.setdefault(pid, (first, {}))[1].update(metrics["transitions"])
             await asyncio.sleep(self.interval)
@@ -1090,7 +1108,34 @@ class Reliability:
         if name in FREEZES:
             out.update(freeze_figures(sink, result, down_kinds))
         out.update(result.extra)
+        if args.dump is not None:
+            self.dump(name, sink, watch, result)
         return out
+
+    def dump(self, name: str, sink: Sequence[Outcome], watch: BreakerWatch, fault: FaultResult) -> None:
+        """Every request of a fault and the breaker samples, times relative to the fault's start
+        (`t_down`), for looking at where the time went (--dump DIR)."""
+        t0 = fault.t_down or fault.t_inject
+        self.args.dump.mkdir(parents=True, exist_ok=True)
+        record = {
+            "t_back": round(fault.t_back - t0, 3),
+            "requests": [
+                {
+                    "kind": o.kind,
+                    "code": o.code,
+                    "reason": o.reason,
+                    "start": round(o.started - t0, 3),
+                    "latency": round(o.latency, 4),
+                    "degradations": list(o.degradations),
+                    "hit": o.cache_hit,
+                    "timings": o.timings,
+                }
+                for o in sink
+            ],
+            "breakers": [(round(ts - t0, 3), states) for ts, states in watch.samples],
+            "admission": [(round(ts - t0, 3), gauges) for ts, gauges in watch.admission],
+        }
+        (self.args.dump / f"{name}.json").write_text(json.dumps(record) + "\n")
 
     async def fault_freeze(self, name: str, result: FaultResult) -> None:
         """SIGSTOP for --freeze-seconds, then SIGCONT: the process is there, and answers nothing.
@@ -1397,6 +1442,7 @@ class Reliability:
         with process_niceness(args.client_nice):
             outcomes, elapsed = await self.load.for_seconds(args.clients, args.duration, deadline=args.deadline)
         limit = gauge(self.mesh.procs["gateway"].metrics_port, "llmesh_gateway_admission_in_flight_limit")
+        throughput = gauge(self.mesh.procs["gateway"].metrics_port, "llmesh_gateway_admission_throughput")
         out = summarize(outcomes)
         generated = [o for o in outcomes if o.ok and o.weight]
         out.update(
@@ -1407,8 +1453,8 @@ class Reliability:
                 "deadline_exceeded": sum(o.code == "DEADLINE_EXCEEDED" for o in outcomes),
                 "generated_weight_per_s": round(sum(o.weight for o in generated) / max(elapsed, 1e-9), 1),
                 "learned_in_flight_limit": limit,
-                # The limit is measured throughput x LLMESH_ADMISSION_TARGET_SECONDS (default 3 s).
-                "learned_weight_per_s": None if limit is None else round(limit / 3.0, 1),
+                # The limit is measured throughput x LLMESH_ADMISSION_TARGET_SECONDS (3 s) / 2.
+                "learned_weight_per_s": None if throughput is None else round(throughput, 1),
                 "default_window_budget": "LLMESH_ADMISSION_BUDGET default (cap only)",
             }
         )
@@ -1561,6 +1607,24 @@ def freeze_figures(sink: Sequence[Outcome], fault: FaultResult, kinds: Sequence[
         "deadline_exceeded": sum(o.code == "DEADLINE_EXCEEDED" for o in sink if o.ended >= fault.t_down),
         "other_errors_during": sum(o.error for o in started_during),
         "degradations_during": dict(Counter(d for o in during if o.ok for d in o.degradations)),
+        "shed_reasons": dict(Counter(o.reason or "none" for o in sheds)),
+        "slow_sheds": slow_sheds(sheds),
+    }
+
+
+def slow_sheds(sheds: Sequence[Outcome], over: float = 0.050) -> dict[str, Any]:
+    """Where the sheds slower than `over` spent their time: per kind and reason, and the mean of
+    the gateway's server-timing per hop (ms; `total` is the gateway's own time before refusing)."""
+    slow = [o for o in sheds if o.latency > over]
+    hops: Counter[str] = Counter()
+    for o in slow:
+        hops.update(o.timings)
+    return {
+        "count": len(slow),
+        "by_kind": dict(Counter(o.kind for o in slow)),
+        "by_reason": dict(Counter(o.reason or "none" for o in slow)),
+        "without_server_timing": sum(not o.timings for o in slow),
+        "mean_ms": {hop: round(ms / len(slow), 1) for hop, ms in hops.items()} if slow else {},
     }
 
 
@@ -1640,6 +1704,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="phases: load, default_budget, faults (or fault names), bad_input",
     )
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here instead of bench/results")
+    parser.add_argument(
+        "--dump", type=Path, default=None, help="write every request and breaker sample of each fault under DIR"
+    )
     parser.add_argument(
         "--gateway-nice",
         type=int,

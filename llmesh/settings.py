@@ -64,6 +64,13 @@ def _positive_float(raw: str) -> float:
     return value
 
 
+def _non_negative_float(raw: str) -> float:
+    value = float(raw)
+    if not value >= 0 or value == float("inf"):
+        raise ValueError("must be a finite number >= 0")
+    return value
+
+
 def _unit_float(raw: str) -> float:
     value = float(raw)
     if not 0.0 <= value <= 1.0:
@@ -437,7 +444,7 @@ DECLARED: tuple[Setting, ...] = (
     Setting(
         "LLMESH_ADMISSION_TARGET_SECONDS",
         "3",
-        "Latency the learned in-flight limit aims at: measured weight throughput x this.",
+        "Latency the learned in-flight limit aims at: measured weight throughput x this / 2.",
         ("gateway",),
         _positive_float,
     ),
@@ -506,6 +513,21 @@ DECLARED: tuple[Setting, ...] = (
         _positive_float,
     ),
     Setting("LLMESH_BREAKER_HALF_OPEN_CALLS", "3", "Trial calls allowed while half-open.", ("gateway",), _positive_int),
+    Setting(
+        "LLMESH_BREAKER_CONSECUTIVE_FAILURES",
+        "5",
+        "Failures in a row that open a breaker before its minimum calls (0: only the rates).",
+        ("gateway",),
+        _non_negative_int,
+    ),
+    Setting(
+        "LLMESH_BREAKER_PROBE_SECONDS",
+        "0.25",
+        "While a breaker is open, health-check its downstream this often (and this long); a pass "
+        "half-opens it before the wait ends (0: no probes).",
+        ("gateway",),
+        _non_negative_float,
+    ),
     # Tokenizer.
     Setting(
         "LLMESH_TOKENIZER_MODEL",

@@ -288,17 +288,28 @@ def _refusal(
 # --- in-process window ---------------------------------------------------------------------------
 
 
+# Over its life an admitted request's weight not yet generated falls from its whole reservation to
+# nothing: half of it on average. By Little's law the weight in flight is then
+# throughput x time in system x this share.
+REMAINING_SHARE = 0.5
+# The learned limit never drops below initial / this: a few typical requests. Higher, it outweighs
+# what a slow machine delivers (at 3,000 weight/s, 16,384 in flight is 11 s in the system).
+FLOOR_DIVISOR = 16
+
+
 class CapacityLimit:
     """How much weight one model may have in flight from this gateway, learned from what it is
     measured to deliver.
 
     Throughput is the weight generated per second (input tokens x tokens streamed back), measured
     only while requests are in flight and smoothed over samples of `sample_seconds`. By Little's
-    law a limit of ``throughput x target_seconds`` keeps a request's time in the system near
+    law, with each request's weight in flight falling from its reservation to nothing as its tokens
+    come back (half of it on average, `REMAINING_SHARE`), a limit of
+    ``throughput x target_seconds / 2`` keeps a request's time in the system near
     `target_seconds`: below capacity, requests finish faster than the target, so the limit sits
     above what is in flight and opens up as throughput follows demand; at capacity, the queue
     stays bounded and the surplus is shed. A cold gateway allows `initial` until it has measured;
-    the limit never drops below `initial / 4` (and one request always runs when none is in
+    the limit never drops below `initial / 16` (and one request always runs when none is in
     flight), so a gateway that measured nothing recently can still learn. `cap` bounds it all;
     without `adaptive` the cap is the limit."""
 
@@ -350,7 +361,7 @@ class CapacityLimit:
             return self.cap
         if not self.throughput:
             return self.initial
-        return min(self.cap, max(self.initial / 4, self.throughput * self.target_seconds))
+        return min(self.cap, max(self.initial / FLOOR_DIVISOR, self.throughput * self.target_seconds * REMAINING_SHARE))
 
     def room(self, with_holds: bool) -> float:
         taken = self.in_flight + (self.held if with_holds else 0)
@@ -372,11 +383,12 @@ class CapacityLimit:
             self._busy = self._done = 0.0
 
     def drain_seconds(self, extra: float) -> float:
-        """Seconds until what is in flight, and `extra` more, is generated at the measured
-        throughput (a request's expected time in the system); 0 until measured."""
+        """A request of weight `extra` joining now: its expected time in the system at the measured
+        throughput (the weight in flight is about REMAINING_SHARE of throughput x time in system,
+        and the request's own weight comes on top); 0 until measured."""
         if self.throughput <= 0 or not self.adaptive:
             return 0.0
-        return (self.in_flight + self.held + extra) / self.throughput
+        return ((self.in_flight + self.held) / REMAINING_SHARE + extra) / self.throughput
 
     def retry_after(self, need: float, window_seconds: float) -> float:
         """Time for `need` weight in flight to drain at the measured throughput."""
@@ -468,6 +480,17 @@ class _Series:
         return None
 
 
+def _promised(req: _Request, held: int) -> int:
+    """Room in the learned in-flight limit owed to a request that held `held` weight since its
+    precheck: what it held, or its least admissible weight when its exact size outgrew the
+    prediction by at most 2x (capping absorbs the rest), so the prediction's error does not turn
+    into a refusal after its hops."""
+    if held <= 0:
+        return 0
+    least = req.unit * req.least
+    return max(held, least) if least <= 2 * held else held
+
+
 class WeightWindow:
     """Sliding-window weight admission in one process, with the weight in flight bounded per model.
     Sync and lock-protected (no awaits)."""
@@ -532,8 +555,11 @@ class WeightWindow:
             return self._take(req, model=model)
         # The request's own reservation turns into its admission; the reservations of requests
         # still on their way are counted, so this one cannot take the room they were promised.
+        # What it held is its own whatever changed meanwhile (the learned limit may have shrunk):
+        # a request that passed the precheck is not refused after its hops for that.
+        promised = 0 if hold.released else hold.weight
         hold.release()
-        return self._take(req, with_holds=True, model=model)
+        return self._take(req, with_holds=True, model=model, promised=promised)
 
     def precheck(
         self,
@@ -658,16 +684,20 @@ class WeightWindow:
     def flight_room(self, req: _Request, model: str, with_holds: bool, own_hold: int = 0) -> tuple[int, float]:
         """(max_new_tokens that fit in the in-flight limit now, retry_after when fewer than
         `least` do): the cap a cluster window applies before asking Redis. `own_hold`: the
-        request's own hold, not counted against it."""
+        request's own hold, not counted against it, and always room for it."""
         with self._lock:
             capacity = self.capacity(model)
             capacity.advance(self.clock())
-            room = capacity.room(with_holds) + own_hold
+            room = max(capacity.room(with_holds) + own_hold, _promised(req, own_hold))
             n = req.want if req.unit * req.want <= room else max(0, math.floor(room / req.unit))
             retry = capacity.retry_after(req.unit * req.least - room, self.config.window_seconds)
             return n, retry
 
-    def _take(self, req: _Request, record: bool = True, with_holds: bool = False, model: str = "") -> Admission:
+    def _take(
+        self, req: _Request, record: bool = True, with_holds: bool = False, model: str = "", promised: int = 0
+    ) -> Admission:
+        """`promised`: weight this request held since its precheck (already released): room for at
+        least that much is its own."""
         config = self.config
         lane_limit, tenant_limit = config.lane_limit(req.lane), config.tenant_limit(req.tenant)
         with self._lock:
@@ -679,8 +709,12 @@ class WeightWindow:
             tenant_held = self._held_by_tenant.get(req.tenant, 0) if with_holds else 0
             capacity = self.capacity(model)
             capacity.advance(now)
-            flight = capacity.room(with_holds)
-            window_room = min(lane_limit - self._all.total - held, tenant_limit - series.total - tenant_held)
+            # The learned limit owes a holder room for its prediction's error too; the budget, an
+            # operator's hard cap, only what the holder held.
+            flight = max(capacity.room(with_holds), _promised(req, promised))
+            window_room = max(
+                min(lane_limit - self._all.total - held, tenant_limit - series.total - tenant_held), promised
+            )
             room = min(window_room, flight)
             n = req.want if req.unit * req.want <= room else math.floor(room / req.unit)
             if n >= req.least:

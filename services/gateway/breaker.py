@@ -5,10 +5,19 @@ CLOSED
     `window_size` calls. Once it holds at least `minimum_calls` (capped at `window_size`), the
     breaker opens when the failure rate >= `failure_rate_threshold` or the slow-call rate >=
     `slow_call_rate_threshold` (slow: duration >= `slow_call_duration`; a slow failure counts in
-    both rates).
+    both rates). `consecutive_failures` failures in a row open it at once, whatever the window
+    holds: a frozen service whose few callers each wait out a hop budget is cut off after those
+    calls, not after `minimum_calls` of them.
 OPEN
     Calls are rejected with BreakerOpen (UNAVAILABLE, reason CIRCUIT_OPEN, retry_after = time left)
-    for `wait_in_open` seconds, then the breaker turns HALF_OPEN on the next look at it.
+    for `wait_in_open` seconds, then the breaker turns HALF_OPEN on the next look at it. A probe
+    that finds the downstream answering again (`probe_passed`, the gateway's health check while
+    the breaker is open) turns it HALF_OPEN before that, unless the breaker opened because its
+    half-open trials failed: then it waits the whole `wait_in_open`, so a service that answers
+    health checks but fails calls is not tried again on every probe. A probe that gets no answer
+    (`probe_failed`) starts the wait again: no trial calls are spent on a service that is known
+    not to answer, so a frozen service is not tried, failed and shut out for a whole wait just
+    before it comes back.
 HALF_OPEN
     `permitted_calls_in_half_open` trial calls are allowed, the rest rejected (retry_after =
     `wait_in_open`). When all trials have reported, the breaker closes (fresh window) if their
@@ -49,6 +58,8 @@ FAILURE_RATE = "failure_rate"
 SLOW_CALL_RATE = "slow_call_rate"
 WAIT_ELAPSED = "wait_elapsed"
 TRIALS_PASSED = "trials_passed"
+CONSECUTIVE_FAILURES = "consecutive_failures"
+PROBE_PASSED = "probe_passed"
 RESET = "reset"
 
 TransitionListener = Callable[[State, State, str], None]
@@ -78,6 +89,7 @@ class BreakerConfig:
     slow_call_duration: float = 30.0  # seconds
     wait_in_open: float = 5.0  # seconds
     permitted_calls_in_half_open: int = 3
+    consecutive_failures: int = 5  # 0: only the rates open the breaker
 
     def __post_init__(self) -> None:
         if self.window_size < 1:
@@ -93,6 +105,8 @@ class BreakerConfig:
             raise ValueError("wait_in_open must be >= 0")
         if self.permitted_calls_in_half_open < 1:
             raise ValueError("permitted_calls_in_half_open must be >= 1")
+        if self.consecutive_failures < 0:
+            raise ValueError("consecutive_failures must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -205,6 +219,9 @@ class CircuitBreaker:
         self._opened_at = 0.0
         self._window: deque[tuple[bool, bool]] = deque(maxlen=self.config.window_size)
         self._trials_granted = 0
+        self._failures_in_a_row = 0
+        # Whether a passing probe may end the current OPEN period early (not after failed trials).
+        self._probe_may_close = False
 
     # --- state -----------------------------------------------------------------------------------
 
@@ -242,6 +259,24 @@ class CircuitBreaker:
     def reset(self) -> None:
         """Back to CLOSED with an empty window."""
         self._transition(State.CLOSED, RESET)
+
+    @property
+    def probe_may_half_open(self) -> bool:
+        """Whether a passing probe would end the current OPEN period (see `probe_passed`)."""
+        return self.state is State.OPEN and self._probe_may_close
+
+    def probe_failed(self) -> None:
+        """A health probe got no answer: an OPEN breaker's wait starts again."""
+        if self.state is State.OPEN:
+            self._opened_at = self.clock()
+
+    def probe_passed(self) -> bool:
+        """A health probe found the downstream answering: an OPEN breaker turns HALF_OPEN now
+        (its trials decide), unless it opened because trials failed. Returns whether it did."""
+        if not self.probe_may_half_open:
+            return False
+        self._transition(State.HALF_OPEN, PROBE_PASSED)
+        return True
 
     # --- permission ------------------------------------------------------------------------------
 
@@ -300,6 +335,14 @@ class CircuitBreaker:
             return  # a call admitted under an earlier state, or one that slipped past OPEN
         cfg = self.config
         self._window.append((failed, duration >= cfg.slow_call_duration))
+        self._failures_in_a_row = self._failures_in_a_row + 1 if failed else 0
+        if (
+            self._state is State.CLOSED
+            and cfg.consecutive_failures
+            and self._failures_in_a_row >= cfg.consecutive_failures
+        ):
+            self._transition(State.OPEN, CONSECUTIVE_FAILURES)
+            return
         calls = len(self._window)
         if calls < self._needed():
             return
@@ -320,8 +363,10 @@ class CircuitBreaker:
             maxlen=self.config.permitted_calls_in_half_open if new is State.HALF_OPEN else self.config.window_size
         )
         self._trials_granted = 0
+        self._failures_in_a_row = 0
         if new is State.OPEN:
             self._opened_at = self.clock()
+            self._probe_may_close = old is State.CLOSED
         self.transitions[(old, new)] += 1
         for listener in list(self.on_transition):
             try:
@@ -331,7 +376,9 @@ class CircuitBreaker:
 
 
 __all__ = [
+    "CONSECUTIVE_FAILURES",
     "FAILURE_RATE",
+    "PROBE_PASSED",
     "REASON_CIRCUIT_OPEN",
     "RESET",
     "SLOW_CALL_RATE",

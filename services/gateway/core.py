@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from opentelemetry import trace
 
@@ -263,6 +264,12 @@ class InputTokenPredictor:
             self.context_tokens[plan.collection] = added if known is None else _ema(known, added, self.ALPHA)
 
 
+def _consume(task: asyncio.Future[Any]) -> None:
+    """Retrieves a background call's outcome (no "exception was never retrieved" warnings)."""
+    if not task.cancelled():
+        task.exception()
+
+
 def _ema(old: float, new: float, alpha: float) -> float:
     return old + alpha * (new - old)
 
@@ -497,15 +504,29 @@ class Gateway:
         self, plan: Plan, scope: cache_pb2.CacheScope, deadline: Deadline, wait: float | None = None
     ) -> cache_pb2.CacheLookupResponse | None:
         """A hit, or None (a miss, or the cache unavailable). `wait`: give up on the cache after
-        this long (the request is shed on a miss, so it only waits as long as a refusal may take)."""
+        this long (the request is shed on a miss, so it only waits as long as a refusal may take).
+
+        The wait, queueing behind other lookups included, never exceeds the lookup's hop budget.
+        The call itself is not cancelled when the request stops waiting: it runs to its own budget
+        in the background, so the cache's breaker hears how it ended (a frozen cache is cut off
+        even when every request gives up on it early)."""
         # Attributes go on the request span: the client span of the RPC already times the hop.
         span = trace.get_current_span()
-        lookup = self.peers.cache_lookup(
-            cache_pb2.CacheLookupRequest(prompt=plan.prompt, scope=scope, allow_semantic=True), deadline
+        budget = self.peers.budgets.cache_lookup
+        lookup = asyncio.ensure_future(
+            self.peers.cache_lookup(
+                cache_pb2.CacheLookupRequest(prompt=plan.prompt, scope=scope, allow_semantic=True), deadline
+            )
         )
+        lookup.add_done_callback(_consume)
         try:
-            found = await (lookup if wait is None else asyncio.wait_for(lookup, wait))
+            found = await asyncio.wait_for(asyncio.shield(lookup), budget if wait is None else min(wait, budget))
         except TimeoutError:
+            if wait is not None and wait < budget:
+                return None  # the request decides without the cache; the lookup goes on
+            self._cache_slow_until = time.monotonic() + CACHE_SUSPECT_S
+            log.warning("cache lookup took its whole budget (%.3fs)", budget)
+            plan.degrade("cache_unavailable")
             return None
         except DOWNSTREAM_ERRORS as exc:
             self._cache_slow_until = time.monotonic() + CACHE_SUSPECT_S
@@ -620,21 +641,26 @@ class Gateway:
         if not plan.use_cache:
             # No cache hit is possible: shed before any other downstream call.
             with plan.timed("admission"):
-                self._precheck(plan, model)
+                self._precheck(plan, model, deadline)
         with plan.timed("retrieval"):
             collection, version = await self._retrieval_scope(plan, deadline)
         scope = self._scope(plan, model, collection, version)
         if plan.use_cache:
-            suspect = self._cache_suspect()
-            if suspect:
-                # The cache is failing or slow: a miss is likely, so decide (and reserve) first
-                # rather than after waiting for it.
-                with plan.timed("admission"):
-                    self._precheck(plan, model)
-            wait = SHED_RISK_LOOKUP_S if not suspect and self._shed_risk(plan, model) else None
+            # Admission is decided before the lookup, as if it missed: a request that fits holds
+            # its predicted weight now (given back on a hit), so it is never refused after waiting
+            # for the cache. One that would be shed waits for the cache only SHED_RISK_LOOKUP_S (a
+            # hit costs nothing, so it is still served), and not at all while the cache is failing.
+            with plan.timed("admission"):
+                refusal = self._reserve(plan, model, deadline)
+            if refusal is not None and self._cache_suspect():
+                self._shed(refusal, "shed_early")
+                raise refusal
+            wait = SHED_RISK_LOOKUP_S if refusal is not None else None
             with plan.timed("cache"):
                 hit = await self._lookup(plan, scope, deadline, wait)
             if hit is not None:
+                if plan.hold is not None:
+                    plan.hold.release()
                 answer = hit.answer
                 yield Delta(answer.text)
                 yield Final(
@@ -651,11 +677,11 @@ class Gateway:
                     plan.timings,
                 )
                 return
-            # Missed: shed before the expensive hops (retrieval search, tokenizer) when the predicted
-            # weight does not fit.
-            if not suspect:
+            # Missed, and it did not fit before the lookup: shed before the expensive hops
+            # (retrieval search, tokenizer) unless room opened meanwhile.
+            if refusal is not None:
                 with plan.timed("admission"):
-                    self._precheck(plan, model)
+                    self._precheck(plan, model, deadline)
         if "retrieval_unavailable" in plan.degradations and collection:
             # Only a cached answer could use the last known version: generate without context,
             # and store the answer under the scope it really has.
@@ -743,24 +769,26 @@ class Gateway:
         or its breaker is not closed."""
         return time.monotonic() < self._cache_slow_until or self.peers.breakers["cache"].state.value != "closed"
 
-    def _shed_risk(self, plan: Plan, model: str) -> bool:
-        """Whether the request would be shed if the cache missed (decides nothing, holds nothing)."""
-        try:
-            self.window.precheck(
-                plan.tenant, self.predictor.predict(plan), plan.sampling.max_new_tokens, plan.lane, model=model
-            )
-        except RequestTooHeavy:
-            return False
-        except ResourceExhausted:
-            return True
-        return False
-
-    def _precheck(self, plan: Plan, model: str) -> None:
-        """Sheds before the expensive hops (retrieval search, tokenizer) when the request's
-        predicted weight does not fit next to what is admitted and what earlier requests on their
-        way hold. A request that passes holds its prediction until its exact weight is admitted."""
+    def _reserve(self, plan: Plan, model: str, deadline: Deadline) -> ResourceExhausted | None:
+        """The precheck without raising: None when the request's predicted weight fits next to
+        what is admitted and what earlier requests on their way hold, and it could finish before
+        its deadline at the measured throughput (it then holds its prediction until its exact
+        weight is admitted); else the refusal."""
         predicted = self.predictor.predict(plan)
+        capacity = self.window.capacity(model)
+        expected = capacity.drain_seconds(predicted * plan.sampling.max_new_tokens)
+        if expected > deadline.remaining():
+            # At the measured throughput the request would not finish in time: refuse it now
+            # rather than let it run into the caller's deadline.
+            return ResourceExhausted(
+                f"expected to take {expected:.1f}s at the measured throughput; "
+                f"{deadline.remaining():.1f}s of the deadline left",
+                retry_after=min(expected - deadline.remaining(), self.window.config.window_seconds),
+                reason=REASON_DEADLINE,
+            )
         try:
+            if plan.hold is not None:
+                plan.hold.release()
             plan.hold = self.window.precheck(
                 plan.tenant, predicted, plan.sampling.max_new_tokens, plan.lane, True, model=model
             )
@@ -768,8 +796,16 @@ class Gateway:
             pass  # decided exactly by _admit once the true token count is known
         except ResourceExhausted as exc:
             trace.get_current_span().set_attribute("llmesh.admission.predicted_input_tokens", predicted)
-            self._shed(exc, "shed_early")
-            raise
+            return exc
+        return None
+
+    def _precheck(self, plan: Plan, model: str, deadline: Deadline) -> None:
+        """Sheds before the expensive hops (retrieval search, tokenizer) when the request's
+        predicted weight does not fit or could not finish in time (see `_reserve`)."""
+        refusal = self._reserve(plan, model, deadline)
+        if refusal is not None:
+            self._shed(refusal, "shed_early")
+            raise refusal
 
     def _shed(self, exc: ResourceExhausted, decision: str) -> None:
         metrics.SHED.labels(exc.reason).inc()
@@ -783,7 +819,9 @@ class Gateway:
         capacity = self.window.capacity(model)
         own_hold = plan.hold.weight if plan.hold is not None and not plan.hold.released else 0
         expected = capacity.drain_seconds(input_tokens * plan.sampling.max_new_tokens - own_hold)
-        if expected > deadline.remaining():
+        # A request that passed the precheck was judged there (before its hops, so a refusal was
+        # fast); it is not refused for the time those hops took.
+        if not own_hold and expected > deadline.remaining():
             # At the measured throughput the request would not finish in time: refuse it now
             # rather than let it run into the caller's deadline.
             exc = ResourceExhausted(
@@ -816,6 +854,8 @@ class Gateway:
             raise
         metrics.ADMISSION_WEIGHT.set(admission.occupancy)
         metrics.ADMISSION_IN_FLIGHT_LIMIT.set(capacity.limit())
+        metrics.ADMISSION_IN_FLIGHT.set(capacity.in_flight)
+        metrics.ADMISSION_THROUGHPUT.set(capacity.throughput)
         span.set_attribute("llmesh.admission.in_flight_limit", capacity.limit())
         span.set_attribute("llmesh.admission.decision", "capped" if admission.degraded else "admitted")
         span.set_attribute("llmesh.admission.weight", admission.weight)

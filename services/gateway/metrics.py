@@ -19,6 +19,12 @@ ADMISSION_IN_FLIGHT_LIMIT = Gauge(
     "llmesh_gateway_admission_in_flight_limit",
     "Weight in flight the gateway allows, learned from inference's measured throughput.",
 )
+ADMISSION_IN_FLIGHT = Gauge(
+    "llmesh_gateway_admission_in_flight", "Weight admitted and not yet generated (as of the last admission)."
+)
+ADMISSION_THROUGHPUT = Gauge(
+    "llmesh_gateway_admission_throughput", "Weight generated per second while busy, as the gateway measures it."
+)
 SHED = Counter("llmesh_gateway_shed", "Requests refused before any work, by reason.", ["reason"])
 DEGRADED = Counter("llmesh_gateway_degraded", "Requests answered with a part left out, by what.", ["what"])
 BREAKER_STATE = Gauge(

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
@@ -27,7 +28,7 @@ from llmesh.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
-from services.gateway.breaker import BreakerConfig, CircuitBreaker, Permit, TransitionListener
+from services.gateway.breaker import BreakerConfig, CircuitBreaker, Permit, State, TransitionListener
 
 T = TypeVar("T")
 # Lookups that queue behind these many in flight go together in one LookupBatch call.
@@ -283,7 +284,14 @@ class Peers:
     """Stubs to the four downstreams, each behind its own circuit breaker; every call gets the
     smaller of the request's remaining deadline and its hop's budget. Inference is one peer per
     model (`models`: name -> target; by default the one unnamed model at targets["inference"]),
-    each with its own channel and breaker."""
+    each with its own channel and breaker.
+
+    While a breaker is open, the peer's gRPC health service is checked every `probe_seconds`
+    (each check with that timeout); the first SERVING answer half-opens the breaker at once, so a
+    service back from a freeze or a restart is tried again within a probe interval instead of the
+    breaker's whole wait (`CircuitBreaker.probe_passed`); no answer (or NOT_SERVING) keeps it
+    open and starts its wait again (`probe_failed`). A peer without a health service
+    (UNIMPLEMENTED) is left to the breaker's timer."""
 
     def __init__(
         self,
@@ -294,8 +302,10 @@ class Peers:
         credentials: grpc.ChannelCredentials | None = None,
         budgets: HopBudgets | None = None,
         models: Mapping[str, str] | None = None,
+        probe_seconds: float = 0.25,
     ) -> None:
         self.budgets = budgets or HopBudgets()
+        self.probe_seconds = probe_seconds
         models = models or {"": targets["inference"]}
         all_targets = {name: targets[name] for name in PEERS if name != "inference"}
         all_targets.update({inference_peer(model): target for model, target in models.items()})
@@ -307,10 +317,12 @@ class Peers:
                 name,
                 breaker_config,
                 is_failure=counts_as_failure,
-                on_transition=[on_transition(name)] if on_transition else None,
+                on_transition=[*([on_transition(name)] if on_transition else []), self._prober(name)],
             )
             for name in all_targets
         }
+        self.health = {name: health_pb2_grpc.HealthStub(channel) for name, channel in self.channels.items()}
+        self._probes: dict[str, asyncio.Task[None]] = {}
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self.channels["tokenizer"])
         self.inferences = {
             model: inference_pb2_grpc.InferenceStub(self.channels[inference_peer(model)]) for model in models
@@ -320,8 +332,43 @@ class Peers:
         self.lookups = LookupCoalescer(self._cache_lookup, self._cache_lookup_batch)
 
     async def close(self) -> None:
+        for task in list(self._probes.values()):
+            task.cancel()
         for channel in self.channels.values():
             await channel.close()
+
+    def _prober(self, name: str) -> TransitionListener:
+        def on_transition(old: State, new: State, reason: str) -> None:
+            if new is not State.OPEN or not self.probe_seconds or name in self._probes:
+                return
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # a transition outside the loop (tests): nothing to probe with
+                return
+            task = loop.create_task(self._probe(name))
+            self._probes[name] = task
+            task.add_done_callback(lambda _: self._probes.pop(name, None))
+
+        return on_transition
+
+    async def _probe(self, name: str) -> None:
+        """Health-checks the peer while its breaker is open; a SERVING answer half-opens it."""
+        breaker = self.breakers[name]
+        request = health_pb2.HealthCheckRequest(service="")
+        while breaker.state is State.OPEN:
+            started = time.monotonic()
+            try:
+                reply = await self.health[name].Check(request, timeout=self.probe_seconds)
+            except grpc.aio.AioRpcError as err:
+                if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    breaker.probe_failed()  # no answer: no trials until it answers (or the wait ends)
+            else:
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    if breaker.probe_passed():
+                        return
+                else:
+                    breaker.probe_failed()
+            await asyncio.sleep(max(0.0, self.probe_seconds - (time.monotonic() - started)))
 
     # Each call relays the peer's status as a domain error naming the peer.
     async def chat_template(

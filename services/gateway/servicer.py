@@ -115,6 +115,7 @@ class GatewayApp:
             slow_call_duration=s.breaker_slow_call_seconds,
             wait_in_open=s.breaker_wait_seconds,
             permitted_calls_in_half_open=s.breaker_half_open_calls,
+            consecutive_failures=s.breaker_consecutive_failures,
         )
         targets = {
             "tokenizer": s.tokenizer_target,
@@ -133,7 +134,14 @@ class GatewayApp:
         # LLMESH_INFERENCE_TARGET, unnamed.
         models, default_model = model_routes(s)
         self.peers = Peers(
-            targets, s.max_message_bytes, breakers, breaker_listener, peer_credentials(s), budgets, models
+            targets,
+            s.max_message_bytes,
+            breakers,
+            breaker_listener,
+            peer_credentials(s),
+            budgets,
+            models,
+            probe_seconds=s.breaker_probe_seconds,
         )
         admission = AdmissionConfig.from_settings(s)
         self.window: WeightWindow | RedisWeightWindow = (

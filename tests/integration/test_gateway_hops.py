@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmesh.errors import LlmeshError, status_details, unpack_details
 from llmesh.testing import hosted, service_settings
@@ -56,6 +57,7 @@ class Behaviour:
 
 
 class FakePeers(
+    health_pb2_grpc.HealthServicer,
     tokenizer_pb2_grpc.TokenizerServicer,
     inference_pb2_grpc.InferenceServicer,
     cache_pb2_grpc.CacheServicer,
@@ -69,6 +71,7 @@ class FakePeers(
         self.store = Behaviour()
         self.info = Behaviour()
         self.search = Behaviour()
+        self.health = Behaviour()  # the gRPC health check the gateway probes while a breaker is open
         self.tokens = 4  # tokens each Generate streams
         self.first_token_delay = 0.0
         self.token_interval = 0.0
@@ -76,6 +79,11 @@ class FakePeers(
         self.version = 1
         self.stored: list[cache_pb2.CacheStoreRequest] = []
         self.streams_done = 0
+
+    # health
+    async def Check(self, request, context):  # type: ignore[no-untyped-def]
+        await self.health.act(context, self.release)
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
 
     # tokenizer
     async def ApplyChatTemplate(self, request, context):  # type: ignore[no-untyped-def]
@@ -136,6 +144,7 @@ async def fake_mesh(**env: str) -> AsyncIterator[tuple[FakePeers, GatewayApp, in
     """The fake peers on one real gRPC server, and a gateway (hosted on port 0) pointed at them."""
     fake = FakePeers()
     server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(fake, server)
     tokenizer_pb2_grpc.add_TokenizerServicer_to_server(fake, server)
     inference_pb2_grpc.add_InferenceServicer_to_server(fake, server)
     cache_pb2_grpc.add_CacheServicer_to_server(fake, server)
@@ -239,6 +248,7 @@ BREAKER = {
     "LLMESH_BREAKER_MINIMUM_CALLS": "2",
     "LLMESH_BREAKER_WAIT_SECONDS": "30",
     "LLMESH_BREAKER_SLOW_CALL_SECONDS": "0.3",
+    "LLMESH_BREAKER_PROBE_SECONDS": "0",  # the fake's health check always passes: no early half-open
 }
 
 
@@ -321,6 +331,38 @@ async def test_a_half_open_trial_is_decided_by_its_first_token() -> None:
         assert isinstance(rest[-1], Final) and rest[-1].response.usage.output_tokens == 8
 
 
+async def test_a_frozen_tokenizer_is_cut_off_after_a_few_timeouts_and_tried_again_once_it_answers() -> None:
+    # Defaults for the window (10 calls before the rates count) and a long wait in open: the
+    # breaker opens on five timeouts in a row, and a passing health probe half-opens it at once.
+    env = {
+        "LLMESH_HOP_TOKENIZER_SECONDS": "0.05",
+        "LLMESH_BREAKER_WAIT_SECONDS": "60",
+        "LLMESH_BREAKER_PROBE_SECONDS": "0.05",
+    }
+    async with fake_mesh(**env) as (fake, app, _):
+        breaker = app.peers.breakers["tokenizer"]
+        half_open = asyncio.Event()
+        breaker.on_transition.append(lambda old, new, reason: half_open.set() if new.value == "half_open" else None)
+        fake.tokenizer.mode = fake.health.mode = "hang"  # frozen: no answer, not even to health checks
+        for _ in range(5):
+            final = await run(app, ask(use_cache=False, use_retrieval=False), 5)
+            assert "tokenizer_estimate" in final.response.degradations
+        assert breaker.state.value == "open"
+        calls = fake.tokenizer.calls
+        final = await run(app, ask(use_cache=False, use_retrieval=False), 5)
+        assert "tokenizer_estimate" in final.response.degradations and fake.tokenizer.calls == calls  # cut off
+        await asyncio.wait_for(fake.health.called.wait(), 5.0)  # probed while open, and still frozen
+        assert breaker.state.value == "open"
+        fake.tokenizer.mode = fake.health.mode = "ok"  # SIGCONT
+        fake.release.set()
+        await asyncio.wait_for(half_open.wait(), 5.0)  # a probe interval, not the 60 s wait
+        for _ in range(3):  # the half-open trials
+            final = await run(app, ask(use_cache=False, use_retrieval=False), 5)
+            assert "tokenizer_estimate" not in final.response.degradations
+        assert breaker.state.value == "closed"
+        no_weight_left(app)
+
+
 # --- refunds and holds on every exit path -----------------------------------------------------------
 
 MODEL = "fake@" + "0" * 16
@@ -397,6 +439,64 @@ async def test_a_request_that_would_be_shed_on_a_miss_does_not_wait_for_a_frozen
         no_weight_left(app)
 
 
+async def test_a_frozen_cache_is_cut_off_though_every_request_gives_up_on_it_early() -> None:
+    # Every request would be shed on a miss, so each waits 20 ms for the cache and goes on; the
+    # lookups they started still run to their budget and the breaker hears the timeouts.
+    env = {"LLMESH_HOP_CACHE_LOOKUP_SECONDS": "0.1", "LLMESH_ADMISSION_INITIAL_IN_FLIGHT": "640"}
+    async with fake_mesh(**env) as (fake, app, _):
+        breaker = app.peers.breakers["cache"]
+        opened = asyncio.Event()
+        breaker.on_transition.append(lambda old, new, reason: opened.set() if new.value == "open" else None)
+        fake.generate.mode = "hang"
+        busy = asyncio.create_task(run(app, ask(max_new_tokens=64, use_cache=False, use_retrieval=False), 20))
+        await fake.generate.called.wait()  # the in-flight limit is now full
+        fake.lookup.mode = "hang"
+        for _ in range(8):
+            if opened.is_set():
+                break
+            with pytest.raises(LlmeshError) as shed:
+                await run(app, ask(max_new_tokens=64, use_retrieval=False), 10)
+            assert shed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(opened.wait(), 0.5)
+        assert opened.is_set() and breaker.state.value == "open"
+        busy.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await busy
+        no_weight_left(app)
+
+
+async def test_a_request_waiting_for_the_cache_holds_its_room_and_is_not_shed_after_the_wait() -> None:
+    # A fits when it starts and holds its predicted weight while the frozen cache keeps it
+    # waiting; B, arriving meanwhile, is shed at once; A then misses and is admitted on its hold.
+    env = {"LLMESH_HOP_CACHE_LOOKUP_SECONDS": "0.3", "LLMESH_ADMISSION_INITIAL_IN_FLIGHT": "640"}
+    async with fake_mesh(**env) as (fake, app, _):
+        fake.lookup.mode = "hang"
+        waiting = asyncio.create_task(run(app, ask(max_new_tokens=64, use_retrieval=False), 10))
+        await fake.lookup.called.wait()
+        deadline = Deadline.after(10)
+        with pytest.raises(LlmeshError) as shed:
+            await run(app, ask(max_new_tokens=64, use_cache=False, use_retrieval=False), 10)
+        assert shed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert deadline.remaining() > 9.9  # refused without waiting for anything
+        final = await waiting
+        assert final.response.text and "cache_unavailable" in final.response.degradations
+        assert fake.generate.calls == 1
+        no_weight_left(app)
+
+
+async def test_lookups_queued_behind_a_frozen_cache_wait_no_longer_than_the_budget() -> None:
+    # Two lookups go out at once; the rest queue for the next batch. A queued request's wait for
+    # the cache (its queue time included) is one budget, not one for the queue and one for its batch.
+    async with fake_mesh(LLMESH_HOP_CACHE_LOOKUP_SECONDS="0.3") as (fake, app, _):
+        fake.lookup.mode = "hang"
+        finals = await asyncio.gather(*(run(app, ask(use_retrieval=False), 10) for _ in range(6)))
+        for final in finals:
+            assert "cache_unavailable" in final.response.degradations
+            assert final.timings["cache"] < 450  # ms; queued behind the first batch: about 600
+        no_weight_left(app)
+
+
 async def test_a_request_that_could_not_finish_in_time_is_shed_not_timed_out() -> None:
     async with fake_mesh() as (fake, app, _):
         capacity = app.window.capacity(MODEL)  # type: ignore[union-attr]
@@ -404,7 +504,7 @@ async def test_a_request_that_could_not_finish_in_time_is_shed_not_timed_out() -
         with pytest.raises(LlmeshError) as shed:
             await run(app, ask(max_new_tokens=64, use_cache=False, use_retrieval=False), 3.0)  # 6.4 s of work
         assert shed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and shed.value.reason == "DEADLINE_TOO_SHORT"
-        assert fake.generate.calls == 0
+        assert fake.tokenizer.calls == 0 and fake.generate.calls == 0  # decided before the hops: a fast refusal
         final = await run(app, ask(max_new_tokens=16, use_cache=False, use_retrieval=False), 3.0)  # 1.6 s
         assert final.response.text
         no_weight_left(app)

@@ -80,7 +80,7 @@ def test_a_cold_limit_is_conservative_and_opens_up_as_throughput_is_measured() -
         now.t += 0.5
         cap.advance(now.t, 1000)
     assert cap.throughput == pytest.approx(2000)
-    assert cap.limit() == pytest.approx(4000)  # Little: throughput x target
+    assert cap.limit() == pytest.approx(2000)  # Little: throughput x target x the half still in flight
 
 
 def test_a_stalled_downstream_shrinks_the_limit_to_its_floor() -> None:
@@ -94,8 +94,27 @@ def test_a_stalled_downstream_shrinks_the_limit_to_its_floor() -> None:
     for _ in range(40):  # busy, and nothing comes back
         now.t += 0.5
         cap.advance(now.t)
-    assert high == pytest.approx(20_000)
-    assert cap.limit() == 250  # initial / 4
+    assert high == pytest.approx(10_000)
+    assert cap.limit() == 1000 / 16  # the floor: initial / 16
+
+
+def test_at_the_limit_a_request_spends_the_target_in_the_system() -> None:
+    # A batch of k requests, each 10 input tokens x 100 new tokens, one token per 10 ms step: a
+    # request is in the system 1 s. Arrivals staggered evenly, so the tokens still to come are
+    # spread over 0..100: the weight in flight is k x 10 x 50 (not k x 10 x 100).
+    k, unit, tokens, step = 8, 10, 100, 0.01
+    now = Clock(0.0)
+    cap = CapacityLimit(cap=1e9, adaptive=True, target_seconds=tokens * step, initial=1, now=now.t)
+    cap.requests = cap.streaming = k
+    for _ in range(20):
+        now.t += 0.5
+        cap.advance(now.t, k * unit * 0.5 / step)
+    in_flight = sum(unit * (tokens - i * tokens // k) for i in range(k))  # staggered: 100, 88, ... 13
+    assert cap.limit() == pytest.approx(k * unit * tokens / 2)
+    assert cap.limit() == pytest.approx(in_flight, rel=0.15)
+    # A request joining such a batch waits about the target, not half of it.
+    cap.in_flight = k * unit * tokens / 2
+    assert cap.drain_seconds(unit * tokens) == pytest.approx(tokens * step * (1 + 1 / k))
 
 
 def test_idle_time_does_not_dilute_the_measured_throughput() -> None:
@@ -257,3 +276,41 @@ def test_a_long_prefill_does_not_dilute_the_measured_throughput() -> None:
         a.ticket.progress(1)  # 100 weight every 0.125 s once streaming
     # The first tokens' weight arrives with no streaming time before it: 500 weight in 0.5 s.
     assert w.capacity().throughput == pytest.approx(1000)
+
+
+def test_a_request_that_passed_the_precheck_keeps_its_room_when_the_limit_shrinks() -> None:
+    # It held its predicted weight through its hops; the measured throughput fell meanwhile. It is
+    # admitted with what it held (capped), not refused after the hops it already paid for.
+    clock = Clock()
+    w = WeightWindow(cfg(adaptive=True, initial_in_flight=4000, degrade=True), clock=clock)
+    running = w.plan("t", 10, 100)  # 1,000 in flight
+    hold = w.precheck("t", 10, 100, hold=True)
+    assert hold is not None and hold.weight == 1000
+    w.capacity("").throughput = 100.0  # limit now max(initial / 4, 100 x 3 / 2) = 1,000: full
+    with pytest.raises(ResourceExhausted):
+        w.precheck("t", 10, 100)  # a newcomer is shed
+    admitted = w.plan("t", 12, 100, hold=hold)  # its true size is a bit more than predicted
+    assert admitted.ticket is not None and admitted.weight <= 1000 and admitted.max_new_tokens == 83
+    assert admitted.degraded
+    admitted.ticket.finish()
+    assert running.ticket is not None
+    running.ticket.finish()
+
+
+def test_a_request_that_held_its_least_weight_is_admitted_when_its_prompt_came_out_longer() -> None:
+    # The precheck capped it to its least new tokens at the predicted size; the exact prompt is a
+    # little longer. It runs with its least new tokens rather than being refused after its hops.
+    clock = Clock()
+    w = WeightWindow(cfg(adaptive=True, initial_in_flight=4000, degrade=True, min_new_tokens=16), clock=clock)
+    running = w.plan("t", 10, 300)  # 3,000 of 4,000 in flight
+    hold = w.precheck("t", 50, 100, hold=True)  # 1,000 left: 20 new tokens at 50 input tokens
+    assert hold is not None and hold.weight == 1000
+    admitted = w.plan("t", 70, 100, hold=hold)  # 70 x 16 = 1,120: a little over what it held
+    assert admitted.max_new_tokens == 16 and admitted.weight == 1120
+    assert admitted.ticket is not None and running.ticket is not None
+    admitted.ticket.finish()
+    again = w.precheck("t", 50, 100, hold=True)
+    assert again is not None and again.weight == 1000
+    with pytest.raises(ResourceExhausted):
+        w.plan("t", 500, 100, hold=again)  # 10x the prediction: refused
+    running.ticket.finish()

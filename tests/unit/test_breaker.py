@@ -8,7 +8,9 @@ import pytest
 from llmesh.errors import Unavailable, status_details, unpack_details
 from llmesh.testing import FakeClock
 from services.gateway.breaker import (
+    CONSECUTIVE_FAILURES,
     FAILURE_RATE,
+    PROBE_PASSED,
     RESET,
     SLOW_CALL_RATE,
     TRIALS_PASSED,
@@ -27,6 +29,7 @@ def clock() -> FakeClock:
 
 def make(clock: FakeClock, **kw: object) -> tuple[CircuitBreaker, list[tuple[State, State, str]]]:
     seen: list[tuple[State, State, str]] = []
+    kw.setdefault("consecutive_failures", 0)  # these tests are about the rates; see the tests below
     breaker = CircuitBreaker(
         "inference",
         BreakerConfig(**kw),  # type: ignore[arg-type]
@@ -304,3 +307,72 @@ def test_permits_say_whether_they_are_half_open_trials(clock: FakeClock) -> None
     trial.release()  # the caller's own deadline: no verdict, the slot is free again
     assert b.state is State.HALF_OPEN
     assert all(b.acquire().trial for _ in range(3))
+
+
+def test_consecutive_failures_open_before_minimum_calls(clock: FakeClock) -> None:
+    # A frozen service with few callers: each call waits out its budget; five in a row cut it off.
+    b, seen = make(clock, consecutive_failures=5, minimum_calls=10)
+    fail(b, 4)
+    ok(b)
+    fail(b, 4)
+    assert b.state is State.CLOSED  # never five in a row
+    fail(b)
+    assert b.state is State.OPEN
+    assert seen[-1] == (State.CLOSED, State.OPEN, CONSECUTIVE_FAILURES)
+
+
+def test_consecutive_failures_zero_leaves_it_to_the_rates(clock: FakeClock) -> None:
+    b, _ = make(clock, consecutive_failures=0, minimum_calls=10)
+    fail(b, 9)
+    assert b.state is State.CLOSED
+
+
+def test_a_passing_probe_half_opens_before_the_wait(clock: FakeClock) -> None:
+    b, seen = make(clock, wait_in_open=5.0)
+    trip(b)
+    clock.advance(0.3)
+    assert b.probe_passed()
+    assert b.state is State.HALF_OPEN
+    assert seen[-1] == (State.OPEN, State.HALF_OPEN, PROBE_PASSED)
+    ok(b, b.config.permitted_calls_in_half_open)
+    assert b.state is State.CLOSED
+
+
+def test_a_probe_does_not_cut_the_wait_after_failed_trials(clock: FakeClock) -> None:
+    # Healthy to a health check, failing its calls: tried again only after the whole wait.
+    b, _ = make(clock, wait_in_open=5.0)
+    trip(b)
+    assert b.probe_passed()
+    fail(b, b.config.permitted_calls_in_half_open)
+    assert b.state is State.OPEN
+    assert not b.probe_passed()
+    assert b.state is State.OPEN
+    clock.advance(5.0)
+    assert b.state is State.HALF_OPEN
+
+
+def test_a_probe_changes_nothing_unless_open(clock: FakeClock) -> None:
+    b, seen = make(clock)
+    assert not b.probe_passed()
+    assert b.state is State.CLOSED and not seen
+
+
+def test_a_failed_probe_keeps_it_open_until_a_probe_passes(clock: FakeClock) -> None:
+    # A frozen service: no trial calls are spent on it while probes get no answer, however long.
+    b, _ = make(clock, wait_in_open=2.0)
+    trip(b)
+    for _ in range(20):
+        clock.advance(0.5)
+        b.probe_failed()
+        assert b.state is State.OPEN
+    assert b.probe_passed()  # it answers again
+    assert b.state is State.HALF_OPEN
+
+
+def test_without_probes_the_wait_still_ends(clock: FakeClock) -> None:
+    b, _ = make(clock, wait_in_open=2.0)
+    trip(b)
+    clock.advance(1.0)
+    b.probe_failed()
+    clock.advance(2.0)
+    assert b.state is State.HALF_OPEN
