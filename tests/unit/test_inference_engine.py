@@ -242,11 +242,13 @@ async def test_queue_timeout(loaded: LoadedModel) -> None:
 
 
 async def test_batch_token_budget_limits_admission(loaded: LoadedModel) -> None:
-    # Room for two sequences of (prompt + 20) tokens: the third waits for a slot, then runs.
+    # The budget is the physical KV footprint: room for two slots of a maximal request
+    # (16 + 20 tokens) and not quite a third: the third request waits for a slot, then runs.
     ids = [1, *loaded.encode("Hello there")]
-    budget = 2 * (len(ids) + 20)
+    budget = 3 * (16 + 20) - 1
     eng = side_engine(loaded, max_batch_size=8, max_batch_total_tokens=budget, max_prompt_tokens=16, max_new_tokens=20)
     try:
+        assert eng.runner.slots == 2 and eng.max_total_tokens == 2 * (16 + 20)
         params = SamplingParams(max_new_tokens=20, ignore_eos=True)
         seen: list[int] = []
 
