@@ -306,8 +306,6 @@ class Engine:
         except BaseException as exc:
             log.exception("inference worker died; closing the engine")
             self._die(exc)
-            if not isinstance(exc, Exception):
-                raise
 
     def _die(self, exc: BaseException) -> None:
         self.dead = True
