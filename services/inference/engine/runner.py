@@ -121,18 +121,13 @@ class ModelRunner:
         chosen token of batch rows 0..max slot (one device-to-host copy)."""
         top = max(slot for slot, _, _ in rows) + 1
         batch = self.bucket(top)
-        staged = self.staged
-        staged[_IDS, :batch] = 0
-        staged[_POS, :batch] = 0
-        staged[_COL, :batch] = self.kv.scratch  # padding rows write the scratch column
-        staged[_LEN, :batch] = 1  # ... and read column 0
-        width = 1
+        ids, pos, cols, lens = [0] * batch, [0] * batch, [self.kv.scratch] * batch, [1] * batch
+        # Padding rows (free or prefilling slots) write the scratch column and read column 0.
         for slot, token, position in rows:
-            staged[_IDS, slot] = token
-            staged[_POS, slot] = position
-            staged[_COL, slot] = position
-            staged[_LEN, slot] = position + 1
-            width = max(width, position + 1)
+            ids[slot], pos[slot], cols[slot], lens[slot] = token, position, position, position + 1
+        width = max(lens)
+        staged = self.staged
+        staged[:, :batch] = torch.tensor([ids, pos, cols, lens], dtype=torch.long)
         self.inputs[:, :batch].copy_(staged[:, :batch], non_blocking=True)
         graph = self.graphs.get(batch)
         if graph is not None:
