@@ -189,6 +189,7 @@ class Engine:
             self._thread.join()
         self._fail_everything(errors.Unavailable(f"inference: {reason}", retry_after=1.0))
         self.emitter.sync()
+        self.emitter.stop()
         self._idle.set()
 
     def drain(self, timeout: float | None = None) -> bool:
@@ -228,6 +229,7 @@ class Engine:
             metrics.REQUESTS.labels("invalid").inc()
             raise
         self._start_request_span(seq)
+        self._idle.clear()
         try:
             self.scheduler.submit(seq, free_slots=len(self._free), retry_after=self._retry_after)
         except errors.LlmeshError as exc:
@@ -236,7 +238,6 @@ class Engine:
             if isinstance(exc, errors.ResourceExhausted):
                 metrics.REQUESTS.labels("rejected_queue_full").inc()
             raise
-        self._idle.clear()
         return RequestStream(self, seq)
 
     def _retry_after(self) -> float:

@@ -149,9 +149,20 @@ class ModelRunner:
     # ----------------------------------------------------------------- CUDA graphs
 
     def capture(self) -> None:
-        """One CUDA graph per bucket, over the full slot width (largest first, one memory pool)."""
+        """One CUDA graph per bucket, over the full slot width (largest first, one memory pool).
+        A capture that fails (an op that syncs with the host in some model's forward) leaves the
+        engine eager, with a warning, rather than unable to serve."""
         if not self.use_graphs:
             return
+        try:
+            self._capture()
+        except Exception:
+            log.warning("CUDA graph capture failed; decoding eagerly", exc_info=True)
+            self.graphs.clear()
+            self.use_graphs = False
+            torch.cuda.synchronize(self.device)
+
+    def _capture(self) -> None:
         width = self.slot_length + 1
         staged = self.staged
         staged.zero_()

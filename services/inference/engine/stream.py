@@ -186,13 +186,15 @@ class Emitter:
 
     def sync(self, timeout: float | None = 30.0) -> None:
         """Blocks until everything put so far has been handled and delivered."""
-        if threading.current_thread() is self._thread:
+        if threading.current_thread() is self._thread or not self._thread.is_alive():
             return
         done = threading.Event()
         self._queue.put(("sync", done))
         done.wait(timeout)
 
     def stop(self) -> None:
+        if not self._thread.is_alive():
+            return
         self._queue.put(("stop",))
         if threading.current_thread() is not self._thread:
             self._thread.join(30.0)
