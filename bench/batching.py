@@ -346,7 +346,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measure", type=float, default=40.0, help="measured seconds of each closed loop")
     parser.add_argument("--no-hf-cb", action="store_true", help="skip transformers' continuous batching column")
+    parser.add_argument(
+        "--only-short",
+        action="store_true",
+        help="only short_rps against offline_short_rps (a few minutes; writes bench/results/batching_short.json)",
+    )
     args = parser.parse_args(argv)
+    if args.only_short:
+        only_short(args)
+        return
 
     begun = time.perf_counter()
     models = real_models_dir()
@@ -417,6 +425,29 @@ def main(argv: Sequence[str] | None = None) -> None:
         "batching", {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in result.items()}
     )
     print(f"\nwrote {path}")
+
+
+def only_short(args: argparse.Namespace) -> None:
+    """short_rps and its ceiling alone, side by side (the ceiling before and after, averaged)."""
+    from services.gateway.core import DEFAULT_SYSTEM_PROMPT
+
+    models = real_models_dir()
+    model_dir = models / "smollm2" / "current"
+    short_prompts = build_prompts(model_dir, DEFAULT_SYSTEM_PROMPT, SHORT_CLIENTS)
+    result: dict[str, Any] = {"machine": machine()}
+    env = {"LLMESH_MODELS_DIR": str(models), "LLMESH_INFERENCE_MODEL": "smollm2", "LLMESH_MAX_BATCH_SIZE": str(CLIENTS)}
+    with Mesh(services=("inference",), env=env) as mesh:
+        baselines = Baselines(model_dir, short_prompts)
+        runs = [baselines.offline_short(short_prompts)]
+        result.update(asyncio.run(mesh_short(mesh.target("inference"), short_prompts, args)))
+        result["load_average_1m_after_mesh"] = _load()
+        runs.append(baselines.offline_short(short_prompts))
+    result["offline_short_rps"] = sum(runs) / len(runs)
+    result["offline_short_rps_runs"] = [round(r, 2) for r in runs]
+    result["short_vs_offline"] = result["short_rps"] / result["offline_short_rps"]
+    result["passes"] = {"short_rps_ge_0.7x_offline_short": result["short_vs_offline"] >= 0.7}
+    print_table({k: v for k, v in result.items() if not isinstance(v, dict)}, "short requests")
+    print(f"\nwrote {write_result('batching_short', result)}")
 
 
 if __name__ == "__main__":
