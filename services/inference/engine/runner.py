@@ -114,11 +114,13 @@ class ModelRunner:
     def decode(
         self,
         rows: list[tuple[int, int, int]],
-        sampling: tuple[list[int], list[float], list[float], list[int], list[int]],
+        sampling: Sampling,
+        eager_width: int | None = None,
     ) -> list[int]:
         """One decode step. `rows`: (slot, input token, position) of every decoding row;
         `sampling`: (batch rows that sample, temperatures, top_p, seeds, counters). Returns the
-        chosen token of batch rows 0..max slot (one device-to-host copy)."""
+        chosen token of batch rows 0..max slot (one device-to-host copy). `eager_width` runs the
+        step eagerly over that many columns even where a graph exists (to check a replay)."""
         top = max(slot for slot, _, _ in rows) + 1
         batch = self.bucket(top)
         ids, pos, cols, lens = [0] * batch, [0] * batch, [self.kv.scratch] * batch, [1] * batch
@@ -129,11 +131,11 @@ class ModelRunner:
         staged = self.staged
         staged[:, :batch] = torch.tensor([ids, pos, cols, lens], dtype=torch.long)
         self.inputs[:, :batch].copy_(staged[:, :batch], non_blocking=True)
-        graph = self.graphs.get(batch)
+        graph = self.graphs.get(batch) if eager_width is None else None
         if graph is not None:
             graph.replay()
         else:
-            self._step(batch, width)
+            self._step(batch, eager_width or width)
         tokens = choose(self.logits[:batch], *sampling)
         return tokens[:top].tolist()
 
