@@ -17,6 +17,7 @@ from llmesh.errors import InvalidArgument, LlmeshError, ResourceExhausted
 from llmesh.models import verify
 from services.inference.decoding import SamplingParams
 from services.inference.engine import Engine, EngineConfig, GenerationEvent, LoadedModel
+from services.inference.engine.config import MIN_PREFILL_CHUNK
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
@@ -449,14 +450,14 @@ def test_one_host_copy_per_decode_step(loaded: LoadedModel, monkeypatch: pytest.
 async def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(loaded: LoadedModel) -> None:
     eng = side_engine(loaded, max_batch_size=4, max_prompt_tokens=512)
     ps = prompts(eng)
-    long_prompt = eng.encode("Tell me about the sea, the sky and everything in between. " * 12)
-    assert len(long_prompt) > 150
+    long_prompt = eng.encode("Tell me about the sea, the sky and everything in between. " * 36)
+    assert len(long_prompt) > 3 * 128
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     try:
         short_alone = (await run(eng, ps[1], SamplingParams(max_new_tokens=60, ignore_eos=True)))[0]
         long_alone = (await run(eng, long_prompt, params))[0]
-        # Make one decode step look as long as 40 prefill tokens: a chunk is then 40 tokens
-        # (the engine re-measures as it goes; the chunks stay far below the prompt's length).
+        # Make one decode step look as long as 40 prefill tokens: a chunk is then the smallest
+        # chunk, 128 tokens (the engine re-measures as it goes; the hook resets the figures).
         prefills: list[int] = []
         steps_between: list[int] = []
 
@@ -478,7 +479,7 @@ async def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(loaded:
         got_long = (await long_task)[0]
         assert got_short == short_alone and got_long == long_alone
         chunks = len(prefills)
-        assert chunks >= len(long_prompt) // 40
+        assert chunks >= len(long_prompt) // MIN_PREFILL_CHUNK
         steps_between = [b - a for a, b in itertools.pairwise(prefills)]
         assert steps_between and all(s == 1 for s in steps_between)  # one decode step after each chunk
     finally:

@@ -16,8 +16,9 @@ FINISH_CANCELLED = "cancelled"
 DEFAULT_MAX_PREFILL_TOKENS = {"cpu": 2048, "cuda": 8192}
 #: While a batch decodes, a prompt chunk is sized to take about this many decode steps.
 PREFILL_STALL_STEPS = 1.0
-#: Smallest prefill chunk while a batch decodes (tiny chunks waste the prefill's efficiency).
-MIN_PREFILL_CHUNK = 32
+#: Smallest prefill chunk while a batch decodes: small prefills waste the batched GEMMs, and
+#: a short prompt (a chat request) should be prefilled whole, together with the other arrivals.
+MIN_PREFILL_CHUNK = 128
 
 #: Share of the device memory free after loading that the KV slots may take (the rest is for
 #: activations, logits, CUDA graphs and allocator slack).

@@ -5,7 +5,8 @@ Admission is FIFO into free KV slots. Prefill work per iteration is sized so run
 not stalled much and arrivals are still prefilled as fast as they come:
 
 * a step's worth of prefill, `chunk_tokens`, is the prompt tokens that take about one decode
-  step (measured prefill tokens/s x measured step time, at least MIN_PREFILL_CHUNK). A prompt
+  step (measured prefill tokens/s x measured step time), at least MIN_PREFILL_CHUNK (128: a
+  chat request's prompt is prefilled whole, with the other arrivals, not chunk by chunk). A prompt
   longer than that is prefilled in chunks of that size, one chunk per iteration between decode
   steps, so a long prompt stalls the running rows for about one step at a time;
 * prompts that fit one chunk are prefilled whole, together, up to a budget that grows with the
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from services.inference.engine.core import Engine
 
 #: Waiting requests per extra step's worth of prefill budget.
-QUEUE_PER_BUDGET_STEP = 4
+QUEUE_PER_BUDGET_STEP = 2
 
 
 class Scheduler:
