@@ -13,6 +13,12 @@ with EOS ignored, greedy, side by side in one run:
 * decode_step_s          median gap between two tokens of a stream in the closed loop (one
                          full-batch decode step)
 * mixed_tok_s            the closed loop with max_new_tokens drawn from 8..128 per request
+* short_rps              requests/s of 16 closed-loop clients sending short requests: the
+                         gateway's chat prompt (its default system prompt + a question), 8 new
+                         tokens, EOS ignored (classification/extraction calls look like this);
+                         with short_ttft_p50_s and short_latency_p50_s
+* offline_short_rps      the ceiling for that load: plain transformers, the same 16 prompts as
+                         one left-padded batch of 8 new tokens, repeated
 
 Closed loop: each client sends its next request as soon as the previous one finished. The
 clients start two decode steps apart (each once the previous one is decoding), which spreads
@@ -21,7 +27,8 @@ arriving in the same instant would make the last one's first token wait for the 
 all 32 prompts whatever the scheduler does. Measured once every client is decoding.
 
 Targets (the `passes` entries): mesh_tok_s >= 0.8 x offline_batch_tok_s and >= 6 x
-sequential_tok_s; ttft_p95_s <= 3 x ttft_idle_s + decode_step_s.
+sequential_tok_s; ttft_p95_s <= 3 x ttft_idle_s + decode_step_s; short_rps >= 0.7 x
+offline_short_rps.
 
 Run: `.venv/bin/python -m bench.batching` (about 4-5 minutes on 2 CPU cores).
 """
@@ -55,6 +62,9 @@ from llmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 CLIENTS = 32
 NEW_TOKENS = 64
 SEQUENTIAL_REQUESTS = 3
+SHORT_CLIENTS = 16
+SHORT_NEW_TOKENS = 8
+OFFLINE_SHORT_REPEATS = 3
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -92,15 +102,16 @@ QUESTIONS = [
 ]
 
 
-def build_prompts(model_dir: Path) -> list[list[int]]:
+def build_prompts(model_dir: Path, system: str | None = None, count: int = CLIENTS) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     out = []
-    for question in QUESTIONS[:CLIENTS]:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-        )
+    for question in QUESTIONS[:count]:
+        messages = [{"role": "user", "content": question}]
+        if system is not None:
+            messages.insert(0, {"role": "system", "content": system})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return out
 
@@ -148,6 +159,19 @@ class Baselines:
         with torch.inference_mode():
             out = self.model.generate(ids, attention_mask=mask, **self.greedy)
         return (out.shape[1] - width) * len(self.prompts) / (time.perf_counter() - started)
+
+    def offline_short(self, prompts: list[list[int]]) -> float:
+        """Requests/s of the short load as one left-padded batch of SHORT_NEW_TOKENS, repeated."""
+        torch = self.torch
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        short = {**self.greedy, "max_new_tokens": SHORT_NEW_TOKENS, "min_new_tokens": SHORT_NEW_TOKENS}
+        started = time.perf_counter()
+        with torch.inference_mode():
+            for _ in range(OFFLINE_SHORT_REPEATS):
+                self.model.generate(ids, attention_mask=mask, **short)
+        return len(prompts) * OFFLINE_SHORT_REPEATS / (time.perf_counter() - started)
 
     def continuous_batching(self) -> float:
         """transformers' own continuous-batching manager (switches the model's attention
@@ -293,6 +317,27 @@ async def mesh_mixed(target: str, prompts: list[list[int]], args: argparse.Names
     return {"mixed_tok_s": mixed["tok_s"], "mixed_ttft_p95_s": mixed["ttft_p95_s"]}
 
 
+async def mesh_short(target: str, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+    """16 closed-loop clients, the gateway's chat prompt, SHORT_NEW_TOKENS new tokens."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        records: list[Record] = []
+
+        async def run(ids: list[int], max_new: int, decoding: Any, into: Any) -> Record:
+            record = await one(stub, ids, max_new, decoding, into)
+            records.append(record)
+            return record
+
+        short = await closed_loop(run, prompts, lambda rng: SHORT_NEW_TOKENS, args.measure)
+    done = [r for r in records if r.done is not None and r.first is not None]
+    tail = done[len(done) // 3 :]  # past the staggered start
+    return {
+        "short_rps": short["requests"] / args.measure,
+        "short_ttft_p50_s": short["ttft_p50_s"],
+        "short_latency_p50_s": percentile([r.done - r.sent for r in tail if r.done is not None], 0.5),
+    }
+
+
 def _load() -> float:
     return round(os.getloadavg()[0], 2)
 
@@ -301,12 +346,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measure", type=float, default=40.0, help="measured seconds of each closed loop")
     parser.add_argument("--no-hf-cb", action="store_true", help="skip transformers' continuous batching column")
+    parser.add_argument(
+        "--only-short",
+        action="store_true",
+        help="only short_rps against offline_short_rps (a few minutes; writes bench/results/batching_short.json)",
+    )
     args = parser.parse_args(argv)
+    if args.only_short:
+        only_short(args)
+        return
 
     begun = time.perf_counter()
     models = real_models_dir()
     model_dir = models / "smollm2" / "current"
     prompts = build_prompts(model_dir)
+    from services.gateway.core import DEFAULT_SYSTEM_PROMPT
+
+    short_prompts = build_prompts(model_dir, DEFAULT_SYSTEM_PROMPT, SHORT_CLIENTS)
     load_before = machine()
     print(
         f"{len(prompts)} prompts of {min(map(len, prompts))}..{max(map(len, prompts))} tokens, "
@@ -322,16 +378,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     with Mesh(services=("inference",), env=env) as mesh:
         target = mesh.target("inference")
         baselines = Baselines(model_dir, prompts)
-        before = {"sequential_tok_s": baselines.sequential(), "offline_batch_tok_s": baselines.offline_batch()}
+        before = {
+            "sequential_tok_s": baselines.sequential(),
+            "offline_batch_tok_s": baselines.offline_batch(),
+            "offline_short_rps": baselines.offline_short(short_prompts),
+        }
         loads["baselines_before"] = _load()
         print_table(before, "transformers baselines (before)")
         result.update(asyncio.run(mesh_fixed(target, prompts, args)))
         loads["mesh"] = _load()
-        after = {"sequential_tok_s": baselines.sequential(), "offline_batch_tok_s": baselines.offline_batch()}
+        after = {
+            "sequential_tok_s": baselines.sequential(),
+            "offline_batch_tok_s": baselines.offline_batch(),
+            "offline_short_rps": baselines.offline_short(short_prompts),
+        }
         loads["baselines_after"] = _load()
         print_table(after, "transformers baselines (after)")
         result.update(asyncio.run(mesh_mixed(target, prompts, args)))
         loads["mixed"] = _load()
+        result.update(asyncio.run(mesh_short(target, short_prompts, args)))
+        loads["short"] = _load()
     for key in before:
         result[key] = (before[key] + after[key]) / 2
         result[f"{key}_runs"] = [round(before[key], 2), round(after[key], 2)]
@@ -348,6 +414,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "mesh_ge_0.8x_offline_batch": result["mesh_tok_s"] >= 0.8 * result["offline_batch_tok_s"],
         "mesh_ge_6x_sequential": result["mesh_tok_s"] >= 6 * result["sequential_tok_s"],
         "ttft_p95_le_3x_idle_plus_step": result["ttft_p95_s"] <= ttft_bound,
+        "short_rps_ge_0.7x_offline_short": result["short_rps"] >= 0.7 * result["offline_short_rps"],
     }
     # 1-minute load averages after each phase: this process and the service add about 2-3.
     result["machine"] = {**load_before, "load_average_1m_after_phase": loads}
@@ -358,6 +425,29 @@ def main(argv: Sequence[str] | None = None) -> None:
         "batching", {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in result.items()}
     )
     print(f"\nwrote {path}")
+
+
+def only_short(args: argparse.Namespace) -> None:
+    """short_rps and its ceiling alone, side by side (the ceiling before and after, averaged)."""
+    from services.gateway.core import DEFAULT_SYSTEM_PROMPT
+
+    models = real_models_dir()
+    model_dir = models / "smollm2" / "current"
+    short_prompts = build_prompts(model_dir, DEFAULT_SYSTEM_PROMPT, SHORT_CLIENTS)
+    result: dict[str, Any] = {"machine": machine()}
+    env = {"LLMESH_MODELS_DIR": str(models), "LLMESH_INFERENCE_MODEL": "smollm2", "LLMESH_MAX_BATCH_SIZE": str(CLIENTS)}
+    with Mesh(services=("inference",), env=env) as mesh:
+        baselines = Baselines(model_dir, short_prompts)
+        runs = [baselines.offline_short(short_prompts)]
+        result.update(asyncio.run(mesh_short(mesh.target("inference"), short_prompts, args)))
+        result["load_average_1m_after_mesh"] = _load()
+        runs.append(baselines.offline_short(short_prompts))
+    result["offline_short_rps"] = sum(runs) / len(runs)
+    result["offline_short_rps_runs"] = [round(r, 2) for r in runs]
+    result["short_vs_offline"] = result["short_rps"] / result["offline_short_rps"]
+    result["passes"] = {"short_rps_ge_0.7x_offline_short": result["short_vs_offline"] >= 0.7}
+    print_table({k: v for k, v in result.items() if not isinstance(v, dict)}, "short requests")
+    print(f"\nwrote {write_result('batching_short', result)}")
 
 
 if __name__ == "__main__":

@@ -587,16 +587,16 @@ DECLARED: tuple[Setting, ...] = (
     Setting(
         "LLMESH_MAX_BATCH_TOTAL_TOKENS",
         "0",
-        "KV-cache tokens (prompt + max_new_tokens per sequence) the running batch may reserve; 0 derives it "
-        "(CUDA: 70% of the memory free after loading; CPU: max batch size x (max prompt + max new tokens)).",
+        "KV-cache tokens the engine preallocates (slots x (max prompt + max new tokens)); 0 derives it "
+        "(CUDA: 70% of the memory free after loading; CPU: one slot per batch row).",
         ("inference",),
         _non_negative_int,
     ),
     Setting(
         "LLMESH_MAX_PREFILL_TOKENS",
         "0",
-        "Most padded prompt tokens in one prefill (while a batch decodes, about one decode step's worth); "
-        "0: 2048 on CPU, 8192 on CUDA.",
+        "Most prompt tokens prefilled in one iteration (while a batch decodes: chunks of about one decode "
+        "step's worth); 0: 2048 on CPU, 8192 on CUDA.",
         ("inference",),
         _non_negative_int,
     ),

@@ -68,7 +68,8 @@ class ModelManager:
 
     @property
     def serving(self) -> bool:
-        return self._engine is not None
+        # An engine whose worker died closed itself: NOT_SERVING until a restart or a switch.
+        return self._engine is not None and not self._engine.closed
 
     async def start(self) -> None:
         await asyncio.to_thread(self.load_initial)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ from llmesh.errors import InvalidArgument, LlmeshError, ResourceExhausted
 from llmesh.models import verify
 from services.inference.decoding import SamplingParams
 from services.inference.engine import Engine, EngineConfig, GenerationEvent, LoadedModel
+from services.inference.engine.config import MIN_PREFILL_CHUNK
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
@@ -242,11 +244,13 @@ async def test_queue_timeout(loaded: LoadedModel) -> None:
 
 
 async def test_batch_token_budget_limits_admission(loaded: LoadedModel) -> None:
-    # Room for two sequences of (prompt + 20) tokens: the third waits for a slot, then runs.
+    # The budget is the physical KV footprint: room for two slots of a maximal request
+    # (16 + 20 tokens) and not quite a third: the third request waits for a slot, then runs.
     ids = [1, *loaded.encode("Hello there")]
-    budget = 2 * (len(ids) + 20)
+    budget = 3 * (16 + 20) - 1
     eng = side_engine(loaded, max_batch_size=8, max_batch_total_tokens=budget, max_prompt_tokens=16, max_new_tokens=20)
     try:
+        assert eng.runner.slots == 2 and eng.max_total_tokens == 2 * (16 + 20)
         params = SamplingParams(max_new_tokens=20, ignore_eos=True)
         seen: list[int] = []
 
@@ -314,5 +318,225 @@ async def test_step_failure_fails_the_batch_and_keeps_serving(loaded: LoadedMode
         eng.fault_hook = None
         tokens, _, last = await run(eng, ids)
         assert last.finish_reason == "length" and len(tokens) == GREEDY.max_new_tokens
+    finally:
+        eng.close()
+
+
+class WorkerDeath(BaseException):
+    """Not an Exception: escapes the per-step handler, as a bug in the loop itself would."""
+
+
+async def test_a_dead_worker_closes_the_engine(loaded: LoadedModel) -> None:
+    from llmesh.errors import Unavailable
+
+    eng = side_engine(loaded, max_batch_size=1)
+    dead: list[Engine] = []
+    eng.on_dead.append(dead.append)
+    try:
+        ids = eng.encode("Hello")
+        running = eng.submit(ids, SamplingParams(max_new_tokens=200, ignore_eos=True))
+        await running.__anext__()
+        waiting = eng.submit(ids, GREEDY)
+        assert eng.waiting_count == 1
+
+        def die(kind: str, batch: int) -> None:
+            raise WorkerDeath("injected")
+
+        eng.fault_hook = die
+        for stream in (running, waiting):
+            with pytest.raises(Unavailable):
+                async for _ in stream:
+                    pass
+        assert eng.closed and eng.dead and dead == [eng]
+        assert eng.waiting_count == 0 and eng.running_count == 0
+        with pytest.raises(Unavailable):
+            eng.submit(ids, GREEDY)
+    finally:
+        eng.close()
+
+
+async def test_requeued_after_oom_then_a_failure_are_served_not_orphaned(loaded: LoadedModel) -> None:
+    eng = side_engine(loaded, max_batch_size=8, batch_wait_s=0.5)
+    ps = prompts(eng)
+    alone = [(await run(eng, ids))[0] for ids in ps]
+    calls: list[int] = []
+
+    def hook(kind: str, batch: int) -> None:
+        if kind != "prefill" or len(calls) >= 2:
+            return
+        calls.append(batch)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")  # split 4 -> 2 + 2 requeued
+        raise RuntimeError("boom")  # the retried half fails
+
+    eng.fault_hook = hook
+    try:
+        results = await asyncio.gather(*(run(eng, ids) for ids in ps), return_exceptions=True)
+        assert calls == [4, 2]
+        failed = [r for r in results if isinstance(r, BaseException)]
+        assert len(failed) == 2 and all(isinstance(f, LlmeshError) for f in failed)
+        # The requeued half ran for real, to the end, with the right tokens.
+        served = [(i, r) for i, r in enumerate(results) if not isinstance(r, BaseException)]
+        assert [i for i, _ in served] == [2, 3]
+        assert [r[0] for _, r in served] == [alone[2], alone[3]]
+        steps = eng.steps
+        await asyncio.sleep(0.05)
+        assert eng.steps == steps and eng.running_count == 0 and eng.waiting_count == 0
+    finally:
+        eng.close()
+
+
+async def test_steps_and_submit_do_not_wait_for_the_emitter(loaded: LoadedModel) -> None:
+    # Detokenization, spans and delivery run on the emitter thread, which holds no lock the
+    # worker or submit need: with the emitter stuck, the worker keeps stepping and submit answers.
+    import threading
+
+    eng = side_engine(loaded, max_batch_size=4)
+    stuck = threading.Event()
+    release = threading.Event()
+    original = eng.emitter._flush
+
+    def blocking_flush() -> None:
+        stuck.set()
+        release.wait(10)
+        original()
+
+    eng.emitter._flush = blocking_flush  # type: ignore[method-assign]
+    try:
+        ids = eng.encode("Hello")
+        first = asyncio.create_task(run(eng, ids, SamplingParams(max_new_tokens=40, ignore_eos=True)))
+        await asyncio.to_thread(stuck.wait, 10)
+        steps = eng.steps
+        started = time.perf_counter()
+        second = eng.submit(ids, SamplingParams(max_new_tokens=5, ignore_eos=True))
+        assert time.perf_counter() - started < 0.1
+        await wait_for(lambda: eng.steps >= steps + 5)
+        release.set()
+        tokens, _, last = await first
+        assert len(tokens) == 40 and last.finish_reason == "length"
+        got = [e async for e in second]
+        assert got[-1].finish_reason == "length"
+    finally:
+        release.set()
+        eng.close()
+
+
+def test_one_host_copy_per_decode_step(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Sampling rows included: the draws are hashed on the device, no CPU generator, no .item().
+    from services.inference.engine.runner import ModelRunner
+
+    runner = ModelRunner(loaded, 4, 64, (1, 2, 4), cuda_graphs=False)
+    prompt = loaded.encode("Hello there")
+    with torch.inference_mode():
+        runner.prefill_fresh([0, 1, 3], [prompt] * 3, loaded.pad_id)
+    copies: list[str] = []
+    for name in ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self: torch.Tensor, *a: object, _n: str = name, _o: object = original, **k: object) -> object:
+            copies.append(_n)
+            return _o(self, *a, **k)  # type: ignore[operator]
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    rows = [(0, 5, len(prompt)), (1, 6, len(prompt)), (3, 7, len(prompt))]
+    sampling = ([1, 3], [0.8, 1.2], [0.9, 1.0], [11, 12], [1, 1])
+    with torch.inference_mode():
+        tokens = runner.decode(rows, sampling)
+    monkeypatch.undo()
+    assert copies == ["tolist"]
+    assert len(tokens) == 4
+
+
+async def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(loaded: LoadedModel) -> None:
+    eng = side_engine(loaded, max_batch_size=4, max_prompt_tokens=512)
+    ps = prompts(eng)
+    long_prompt = eng.encode("Tell me about the sea, the sky and everything in between. " * 36)
+    assert len(long_prompt) > 3 * 128
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    try:
+        short_alone = (await run(eng, ps[1], SamplingParams(max_new_tokens=60, ignore_eos=True)))[0]
+        long_alone = (await run(eng, long_prompt, params))[0]
+        # Make one decode step look as long as 40 prefill tokens: a chunk is then the smallest
+        # chunk, 128 tokens (the engine re-measures as it goes; the hook resets the figures).
+        prefills: list[int] = []
+        steps_between: list[int] = []
+
+        def hook(kind: str, batch: int) -> None:
+            if kind == "prefill":
+                prefills.append(eng.steps)
+            eng.prefill_tok_s, eng.step_s = 4000.0, 0.01
+
+        eng.fault_hook = hook
+        short = eng.submit(ps[1], SamplingParams(max_new_tokens=60, ignore_eos=True))
+        got_short: list[int] = []
+        long_task = None
+        async for event in short:
+            got_short += event.token_ids
+            if len(got_short) == 2:
+                prefills.clear()
+                long_task = asyncio.create_task(run(eng, long_prompt, params))
+        assert long_task is not None
+        got_long = (await long_task)[0]
+        assert got_short == short_alone and got_long == long_alone
+        chunks = len(prefills)
+        assert chunks >= len(long_prompt) // MIN_PREFILL_CHUNK
+        steps_between = [b - a for a, b in itertools.pairwise(prefills)]
+        assert steps_between and all(s == 1 for s in steps_between)  # one decode step after each chunk
+    finally:
+        eng.close()
+
+
+async def test_a_bf16_model_serves_through_the_same_slots_and_buckets(tiny_model: Path) -> None:
+    model = LoadedModel(verify(tiny_model), "cpu")
+    model.model.to(torch.bfloat16)
+    model.dtype = torch.bfloat16
+    eng = Engine(model, EngineConfig(max_batch_size=4, max_prompt_tokens=64, max_new_tokens=32, decode_buckets=(2, 4)))
+    eng.warm_up()
+    eng.start()
+    try:
+        assert eng.runner.kv.keys[0].dtype == torch.bfloat16 and eng.description.dtype == "bfloat16"
+        ps = prompts(eng)
+        alone = (await run(eng, ps[1]))[0]
+        sampled = SamplingParams(max_new_tokens=10, temperature=0.8, seed=5, ignore_eos=True)
+        results = await asyncio.gather(*(run(eng, ids) for ids in ps), run(eng, ps[0], sampled))
+        assert all(r[2].finish_reason == "length" for r in results)
+        assert [len(r[0]) for r in results] == [GREEDY.max_new_tokens] * 4 + [10]
+        assert results[1][0][:2] == alone[:2]  # bf16: batch shapes may flip near ties later on
+    finally:
+        eng.close()
+
+
+async def test_reused_slots_and_padded_buckets_keep_every_row_equal_to_its_solo_run(loaded: LoadedModel) -> None:
+    # 4 slots, decode buckets 2 and 4 (padding rows whenever 3 run, or a hole sits below a
+    # running row); 10 requests of different lengths arriving staggered, so rows leave and
+    # newcomers take the freed slots (stale columns from the last owner in them).
+    eng = side_engine(loaded, max_batch_size=4, decode_buckets=(2, 4))
+    texts = [f"Request {i}: " + "tell me about the sea " * (i % 4) for i in range(10)]
+    ps = [eng.encode(t) for t in texts]
+    news = [6 + 5 * (i % 3) for i in range(10)]
+    owners: dict[int, set[int]] = {}
+    batches: set[int] = set()
+
+    def record(kind: str, batch: int) -> None:
+        if kind == "decode":
+            for seq in eng._running:
+                owners.setdefault(seq.slot, set()).add(seq.seq_id)
+            batches.add(eng.runner.bucket(max(s.slot for s in eng._running) + 1) - len(eng._running))
+
+    try:
+        alone = [
+            (await run(eng, ids, SamplingParams(max_new_tokens=n, ignore_eos=True)))[0]
+            for ids, n in zip(ps, news, strict=True)
+        ]
+        eng.fault_hook = record
+
+        async def later(i: int) -> list[int]:
+            await asyncio.sleep(0.03 * i)
+            return (await run(eng, ps[i], SamplingParams(max_new_tokens=news[i], ignore_eos=True)))[0]
+
+        together = await asyncio.gather(*(later(i) for i in range(10)))
+        assert together == alone
+        assert any(len(ids) >= 2 for ids in owners.values()), owners  # slots were reused
+        assert max(batches) >= 1  # some steps ran padding rows
     finally:
         eng.close()

@@ -1,0 +1,582 @@
+"""The engine: one loaded model version served with iteration-level continuous batching.
+
+Domain code only (no gRPC). Requests are submitted from asyncio (`Engine.submit`), validated at
+once and put in a bounded waiting queue (a full queue answers ResourceExhausted at once). ONE
+worker thread owns the model, the KV slots and the running batch; each iteration it
+
+1. frees the rows of cancelled requests and of requests whose stop string was found;
+2. admits waiting requests into free KV slots (scheduler.py decides how many prompt tokens),
+   prefills the short ones together and the next chunk of a long one;
+3. runs one decode step for every running row (runner.py);
+4. frees the rows that ended (EOS, length), and hands the step's tokens to the emitter thread
+   (stream.py), which detokenizes and delivers them.
+
+Prompts are never recomputed, except after an out-of-memory split: the requeued sequences are
+prefilled again with the tokens they already produced. A row yields the same greedy tokens in
+any batch as alone: each row attends only to its own slot's valid prefix, at its own positions.
+
+A worker that dies (a bug, not a step failure) closes the engine: every waiting and running
+request gets UNAVAILABLE, `submit` refuses, and `closed` turns the service NOT_SERVING.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from llmesh import errors
+from llmesh.models import VerifiedModel
+from services.inference import metrics
+from services.inference.decoding import IncrementalDecoder, Limits, SamplingParams, StopMatcher, resolve_params
+from services.inference.engine.config import (
+    DEFAULT_MAX_PREFILL_TOKENS,
+    FINISH_CANCELLED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineConfig,
+)
+from services.inference.engine.model import LoadedModel, ModelDescription
+from services.inference.engine.runner import ModelRunner, Sampling
+from services.inference.engine.sampling import choose
+from services.inference.engine.scheduler import Scheduler
+from services.inference.engine.stream import Emitter, RequestStream, SequenceState, _Sink, tracer
+
+log = logging.getLogger("llmesh.inference.engine")
+
+# torch.cuda.OutOfMemoryError is this class too.
+_OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
+
+
+class Engine:
+    def __init__(self, model: LoadedModel, config: EngineConfig, name: str = "") -> None:
+        self.model = model
+        self.config = config
+        self.name = name or model.verified.version
+        self.tag = f"{self.name}.{secrets.token_hex(2)}"
+        slot_length = config.slot_length(model.max_context_tokens)
+        slots = config.slot_count(slot_length, model.kv_bytes_per_token, model.device)
+        #: The physical KV footprint in tokens (slots x slot length), allocated here.
+        self.max_total_tokens = slots * slot_length
+        self.runner = ModelRunner(model, slots, slot_length, config.buckets(slots, model.device), config.cuda_graphs)
+        self.max_prefill_tokens = config.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS.get(model.device.type, 2048)
+        self.limits = Limits(
+            max_prompt_tokens=config.max_prompt_tokens,
+            max_new_tokens=config.max_new_tokens,
+            default_max_new_tokens=config.default_max_new_tokens,
+            max_context_tokens=min(model.max_context_tokens, slot_length),
+            vocab_size=model.vocab_size,
+        )
+        self.description = ModelDescription(
+            model_id=model.verified.model_id,
+            version=model.verified.version,
+            digest=model.verified.digest,
+            path=model.verified.path,
+            device=str(model.device),
+            dtype=str(model.dtype).removeprefix("torch."),
+            max_context_tokens=model.max_context_tokens,
+            max_batch_size=config.max_batch_size,
+        )
+        self.scheduler = Scheduler(self, slots)
+        self._thread: threading.Thread | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+        # Worker state.
+        self._running: list[SequenceState] = []
+        self._chunking: SequenceState | None = None
+        self._free: list[int] = list(range(slots))  # a heap: the lowest free slot first
+        self._reserved = 0
+        self._segments = itertools.count(1)
+        self._segment_id = ""
+        self._segment_steps = 0
+        self._membership_changed = False
+        self.emitter = Emitter(self)
+        #: Measured speeds (EWMA) that size prefill chunks while a batch decodes.
+        self.prefill_tok_s: float | None = None
+        self.step_s: float | None = None
+        #: Fault injection for tests: called before each forward with ("prefill"|"decode", batch size).
+        self.fault_hook: Callable[[str, int], None] | None = None
+        #: Called (from the worker thread) when the worker dies and the engine closes.
+        self.on_dead: list[Callable[[Engine], None]] = []
+        self.dead = False
+        self.steps = 0
+
+    # ----------------------------------------------------------------- lifecycle
+
+    @classmethod
+    def load(cls, verified: VerifiedModel, config: EngineConfig, device: str = "auto") -> Engine:
+        """Loads, warms up and starts an engine; returns once it serves (blocking).
+
+        Loading, warm-up and serving all run on the engine's own worker thread: torch's CPU
+        kernels keep one OpenMP thread pool per calling thread, and a second pool (say, the
+        warm-up's on an executor thread) makes OpenMP see more threads than cores and put its
+        workers to sleep between kernels, which costs about a fifth of the decode speed on a
+        small machine."""
+        box: dict[str, Any] = {}
+        ready = threading.Event()
+
+        def boot() -> None:
+            try:
+                engine = cls(LoadedModel(verified, device), config)
+                engine.warm_up()
+                engine._thread = threading.current_thread()
+                box["engine"] = engine
+            except BaseException as exc:
+                box["error"] = exc
+                return
+            finally:
+                ready.set()
+            engine._run()
+
+        threading.Thread(target=boot, name=f"inference-{verified.version}", daemon=True).start()
+        ready.wait()
+        if "error" in box:
+            raise box["error"]
+        engine: Engine = box["engine"]
+        return engine
+
+    def start(self) -> None:
+        """Starts the worker thread of an engine built directly (tests)."""
+        self._thread = threading.Thread(target=self._run, name=f"inference-{self.tag}", daemon=True)
+        self._thread.start()
+
+    def warm_up(self) -> None:
+        """A short generation through the real path (prefill, decode, sampling, removal) and, on
+        CUDA, the capture of the decode graphs, before the worker starts, so the first user
+        request pays no first-call costs."""
+        ids = self.model.encode("Hello! How are you today?") or [self.model.pad_id]
+        seqs = [
+            self._new_sequence(ids, SamplingParams(max_new_tokens=4, ignore_eos=True), "warm-up", None, True),
+            self._new_sequence(
+                ids[:2],
+                SamplingParams(max_new_tokens=3, temperature=0.7, top_p=0.9, seed=0, ignore_eos=True),
+                "warm-up",
+                None,
+                True,
+            ),
+        ]
+        with torch.inference_mode():
+            for attempt in range(2 if self.runner.use_graphs else 1):
+                if attempt:
+                    self.runner.capture()
+                    seqs = [
+                        self._new_sequence(
+                            s.prompt_ids, SamplingParams(max_new_tokens=4, ignore_eos=True), "warm-up", None, True
+                        )
+                        for s in seqs
+                    ]
+                self.scheduler.extend(seqs)
+                while self.scheduler.waiting or self._running or self._chunking is not None:
+                    self._iteration(self.scheduler.admit())
+        self.emitter.sync()
+        for seq in seqs:
+            failure = next((i for i in seq.sink.items if isinstance(i, BaseException)), None)
+            if failure is not None:
+                raise RuntimeError(f"warm-up failed: {failure}") from failure
+
+    def close(self, reason: str = "the model was unloaded") -> None:
+        """Stops the worker; anything still queued or running gets UNAVAILABLE."""
+        self.scheduler.close()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._fail_everything(errors.Unavailable(f"inference: {reason}", retry_after=1.0))
+        self.emitter.sync()
+        self.emitter.stop()
+        self._idle.set()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Blocks until nothing is queued or running (the old engine after a model switch)."""
+        return self._idle.wait(timeout)
+
+    @property
+    def running_count(self) -> int:
+        return len(self._running) + (self._chunking is not None)
+
+    @property
+    def cache_columns(self) -> int:
+        """KV columns the next decode step attends to (0 when the batch is empty)."""
+        running = self._running
+        return max((s.length + 1 for s in running), default=0)
+
+    @property
+    def waiting_count(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def closed(self) -> bool:
+        return self.scheduler.closed
+
+    # ----------------------------------------------------------------- submission (event loop)
+
+    def encode(self, text: str) -> list[int]:
+        return self.model.encode(text)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "") -> RequestStream:
+        """Validates and enqueues a request; raises InvalidArgument, ResourceExhausted (queue
+        full) or Unavailable (engine closed) at once. Call from a running event loop."""
+        loop = asyncio.get_running_loop()
+        try:
+            seq = self._new_sequence(list(prompt_ids), params, request_id, loop, False)
+        except errors.InvalidArgument:
+            metrics.REQUESTS.labels("invalid").inc()
+            raise
+        self._start_request_span(seq)
+        self._idle.clear()
+        try:
+            self.scheduler.submit(seq, free_slots=len(self._free), retry_after=self._retry_after)
+        except errors.LlmeshError as exc:
+            if seq.span is not None:
+                seq.span.end()
+            if isinstance(exc, errors.ResourceExhausted):
+                metrics.REQUESTS.labels("rejected_queue_full").inc()
+            raise
+        return RequestStream(self, seq)
+
+    def _retry_after(self) -> float:
+        per_slot = self.emitter.avg_duration / max(1, self.config.max_batch_size)
+        return round(min(30.0, max(0.5, per_slot * len(self.scheduler.waiting))), 3)
+
+    def _new_sequence(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        loop: asyncio.AbstractEventLoop | None,
+        internal: bool,
+    ) -> SequenceState:
+        resolved = resolve_params(params, prompt_ids, self.limits)
+        seed = resolved.seed if resolved.seed is not None else secrets.randbits(63)
+        now = time.monotonic()
+        return SequenceState(
+            prompt_ids=prompt_ids,
+            params=resolved,
+            request_id=request_id,
+            sink=_Sink(loop),
+            decoder=IncrementalDecoder(self.model.tokenizer),
+            stopper=StopMatcher(resolved.stop),
+            seed=int(seed) & ((1 << 63) - 1),
+            enqueued_at=now,
+            queued_since=now,
+            internal=internal,
+        )
+
+    def _start_request_span(self, seq: SequenceState) -> None:
+        from opentelemetry import trace
+
+        p = seq.params
+        span = tracer.start_span(
+            "inference.generate",
+            attributes={
+                "gen_ai.operation.name": "chat",
+                "gen_ai.request.model": self.description.model_id,
+                "gen_ai.request.max_tokens": p.max_new_tokens,
+                "gen_ai.request.temperature": p.temperature,
+                "gen_ai.request.top_p": p.top_p,
+                "gen_ai.usage.input_tokens": len(seq.prompt_ids),
+                "llmesh.model.version": self.description.version,
+                "llmesh.request.id": seq.request_id,
+            },
+        )
+        if p.seed is not None:
+            span.set_attribute("gen_ai.request.seed", p.seed)
+        seq.span = span
+        seq.span_ctx = trace.set_span_in_context(span)
+
+    def _cancel(self, seq: SequenceState) -> None:
+        seq.cancelled = True
+        self.scheduler.wake()
+
+    # ----------------------------------------------------------------- worker thread
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while True:
+                    group = self.scheduler.next_work()
+                    if group is None:
+                        return
+                    self._iteration(group)
+        except BaseException as exc:
+            log.exception("inference worker died; closing the engine")
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        self.dead = True
+        self.scheduler.close()
+        self._fail_everything(errors.Unavailable(f"inference: the engine stopped ({exc})", retry_after=1.0))
+        self._idle.set()
+        for callback in self.on_dead:
+            try:
+                callback(self)
+            except Exception:
+                log.exception("on_dead callback failed")
+
+    def _fail_everything(self, failure: BaseException) -> None:
+        waiting = self.scheduler.take_all()
+        seqs = [*waiting, *self._running, *([self._chunking] if self._chunking is not None else [])]
+        for seq in seqs:
+            self._end(seq, None, failure, "error")
+        self._reset_batch()
+
+    def mark_idle(self) -> None:
+        if not self._running and self._chunking is None:
+            self._idle.set()
+
+    def _iteration(self, group: list[SequenceState]) -> None:
+        try:
+            self._drop_ended_rows()
+            if group:
+                self._prefill(group)
+            if self._chunking is not None:
+                self._prefill_chunk()
+            if self._running:
+                self._decode()
+            if self._membership_changed:
+                self._new_segment()
+        except Exception as exc:  # a bug or a device error: fail this batch, keep serving
+            log.exception("inference step failed")
+            failure = errors.LlmeshError("inference step failed", reason="ENGINE_ERROR")
+            failure.__cause__ = exc
+            # Sequences requeued by an OOM split earlier in this iteration are waiting again and
+            # are served later; everything that holds a slot fails.
+            holding = [*self._running, *([self._chunking] if self._chunking is not None else [])]
+            holding += [s for s in group if s.slot >= 0 and s not in holding]
+            for seq in holding:
+                self._end(seq, None, failure, "error")
+            self._reset_batch()
+
+    # ----------------------------------------------------------------- batch membership
+
+    def _end(self, seq: SequenceState, reason: str | None, failure: BaseException | None, outcome: str | None) -> None:
+        """The worker is done with `seq`: free its slot and tell the emitter."""
+        self._free_slot(seq)
+        if seq.released:
+            return
+        seq.released = True
+        self.emitter.put(("end", seq, reason, failure, outcome))
+
+    def _take_slot(self, seq: SequenceState) -> None:
+        seq.slot = heapq.heappop(self._free)
+        self._reserved += seq.reserved_tokens
+
+    def _free_slot(self, seq: SequenceState) -> None:
+        if seq in self._running:
+            self._running.remove(seq)
+            metrics.BATCH_SIZE.dec()
+            self._membership_changed = True
+        if self._chunking is seq:
+            self._chunking = None
+        if seq.slot >= 0:
+            heapq.heappush(self._free, seq.slot)
+            self._reserved -= seq.reserved_tokens
+            seq.slot = -1
+
+    def _reset_batch(self) -> None:
+        for seq in [*self._running, *([self._chunking] if self._chunking is not None else [])]:
+            self._free_slot(seq)
+        self._running = []
+        self._chunking = None
+        self._free = list(range(self.runner.slots))
+        self._reserved = 0
+        self._new_segment()
+
+    def _drop_ended_rows(self) -> None:
+        for seq in [*self._running, *([self._chunking] if self._chunking is not None else [])]:
+            if seq.cancelled:
+                self._end(seq, FINISH_CANCELLED, None, None)
+            elif seq.stop_hit:  # the emitter already sent the last event
+                seq.released = True
+                self._free_slot(seq)
+
+    def _join(self, seqs: list[SequenceState]) -> None:
+        self._running.extend(seqs)
+        metrics.BATCH_SIZE.inc(len(seqs))
+        self._new_segment()
+        for seq in seqs:
+            if not seq.batch_id:
+                seq.batch_id = self._segment_id
+
+    def _new_segment(self) -> None:
+        self._membership_changed = False
+        previous = self._segment_steps
+        self._segment_id = f"{self.tag}-{next(self._segments)}"
+        self._segment_steps = 0
+        self.emitter.put(("segment", self._segment_id, list(self._running), self._reserved, previous))
+
+    # ----------------------------------------------------------------- model steps
+
+    def _sampling(self, seqs: list[SequenceState], rows: list[int]) -> Sampling:
+        picked = [(row, s) for row, s in zip(rows, seqs, strict=True) if not s.params.greedy]
+        return (
+            [row for row, _ in picked],
+            [s.params.temperature for _, s in picked],
+            [s.params.top_p for _, s in picked],
+            [s.seed for _, s in picked],
+            [len(s.generated) for _, s in picked],
+        )
+
+    def _prefill(self, group: list[SequenceState]) -> None:
+        """Prefills whole prompts (each fits one chunk) into the slots admission gave them."""
+        started_ns = time.time_ns()
+        started = time.perf_counter()
+        while True:
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook("prefill", len(group))
+                logits = self.runner.prefill_fresh(
+                    [s.slot for s in group], [s.prefill_ids for s in group], self.model.pad_id
+                )
+                tokens = choose(logits, *self._sampling(group, list(range(len(group))))).tolist()
+                break
+            except _OOM_ERRORS:
+                group = self._on_prefill_oom(group)
+                if not group:
+                    return
+        lengths = [len(s.prefill_ids) for s in group]
+        if sum(lengths) >= 16:  # tiny prefills say little about the speed
+            self.prefill_tok_s = _ewma(self.prefill_tok_s, sum(lengths) / (time.perf_counter() - started))
+        for seq, n in zip(group, lengths, strict=True):
+            seq.length = seq.prefilled = n
+        self._started(group, started_ns, sum(lengths), max(lengths) * len(group))
+        self._accept(list(zip(group, tokens, strict=True)))
+
+    def _prefill_chunk(self) -> None:
+        """The next chunk of the long prompt being prefilled (see scheduler.py for its size)."""
+        seq = self._chunking
+        assert seq is not None
+        ids = seq.prefill_ids
+        start = seq.prefilled
+        n = min(self.scheduler.chunk_tokens(), len(ids) - start)
+        if start == 0:
+            seq.prefill_started_ns = time.time_ns()
+        started = time.perf_counter()
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook("prefill", 1)
+            logits = self.runner.prefill_chunk(seq.slot, ids[start : start + n], start)
+        except _OOM_ERRORS:
+            metrics.OOM_RETRIES.inc()
+            self._empty_device_cache()
+            if self._running:
+                self._halve_running()
+                return  # retried next iteration
+            self._end(seq, None, _oom_failure(), "error")
+            return
+        seq.prefilled = seq.length = start + n
+        if n >= 16:
+            self.prefill_tok_s = _ewma(self.prefill_tok_s, n / (time.perf_counter() - started))
+        if seq.prefilled < len(ids):
+            return
+        tokens = choose(logits, *self._sampling([seq], [0])).tolist()
+        self._chunking = None
+        self._started([seq], seq.prefill_started_ns, len(ids), len(ids))
+        self._accept([(seq, tokens[0])])
+
+    def _started(self, group: list[SequenceState], started_ns: int, tokens: int, padded: int) -> None:
+        for seq in group:
+            if not seq.prompt_counted and not seq.internal:
+                seq.prompt_counted = True
+                metrics.PROMPT_TOKENS.inc(len(seq.prompt_ids))
+        self._join(group)
+        self.emitter.put(
+            ("prefill", group, started_ns, time.time_ns(), tokens, padded, self._segment_id, len(self._running))
+        )
+
+    def _decode(self) -> None:
+        started = time.perf_counter()
+        while True:
+            running = self._running
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook("decode", len(running))
+                rows = [(s.slot, s.generated[-1], s.length) for s in running]
+                tokens = self.runner.decode(rows, self._sampling(running, [s.slot for s in running]))
+                break
+            except _OOM_ERRORS:
+                self._on_decode_oom()
+                if not self._running:
+                    return
+        for seq in running:
+            seq.length += 1
+        self.step_s = _ewma(self.step_s, time.perf_counter() - started)
+        self.steps += 1
+        self._segment_steps += 1
+        self._accept([(s, tokens[s.slot]) for s in running])
+
+    def _accept(self, pairs: list[tuple[SequenceState, int]]) -> None:
+        """Per-row bookkeeping after a step: stop conditions visible in token ids; finished
+        rows leave at once; the tokens go to the emitter in one message."""
+        eos = self.model.eos_ids
+        items: list[tuple[SequenceState, int, str | None]] = []
+        for seq, token in pairs:
+            seq.generated.append(token)
+            reason = None
+            if token in eos and not seq.params.ignore_eos:
+                reason = FINISH_STOP
+            elif len(seq.generated) >= seq.params.max_new_tokens:
+                reason = FINISH_LENGTH
+            items.append((seq, token, reason))
+            if reason is not None:
+                seq.released = True
+                self._free_slot(seq)
+        self.emitter.put(("tokens", time.monotonic(), items))
+
+    # ----------------------------------------------------------------- OOM handling
+
+    def _requeue(self, seqs: list[SequenceState]) -> None:
+        for seq in seqs:
+            self._free_slot(seq)
+            seq.length = seq.prefilled = 0
+        self.scheduler.requeue_front(seqs)
+
+    def _on_prefill_oom(self, group: list[SequenceState]) -> list[SequenceState]:
+        metrics.OOM_RETRIES.inc()
+        self._empty_device_cache()
+        if len(group) > 1:
+            half = len(group) // 2
+            log.warning("out of device memory in prefill; prefilling %d of %d now", half, len(group))
+            self._requeue(group[half:])
+            return group[:half]
+        if self._running:
+            self._halve_running()
+            return group
+        self._end(group[0], None, _oom_failure(), "error")
+        return []
+
+    def _on_decode_oom(self) -> None:
+        metrics.OOM_RETRIES.inc()
+        # Layers that ran before the failure wrote this step's column: harmless, the positions
+        # did not advance, so the retry writes the same column again.
+        self._empty_device_cache()
+        if len(self._running) > 1:
+            self._halve_running()
+            return
+        self._end(self._running[0], None, _oom_failure(), "error")
+
+    def _halve_running(self) -> None:
+        """Requeues the half of the running rows in the highest slots (the step shrinks most)."""
+        by_slot = sorted(self._running, key=lambda s: s.slot)
+        half = len(by_slot) // 2
+        moved = by_slot[half:]
+        log.warning("out of device memory; requeueing %d of %d running sequences", len(moved), len(by_slot))
+        self._requeue(moved)
+
+    def _empty_device_cache(self) -> None:
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _oom_failure() -> errors.ResourceExhausted:
+    return errors.ResourceExhausted("inference: out of device memory", retry_after=1.0)
+
+
+def _ewma(previous: float | None, value: float, weight: float = 0.2) -> float:
+    return value if previous is None else (1 - weight) * previous + weight * value

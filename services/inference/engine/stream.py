@@ -1,0 +1,429 @@
+"""Requests and their results: the per-request state, the async stream a caller iterates, and
+the emitter, a thread that turns the worker's raw tokens into events.
+
+The worker thread only decides which rows end for reasons it can see in token ids (EOS, the
+length limit, cancellation, failures) and hands each step's tokens to the emitter in one queue
+put. The emitter detokenizes, matches stop strings, observes the per-token metrics, ends the
+request's spans, creates the batch and prefill spans and wakes each event loop once per batch
+of work. A stop string found by the emitter sets `stop_hit`; the worker frees that row at its
+next iteration (the tokens it decoded in between are dropped), as it does for a cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from services.inference import metrics
+from services.inference.decoding import IncrementalDecoder, ResolvedParams, StopMatcher
+from services.inference.engine.config import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    FINISH_STOP_SEQUENCE,
+)
+
+if TYPE_CHECKING:
+    from services.inference.engine.core import Engine
+
+log = logging.getLogger("llmesh.inference.engine")
+tracer = trace.get_tracer("llmesh.inference")
+
+
+@dataclass
+class GenerationEvent:
+    """One streamed message: tokens and text produced since the last one; the last event has
+    finish_reason and usage set."""
+
+    token_ids: list[int]
+    text: str
+    batch_id: str = ""
+    finish_reason: str | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+class _Sink:
+    """Where a sequence's events go: an asyncio queue on its loop, or a plain list (warm-up)."""
+
+    __slots__ = ("items", "loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[GenerationEvent | BaseException] | None = asyncio.Queue() if loop else None
+        self.items: list[GenerationEvent | BaseException] = []
+
+
+_seq_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class SequenceState:
+    """One request inside the engine. The worker owns the batch fields (slot, generated...),
+    the emitter owns decoder/stopper/finished; `cancelled` (event loop) and `stop_hit` (emitter)
+    are flags the worker reads."""
+
+    prompt_ids: list[int]
+    params: ResolvedParams
+    request_id: str
+    sink: _Sink
+    decoder: IncrementalDecoder
+    stopper: StopMatcher
+    seed: int
+    enqueued_at: float
+    #: When the sequence (re)entered the waiting queue; the queue timeout counts from here.
+    queued_since: float = 0.0
+    internal: bool = False
+    span: trace.Span | None = None
+    span_ctx: otel_context.Context | None = None
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    generated: list[int] = field(default_factory=list)
+    cancelled: bool = False
+    stop_hit: bool = False
+    #: The worker is done with it (its slot is free; no more tokens will be sent).
+    released: bool = False
+    #: The emitter sent its last event.
+    finished: bool = False
+    prompt_counted: bool = False
+    batch_id: str = ""
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    decode_span: trace.Span | None = None
+    #: Worker: the KV slot, tokens in the cache, and prompt tokens prefilled so far.
+    slot: int = -1
+    length: int = 0
+    prefilled: int = 0
+    prefill_started_ns: int = 0
+    #: Tokens emitted to the client so far (emitter).
+    emitted: int = 0
+
+    @property
+    def reserved_tokens(self) -> int:
+        return len(self.prompt_ids) + self.params.max_new_tokens
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        # After an OOM requeue the tokens generated so far are prefilled again with the prompt.
+        return self.prompt_ids + self.generated
+
+
+class RequestStream:
+    """Async iterator over one request's GenerationEvents. Stopping early (aclose, a cancelled
+    task, a dropped RPC) must call cancel(): the engine then frees the row within one step."""
+
+    def __init__(self, engine: Engine, seq: SequenceState) -> None:
+        self._engine = engine
+        self._seq = seq
+        self._done = False
+
+    @property
+    def batch_id(self) -> str:
+        return self._seq.batch_id
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> GenerationEvent:
+        if self._done:
+            raise StopAsyncIteration
+        q = self._seq.sink.queue
+        assert q is not None
+        try:
+            item = await q.get()
+        except BaseException:
+            self.cancel()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finish_reason is not None:
+            self._done = True
+        return item
+
+    def cancel(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine._cancel(self._seq)
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+
+# Messages from the worker to the emitter (tuples; the first item names the kind).
+#   ("tokens", now, [(seq, token, reason | None), ...])   reason: FINISH_STOP / FINISH_LENGTH
+#   ("end", seq, reason | None, failure | None, outcome | None)
+#   ("prefill", group, started_ns, ended_ns, tokens, padded, batch_id, batch_size)
+#   ("segment", segment_id, [seqs], reserved_tokens, steps_of_previous)
+#   ("sync", threading.Event)
+#   ("stop",)
+
+
+class Emitter:
+    """The results thread of one engine (see the module docstring)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._outbox: list[tuple[SequenceState, GenerationEvent | BaseException]] = []
+        self._segment_span: trace.Span | None = None
+        self._segment_id = ""
+        self._thread = threading.Thread(target=self._run, name=f"inference-emit-{engine.tag}", daemon=True)
+        self._thread.start()
+        self.avg_duration = 5.0
+
+    # --- worker side
+
+    def put(self, message: tuple[Any, ...]) -> None:
+        self._queue.put(message)
+
+    def sync(self, timeout: float | None = 30.0) -> None:
+        """Blocks until everything put so far has been handled and delivered."""
+        if threading.current_thread() is self._thread or not self._thread.is_alive():
+            return
+        done = threading.Event()
+        self._queue.put(("sync", done))
+        done.wait(timeout)
+
+    def stop(self) -> None:
+        if not self._thread.is_alive():
+            return
+        self._queue.put(("stop",))
+        if threading.current_thread() is not self._thread:
+            self._thread.join(30.0)
+
+    # --- emitter thread
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stop = False
+            waiters: list[threading.Event] = []
+            for message in batch:
+                kind = message[0]
+                try:
+                    if kind == "tokens":
+                        self._tokens(message[1], message[2])
+                    elif kind == "end":
+                        self._finish(message[1], message[2], failure=message[3], outcome=message[4])
+                    elif kind == "prefill":
+                        self._prefill(*message[1:])
+                    elif kind == "segment":
+                        self._segment(*message[1:])
+                    elif kind == "sync":
+                        waiters.append(message[1])
+                    elif kind == "stop":
+                        stop = True
+                except Exception:  # never lose the thread over one message
+                    log.exception("inference emitter failed on a %s message", kind)
+            self._flush()
+            for event in waiters:
+                event.set()
+            if stop:
+                self._end_segment(0)
+                return
+
+    def _tokens(self, now: float, items: list[tuple[SequenceState, int, str | None]]) -> None:
+        produced = 0
+        for seq, token, reason in items:
+            if seq.finished:
+                continue
+            seq.emitted += 1
+            if not seq.internal:
+                produced += 1
+                if seq.first_token_at == 0.0:
+                    seq.first_token_at = now
+                    metrics.TIME_TO_FIRST_TOKEN.observe(now - seq.enqueued_at)
+                else:
+                    metrics.INTER_TOKEN_LATENCY.observe(now - seq.last_token_at)
+            seq.last_token_at = now
+            if reason == FINISH_STOP:
+                self._finish(seq, FINISH_STOP, text=self._tail(seq))
+                continue
+            text, stopped = seq.stopper.push(seq.decoder.push(token))
+            if stopped:
+                seq.stop_hit = True
+                self._finish(seq, FINISH_STOP_SEQUENCE, token_ids=[token], text=text)
+            elif reason == FINISH_LENGTH:
+                self._finish(seq, FINISH_LENGTH, token_ids=[token], text=text + self._tail(seq))
+            else:
+                self._outbox.append((seq, GenerationEvent([token], text, seq.batch_id)))
+        if produced:
+            metrics.GENERATION_TOKENS.inc(produced)
+
+    @staticmethod
+    def _tail(seq: SequenceState) -> str:
+        text, stopped = seq.stopper.push(seq.decoder.flush())
+        return text if stopped else text + seq.stopper.flush()
+
+    def _finish(
+        self,
+        seq: SequenceState,
+        reason: str | None,
+        *,
+        token_ids: list[int] | None = None,
+        text: str = "",
+        failure: BaseException | None = None,
+        outcome: str | None = None,
+    ) -> None:
+        if seq.finished:
+            return
+        seq.finished = True
+        now = time.monotonic()
+        outcome = outcome or reason or "error"
+        if failure is not None:
+            self._outbox.append((seq, failure))
+        else:
+            self._outbox.append(
+                (
+                    seq,
+                    GenerationEvent(token_ids or [], text, seq.batch_id, reason, len(seq.prompt_ids), seq.emitted),
+                )
+            )
+        if seq.internal:
+            return
+        duration = now - seq.enqueued_at
+        metrics.REQUESTS.labels(outcome).inc()
+        self.avg_duration = 0.9 * self.avg_duration + 0.1 * duration
+        span = seq.span
+        exemplar = None
+        if span is not None:
+            ctx = span.get_span_context()
+            if ctx.is_valid and ctx.trace_flags.sampled:
+                exemplar = {"trace_id": format(ctx.trace_id, "032x")}
+        if reason in (FINISH_STOP, FINISH_LENGTH, FINISH_STOP_SEQUENCE):
+            metrics.REQUEST_DURATION.observe(duration, exemplar=exemplar)
+        if seq.decode_span is not None:
+            seq.decode_span.set_attribute("gen_ai.usage.output_tokens", seq.emitted)
+            seq.decode_span.end()
+        if span is not None:
+            span.set_attribute("gen_ai.usage.output_tokens", seq.emitted)
+            span.set_attribute("gen_ai.response.finish_reasons", [outcome])
+            span.set_attribute("gen_ai.response.model", self.engine.description.model_id)
+            if failure is not None:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, str(failure)))
+                span.record_exception(failure)
+            span.end()
+
+    def _flush(self) -> None:
+        """Hands the events to their event loops, one wake-up per loop."""
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, GenerationEvent | BaseException]]] = {}
+        for seq, item in self._outbox:
+            if seq.sink.loop is None:
+                seq.sink.items.append(item)
+            else:
+                by_loop.setdefault(seq.sink.loop, []).append((seq.sink, item))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+    # --- spans
+
+    def _segment(self, segment_id: str, seqs: list[SequenceState], reserved: int, previous_steps: int) -> None:
+        """A batch segment is the span of decode steps between two membership changes; it links
+        to the request spans of its rows."""
+        self._end_segment(previous_steps)
+        self._segment_id = segment_id
+        links = [
+            trace.Link(s.span.get_span_context())
+            for s in seqs
+            if s.span is not None and s.span.get_span_context().is_valid
+        ]
+        if not links:
+            return
+        self._segment_span = tracer.start_span(
+            "inference.batch",
+            context=otel_context.Context(),
+            links=links,
+            attributes={
+                "llmesh.batch.id": segment_id,
+                "llmesh.batch.size": len(seqs),
+                "llmesh.model.version": self.engine.description.version,
+                "llmesh.batch.reserved_tokens": reserved,
+            },
+        )
+
+    def _end_segment(self, steps: int) -> None:
+        span = self._segment_span
+        if span is not None:
+            span.set_attribute("llmesh.batch.decode_steps", steps)
+            span.end()
+        self._segment_span = None
+
+    def _prefill(
+        self,
+        group: list[SequenceState],
+        started_ns: int,
+        ended_ns: int,
+        tokens: int,
+        padded: int,
+        batch_id: str,
+        batch_size: int,
+    ) -> None:
+        """Queue and prefill child spans of each request span, and the link to its batch."""
+        segment_ctx = self._segment_span.get_span_context() if self._segment_span is not None else None
+        if self._segment_span is not None:
+            self._segment_span.add_event(
+                "prefill",
+                {
+                    "llmesh.prefill.sequences": len(group),
+                    "llmesh.prefill.tokens": tokens,
+                    "llmesh.prefill.padded_tokens": padded,
+                },
+            )
+        mono_ns = time.monotonic_ns()
+        now_ns = time.time_ns()
+        for seq in group:
+            span = seq.span
+            if span is None or seq.span_ctx is None:
+                continue
+            if segment_ctx is not None and segment_ctx.is_valid:
+                span.add_link(segment_ctx, {"llmesh.link": "ran_in_batch"})
+            span.set_attribute("llmesh.batch.id", seq.batch_id)
+            span.set_attribute("llmesh.batch.size", batch_size)
+            waited_ns = mono_ns - int(seq.enqueued_at * 1e9)
+            queue_start = now_ns - waited_ns
+            tracer.start_span("inference.queue", context=seq.span_ctx, start_time=queue_start).end(
+                end_time=min(started_ns, ended_ns)
+            )
+            prefill = tracer.start_span(
+                "inference.prefill",
+                context=seq.span_ctx,
+                start_time=started_ns,
+                attributes={
+                    "llmesh.prefill.sequences": len(group),
+                    "llmesh.prefill.tokens": tokens,
+                    "llmesh.batch.id": batch_id,
+                },
+            )
+            prefill.end(end_time=ended_ns)
+            if seq.decode_span is None:
+                seq.decode_span = tracer.start_span(
+                    "inference.decode",
+                    context=seq.span_ctx,
+                    start_time=ended_ns,
+                    attributes={"llmesh.batch.id": batch_id},
+                )
+
+
+def _deliver(items: list[tuple[_Sink, GenerationEvent | BaseException]]) -> None:
+    for sink, item in items:
+        assert sink.queue is not None
+        sink.queue.put_nowait(item)
