@@ -23,7 +23,7 @@ from opentelemetry import trace
 from llmesh.errors import InvalidArgument, LlmeshError, ResourceExhausted
 from llmesh.metrics import trace_exemplar
 from llmesh.telemetry import current_trace_id
-from llmesh.v1 import cache_pb2, common_pb2, gateway_pb2, retrieval_pb2
+from llmesh.v1 import cache_pb2, common_pb2, gateway_pb2, inference_pb2, retrieval_pb2
 from services.gateway import metrics
 from services.gateway.admission import (
     INTERACTIVE,
@@ -323,6 +323,13 @@ class CollectionVersions:
         self.known.pop((tenant, collection), None)
 
 
+def model_key_of(info: inference_pb2.ModelInfo) -> str:
+    """`model_id@sha256[:16]/dtype` ("SmolLM2-135M-Instruct@0123456789abcdef/bfloat16"); the
+    dtype is left out where the backend does not report one (the openai backend)."""
+    key = f"{info.model_id}@{info.sha256[:16]}"
+    return f"{key}/{info.dtype}" if info.dtype else key
+
+
 class Gateway:
     def __init__(self, peers: Peers, config: GatewayConfig, window: WeightWindow | RedisWeightWindow) -> None:
         self.peers = peers
@@ -337,7 +344,8 @@ class Gateway:
         self._cache_slow_until = 0.0
 
     async def model_key(self, deadline: Deadline) -> str:
-        """Model id + weights digest: new weights never serve answers cached from old ones."""
+        """Model id + weights digest + dtype: new weights, or the same weights served in another
+        dtype (or quantization), never serve answers cached from the old ones."""
         now = time.monotonic()
         if self._model is None or now - self._model[0] > MODEL_INFO_TTL_S:
             try:
@@ -346,7 +354,7 @@ class Gateway:
                 if self._model is None:
                     raise
                 return self._model[1]  # inference down: cached answers for the last known weights still serve
-            self._model = (now, f"{info.model_id}@{info.sha256[:16]}")
+            self._model = (now, model_key_of(info))
         return self._model[1]
 
     async def served_models(self, deadline: Deadline) -> list[str]:
