@@ -17,7 +17,8 @@ from llmesh.v1 import inference_pb2
 from services.cache.keys import Scope, entry_key, normalize_prompt
 from services.gateway.core import model_key_of
 from services.inference import quality
-from services.inference.engine import LoadedModel
+from services.inference.decoding import SamplingParams
+from services.inference.engine import Engine, EngineConfig, LoadedModel
 from services.inference.quality import QualityError
 
 CPU = torch.device("cpu")
@@ -143,17 +144,38 @@ def test_float32_needs_no_check(tiny: Path, counted: list[int]) -> None:
     assert not (tiny / QUALITY_FILE).exists()
 
 
-def test_the_real_smollm2_passes_in_bfloat16(models_dir: Path) -> None:
-    """Measured, not read from a stored check: float32 reference and bf16 on the fixed text."""
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_the_real_smollm2_passes_in_bfloat16(models_dir: Path, quantize: str) -> None:
+    """Measured, not read from a stored check: float32 reference and bf16 (plain, and with int8
+    weights) on the fixed text."""
     verified = verify(models_dir / "smollm2" / "current")
     from tokenizers import Tokenizer
 
     ids = quality.text_ids(Tokenizer.from_file(str(verified.path / "tokenizer.json")), 1024)
     assert len(ids) >= 300
     model = quality.load_weights(verified, CPU, torch.float32)
-    _, check = quality.measure(model, ids, CPU, torch.bfloat16, "none", verified.digest)
+    converted, check = quality.measure(model, ids, CPU, torch.bfloat16, quantize, verified.digest)
     assert check.passes, check.describe()
     assert 5.0 < check.reference_perplexity < 50.0, check.describe()  # a real model on plain English
+    linears = [m for m in converted.modules() if isinstance(m, torch.nn.Linear)]
+    assert (quantize == "int8") == (not linears)  # int8 replaced every linear layer
+
+
+async def test_int8_weights_serve_through_the_engine(tiny: Path) -> None:
+    loaded = LoadedModel(verify(tiny), "cpu", "bfloat16", "int8")
+    assert loaded.quality is not None and loaded.quality.key == "cpu/bfloat16/int8", loaded.quality
+    engine = Engine(loaded, EngineConfig(max_batch_size=4, max_prompt_tokens=64, max_new_tokens=16))
+    assert engine.description.dtype == "bfloat16+int8"  # ModelInfo.dtype, and so the gateway's cache key
+    engine.start()
+    try:
+        tokens: list[int] = []
+        async for event in engine.submit(
+            engine.encode("Tell me about the sea"), SamplingParams(max_new_tokens=8, ignore_eos=True)
+        ):
+            tokens += event.token_ids
+        assert len(tokens) == 8
+    finally:
+        engine.close()
 
 
 # --------------------------------------------------------------------------- cache keys
