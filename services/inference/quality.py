@@ -174,7 +174,13 @@ def measure(
     started = time.perf_counter()
     reference = perplexity(model_fp32, ids, device)
     model = convert(model_fp32, dtype, quantize)
-    served = perplexity(model, ids, device)
+    if quantize == QUANTIZE_NONE:
+        served = perplexity(model, ids, device)
+    else:
+        from services.inference.quantize import int8_everywhere
+
+        with int8_everywhere(model):  # the int8 arithmetic itself, not the bf16 fallback for long calls
+            served = perplexity(model, ids, device)
     check = QualityCheck(
         device=device.type,
         dtype=dtype_name(dtype),
