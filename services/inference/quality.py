@@ -1,7 +1,7 @@
 """The perplexity guard: a model is served in a dtype other than float32 (or quantized) only if
 its perplexity on a fixed text stays within 2% of float32's on the same device.
 
-The fixed text (quality_text.txt, a few hundred tokens of plain English) ships with the code.
+The fixed text (quality_text.py, a few hundred tokens of plain English) ships with the code.
 The check runs once per model version, dtype, quantization and device kind: the first load
 reads the weights in float32, measures the reference, converts them and measures again; the
 result goes to `quality.json` beside the version's manifest.json, keyed by device kind, dtype
@@ -40,12 +40,12 @@ from tokenizers import Tokenizer
 
 from llmesh.hardware import DtypeChoice, dtype_name
 from llmesh.models import QUALITY_FILE, ModelError, VerifiedModel
+from services.inference.quality_text import TEXT
 
 log = logging.getLogger("llmesh.inference.quality")
 
 #: Served perplexity / float32 perplexity must stay at or below this.
 MAX_PERPLEXITY_RATIO = 1.02
-TEXT_PATH = Path(__file__).with_name("quality_text.txt")
 QUANTIZE_NONE = "none"
 
 
@@ -92,11 +92,11 @@ def check_key(device: str, dtype: str, quantize: str) -> str:
 
 
 def fixed_text() -> str:
-    return TEXT_PATH.read_text()
+    return TEXT
 
 
 def text_sha256() -> str:
-    return hashlib.sha256(TEXT_PATH.read_bytes()).hexdigest()
+    return hashlib.sha256(TEXT.encode()).hexdigest()
 
 
 def text_ids(tokenizer: Tokenizer, limit: int) -> list[int]:
