@@ -196,3 +196,13 @@ def test_cache_keys_differ_per_dtype() -> None:
     assert len(entries) == 3
     info.dtype = ""  # a backend that reports no dtype (openai): the key it always had
     assert model_key_of(info) == f"SmolLM2-135M-Instruct@{'ab' * 8}"
+
+
+def test_an_import_leaves_the_source_quality_checks_behind(tiny: Path) -> None:
+    """quality.json belongs to the host that measured it, not to the model: never copied, never
+    listed in a manifest."""
+    from llmesh.model_import import files_to_copy
+
+    LoadedModel(verify(tiny), "cpu", "bfloat16")
+    assert (tiny / QUALITY_FILE).is_file()
+    assert QUALITY_FILE not in files_to_copy(tiny, ["model.safetensors"])
