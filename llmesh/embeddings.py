@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from llmesh.hardware import cpu_has_native_bf16
+from llmesh.hardware import cpu_native_bf16
 from llmesh.models import VerifiedModel, resolve, verify
 
 log = logging.getLogger("llmesh.embeddings")
@@ -56,7 +56,7 @@ def resolve_dtype(requested: str) -> str:
     it natively (about 1.5x faster for MiniLM, same vectors to 1e-3) and fp32 elsewhere."""
     if requested != "auto":
         return requested
-    return "bfloat16" if cpu_has_native_bf16() else "float32"
+    return "bfloat16" if cpu_native_bf16().native else "float32"
 
 
 def _to_dtype(model: Any, dtype: str) -> str:

@@ -23,8 +23,8 @@ from typing import Any
 from llmesh.models import (
     CAUSAL_LM,
     EMBEDDING,
-    MANIFEST,
     PICKLE_SUFFIXES,
+    UNLISTED,
     ModelError,
     point_current,
     write_manifest,
@@ -191,7 +191,7 @@ def files_to_copy(source: Path, weights: list[str]) -> list[str]:
         if not path.is_file() or any(part.startswith(".") for part in rel.parts):
             continue
         name = path.name
-        if name == MANIFEST or name.endswith(PICKLE_SUFFIXES + FOREIGN_WEIGHTS) or name.endswith(".safetensors"):
+        if name in UNLISTED or name.endswith(PICKLE_SUFFIXES + FOREIGN_WEIGHTS) or name.endswith(".safetensors"):
             continue
         keep.add(str(rel))
     return sorted(keep)

@@ -21,6 +21,10 @@ from typing import Any
 log = logging.getLogger("llmesh.models")
 
 MANIFEST = "manifest.json"
+#: The inference engine's perplexity checks, written beside the manifest on first load (not
+#: part of the manifest: see services/inference/quality.py).
+QUALITY_FILE = "quality.json"
+UNLISTED = (MANIFEST, QUALITY_FILE)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 SMOLLM2 = "smollm2"
 MINILM = "minilm"
@@ -62,7 +66,7 @@ def write_manifest(
     files = {
         rel: known.get(rel) or sha256_file(p)
         for p in sorted(directory.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
+        if p.is_file() and p.name not in UNLISTED
         for rel in [str(p.relative_to(directory))]
     }
     manifest: dict[str, Any] = {"model_id": model_id, "format": "safetensors", "source": source, "files": files}
@@ -96,7 +100,11 @@ def verify(directory: Path) -> VerifiedModel:
         listed: dict[str, str] = manifest["files"]
     except (ValueError, KeyError) as exc:
         raise ModelError(f"{manifest_path}: unreadable manifest ({exc})") from exc
-    present = {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST}
+    present = {
+        str(p.relative_to(directory))
+        for p in directory.rglob("*")
+        if p.is_file() and str(p.relative_to(directory)) not in UNLISTED and not p.name.startswith(".quality-")
+    }
     pickles = sorted(p for p in present if p.endswith(PICKLE_SUFFIXES))
     if pickles:
         raise ModelError(f"{directory}: refusing pickle weight files {pickles}")

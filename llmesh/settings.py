@@ -553,6 +553,23 @@ DECLARED: tuple[Setting, ...] = (
     # Inference.
     Setting("LLMESH_INFERENCE_MODEL", "smollm2", "Model (folder under the models dir) to serve.", ("inference",)),
     Setting("LLMESH_DEVICE", "auto", "auto, cpu or cuda.", ("inference",), _choice("auto", "cpu", "cuda")),
+    Setting(
+        "LLMESH_DTYPE",
+        "auto",
+        "Dtype the builtin engine serves in: auto (CUDA: bfloat16, float16 without bf16; CPU: bfloat16 where "
+        "the processor has native bf16, AVX512_BF16 or AMX, else float32), float32, bfloat16 or float16. "
+        "Any dtype but float32 must pass the perplexity guard at load (within 2% of float32).",
+        ("inference",),
+        _choice("auto", "float32", "bfloat16", "float16"),
+    ),
+    Setting(
+        "LLMESH_QUANTIZE",
+        "none",
+        "Opt-in weight quantization of the builtin engine: none or int8 (weight-only, per-channel scales, "
+        "torch's int8-weight matmul kernel; must pass the perplexity guard at load).",
+        ("inference",),
+        _choice("none", "int8"),
+    ),
     Setting("LLMESH_MAX_BATCH_SIZE", "32", "Most sequences decoded together.", ("inference",), _positive_int),
     Setting(
         "LLMESH_BATCH_WAIT_MS",

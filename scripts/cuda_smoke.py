@@ -359,7 +359,7 @@ def forced_dtype(device: str, dtype: Any) -> Any:
     if original(device) == (engine_mod.torch.device(device), dtype):
         yield False
         return
-    engine_mod.pick_device = lambda preference: (engine_mod.torch.device(device), dtype)
+    engine_mod.pick_device = lambda preference, *_: (engine_mod.torch.device(device), dtype)
     try:
         yield True
     finally:

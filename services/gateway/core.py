@@ -24,7 +24,7 @@ from opentelemetry import trace
 from llmesh.errors import InvalidArgument, LlmeshError, NotFound, ResourceExhausted
 from llmesh.metrics import trace_exemplar
 from llmesh.telemetry import current_trace_id
-from llmesh.v1 import cache_pb2, common_pb2, gateway_pb2, retrieval_pb2
+from llmesh.v1 import cache_pb2, common_pb2, gateway_pb2, inference_pb2, retrieval_pb2
 from services.gateway import metrics
 from services.gateway.admission import (
     INTERACTIVE,
@@ -336,6 +336,13 @@ class CollectionVersions:
         self.known.pop((tenant, collection), None)
 
 
+def model_key_of(info: inference_pb2.ModelInfo) -> str:
+    """`model_id@sha256[:16]/dtype` ("SmolLM2-135M-Instruct@0123456789abcdef/bfloat16"); the
+    dtype is left out where the backend does not report one (the openai backend)."""
+    key = f"{info.model_id}@{info.sha256[:16]}"
+    return f"{key}/{info.dtype}" if info.dtype else key
+
+
 @dataclass
 class ModelRoute:
     """One model the gateway routes to: its name (requests' `model`), its inference peer in
@@ -392,8 +399,9 @@ class Gateway:
         self._cache_slow_until = 0.0
 
     async def model_key(self, deadline: Deadline, model: str = "") -> str:
-        """Model id + weights digest of one model (a route name; "" = the default): new weights
-        never serve answers cached from old ones. A named model's key starts with its name, so
+        """Model id + weights digest + dtype of one model (a route name; "" = the default): new
+        weights, or the same weights served in another dtype (or quantization), never serve
+        answers cached from the old ones. A named model's key starts with its name, so
         one model's cached answers never serve another, even on the same weights."""
         route = self.routes[model or self.default_model]
         now = time.monotonic()
@@ -405,7 +413,7 @@ class Gateway:
                     raise
                 return route.learned[1]  # inference down: cached answers for the last known weights still serve
             prefix = f"{route.name}:" if route.name else ""
-            route.learned = (now, f"{prefix}{info.model_id}@{info.sha256[:16]}")
+            route.learned = (now, f"{prefix}{model_key_of(info)}")
         return route.learned[1]
 
     async def route(self, model: str, deadline: Deadline) -> ModelRoute:

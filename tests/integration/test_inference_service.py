@@ -100,7 +100,12 @@ async def test_model_info(stub: inference_pb2_grpc.InferenceStub, tiny_model: Pa
     info = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
     verified = verify(tiny_model)
     assert (info.version, info.sha256, info.model_id) == (verified.version, verified.digest, verified.model_id)
-    assert (info.device, info.dtype) == ("cpu", "float32")
+    # LLMESH_DTYPE=auto: the hardware rule (bfloat16 where this CPU has native bf16).
+    import torch
+
+    from llmesh.hardware import choose_dtype
+
+    assert (info.device, info.dtype) == ("cpu", choose_dtype(torch.device("cpu")).name)
     assert info.max_context_tokens == 2048 and info.max_batch_size == MAX_BATCH
 
 

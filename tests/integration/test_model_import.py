@@ -61,7 +61,7 @@ def imported_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def plain_tiny(tiny_model: Path, tmp_path: Path) -> Path:
     """The tiny model as a plain directory (no manifest), to be broken by each refusal test."""
     target = tmp_path / "plain"
-    shutil.copytree(tiny_model, target, ignore=shutil.ignore_patterns(models.MANIFEST))
+    shutil.copytree(tiny_model, target, ignore=shutil.ignore_patterns(models.MANIFEST, models.QUALITY_FILE))
     return target
 
 

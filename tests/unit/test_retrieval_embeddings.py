@@ -44,13 +44,10 @@ def test_tampered_model_is_refused(models_dir: Path, tmp_path: Path) -> None:
         Embedder.load(tmp_path, str(copy))
 
 
-def test_auto_dtype_follows_the_cpu_flags() -> None:
+def test_auto_dtype_follows_the_cpu() -> None:
     from llmesh import hardware
 
-    assert hardware.cpu_has_native_bf16(frozenset({"avx512f", "avx512_bf16"}))
-    assert hardware.cpu_has_native_bf16(frozenset({"amx_bf16"}))
-    assert not hardware.cpu_has_native_bf16(frozenset({"avx512f", "avx2"}))
-    expected = "bfloat16" if hardware.cpu_has_native_bf16() else "float32"
+    expected = "bfloat16" if hardware.cpu_native_bf16().native else "float32"
     assert embeddings.resolve_dtype("auto") == expected
     assert embeddings.resolve_dtype("float32") == "float32"
 

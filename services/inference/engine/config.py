@@ -48,6 +48,9 @@ class EngineConfig:
     max_batch_total_tokens: int | None = None
     #: Most prompt tokens prefilled in one iteration; None picks DEFAULT_MAX_PREFILL_TOKENS.
     max_prefill_tokens: int | None = None
+    #: LLMESH_DTYPE and LLMESH_QUANTIZE (see LoadedModel).
+    dtype: str = "auto"
+    quantize: str = "none"
     #: Decode batch-size buckets; None: cuda_buckets() on CUDA, every size on CPU (no graphs
     #: there, so padding would only cost time). Tests set buckets on CPU to exercise padding.
     decode_buckets: tuple[int, ...] | None = None
@@ -68,6 +71,8 @@ class EngineConfig:
             # undeclared means derived.
             max_batch_total_tokens=getattr(settings, "max_batch_total_tokens", 0) or None,
             max_prefill_tokens=getattr(settings, "max_prefill_tokens", 0) or None,
+            dtype=getattr(settings, "dtype", "auto"),
+            quantize=getattr(settings, "quantize", "none"),
         )
         values.update(overrides)
         return cls(**values)

@@ -81,7 +81,7 @@ class Engine:
             digest=model.verified.digest,
             path=model.verified.path,
             device=str(model.device),
-            dtype=str(model.dtype).removeprefix("torch."),
+            dtype=model.dtype_name,
             max_context_tokens=model.max_context_tokens,
             max_batch_size=config.max_batch_size,
         )
@@ -125,7 +125,7 @@ class Engine:
 
         def boot() -> None:
             try:
-                engine = cls(LoadedModel(verified, device), config)
+                engine = cls(LoadedModel(verified, device, config.dtype, config.quantize), config)
                 engine.warm_up()
                 engine._thread = threading.current_thread()
                 box["engine"] = engine

@@ -1,9 +1,9 @@
-"""The loaded model: device and dtype choice, weights, tokenizer and what the service reports.
-
-Moved unchanged from the single-file engine (services/inference/engine.py)."""
+"""The loaded model: device and dtype choice (llmesh.hardware, through the perplexity guard of
+services.inference.quality), weights, tokenizer and what the service reports."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,16 +11,22 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from llmesh.hardware import DtypeChoice, choose_dtype, dtype_name
 from llmesh.models import VerifiedModel
+from services.inference.quality import load_guarded
+
+log = logging.getLogger("llmesh.inference.engine")
 
 
-def pick_device(preference: str) -> tuple[torch.device, torch.dtype]:
-    """auto/cuda: CUDA with bf16 (fp16 where bf16 is unsupported); otherwise CPU float32."""
+def pick_device(preference: str, dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
+    """auto/cuda: CUDA if available. The dtype: LLMESH_DTYPE, or by hardware (llmesh.hardware:
+    CUDA bf16, fp16 without bf16; CPU bf16 with native bf16, else float32)."""
     if preference == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("LLMESH_DEVICE=cuda but CUDA is not available")
-    if preference in ("auto", "cuda") and torch.cuda.is_available():
-        return torch.device("cuda"), (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
-    return torch.device("cpu"), torch.float32
+    device = torch.device("cuda" if preference in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+    choice = choose_dtype(device, dtype)
+    log.info("dtype %s on %s: %s", choice.name, device, choice.reason)
+    return device, choice.dtype
 
 
 @dataclass(frozen=True)
@@ -38,19 +44,25 @@ class ModelDescription:
 class LoadedModel:
     """A verified model directory loaded for serving: safetensors weights only, no remote code."""
 
-    def __init__(self, verified: VerifiedModel, device_preference: str = "auto") -> None:
-        from transformers import AutoModelForCausalLM, GenerationConfig
+    def __init__(
+        self, verified: VerifiedModel, device_preference: str = "auto", dtype: str = "auto", quantize: str = "none"
+    ) -> None:
+        from transformers import GenerationConfig
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         self.verified = verified
-        self.device, self.dtype = pick_device(device_preference)
-        model = AutoModelForCausalLM.from_pretrained(
-            verified.path, use_safetensors=True, dtype=self.dtype, trust_remote_code=False, local_files_only=True
-        )
-        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
-        self.config = model.config
+        self.device, chosen = pick_device(device_preference, dtype)
         self.tokenizer = Tokenizer.from_file(str(verified.path / "tokenizer.json"))
+        # The perplexity guard (services.inference.quality) may refuse the dtype: float32 then.
+        choice = DtypeChoice(chosen, dtype != "auto", f"LLMESH_DTYPE={dtype}")
+        self.model, self.dtype, self.quality = load_guarded(
+            verified, self.device, choice, quantize, self.tokenizer, 1024
+        )
+        self.quantize = quantize
+        #: ModelInfo.dtype and the gateway's cache scope: "bfloat16", "bfloat16+int8"...
+        self.dtype_name = dtype_name(self.dtype) + ("" if quantize == "none" else f"+{quantize}")
+        self.config = self.model.config
         eos: Any = self.config.eos_token_id
         if (verified.path / "generation_config.json").is_file():
             eos = GenerationConfig.from_pretrained(verified.path, local_files_only=True).eos_token_id or eos
