@@ -9,6 +9,8 @@ side by side in one run:
 * mesh_tok_s          the same load through the gateway (cache and retrieval off) with the
                       inference service on LLMESH_INFERENCE_BACKEND=openai in front of that vLLM
 * builtin_mesh_tok_s  the same load through the gateway on the builtin engine (vLLM stopped)
+* *_sheds             requests the gateway shed (RESOURCE_EXHAUSTED), each retried after its
+                      RetryInfo delay as a client should
 * ttft_*_p50_s / _p95_s  time to first token of each, in the closed loop
 
 The direct loop runs before and after the mesh loop and is averaged (the load on a shared
@@ -43,6 +45,7 @@ from httpx_sse import EventSource
 from bench.batching import CLIENTS, NEW_TOKENS, QUESTIONS, Record, closed_loop
 from bench.common import machine, print_table, write_result
 from bench.mesh import bench_mesh
+from llmesh.errors import status_details, unpack_details
 from llmesh.testing import VLLM_MODEL_NAME, VllmServer, real_models_dir
 from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -117,11 +120,45 @@ async def mesh_one(
     decoding: asyncio.Event | None = None,
     records: list[Record] | None = None,
 ) -> Record:
+    # A shed request (RESOURCE_EXHAUSTED) is retried after the RetryInfo delay, as a client
+    # should; sheds are counted, and the record's clock starts with the try that was admitted.
+    while True:
+        try:
+            return await _mesh_try(stub, question, max_new, decoding, records)
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            SHEDS[0] += 1
+            await asyncio.sleep(retry_delay(err))
+
+
+#: Requests the gateway shed during the mesh loops (retried by mesh_one).
+SHEDS = [0]
+
+
+def retry_delay(err: grpc.aio.AioRpcError, default: float = 0.5) -> float:
+    """The RetryInfo delay of a refusal, `default` where it carries none."""
+    retry = unpack_details(status_details(err.trailing_metadata())).get("retry_info")
+    if retry is None:
+        return default
+    return float(retry.retry_delay.seconds + retry.retry_delay.nanos / 1e9)  # type: ignore[attr-defined]
+
+
+async def _mesh_try(
+    stub: gateway_pb2_grpc.GatewayStub,
+    question: str,
+    max_new: int,
+    decoding: asyncio.Event | None,
+    records: list[Record] | None,
+) -> Record:
     record = Record(time.perf_counter())
+    produced = 0
+    stream = stub.GenerateStream(ask(question, max_new), timeout=600)
+    first = await anext(aiter(stream), None)  # a refusal comes before anything else
     if records is not None:
         records.append(record)
-    produced = 0
-    async for event in stub.GenerateStream(ask(question, max_new), timeout=600):
+    events = [] if first is None else [first]
+    async for event in _chain(events, stream):
         now = time.perf_counter()
         if event.delta:
             if record.first is None:
@@ -156,12 +193,20 @@ async def rendered_prompts(tokenizer_target: str) -> list[list[int]]:
     return out
 
 
+async def _chain(first: list[Any], rest: Any) -> Any:
+    for item in first:
+        yield item
+    async for item in rest:
+        yield item
+
+
 def _figures(loop: dict[str, float], prefix: str) -> dict[str, float]:
     return {
         f"{prefix}_tok_s": loop["tok_s"],
         f"ttft_{prefix}_p50_s": loop["ttft_p50_s"],
         f"ttft_{prefix}_p95_s": loop["ttft_p95_s"],
         f"{prefix}_requests": loop["requests"],
+        **({f"{prefix}_sheds": loop["sheds"]} if "sheds" in loop else {}),
     }
 
 
@@ -178,7 +223,9 @@ async def mesh_loop(gateway_target: str, measure_s: float) -> dict[str, float]:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         run = functools.partial(mesh_one, stub)
         await run(QUESTIONS[0], 8)
-        return await closed_loop(run, QUESTIONS[:CLIENTS], lambda rng: NEW_TOKENS, measure_s)
+        SHEDS[0] = 0
+        loop = await closed_loop(run, QUESTIONS[:CLIENTS], lambda rng: NEW_TOKENS, measure_s)
+        return {**loop, "sheds": SHEDS[0]}
 
 
 def _others() -> list[str]:

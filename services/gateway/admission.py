@@ -100,7 +100,7 @@ class AdmissionConfig:
     degrade: bool = True
     min_new_tokens: int = 16
     adaptive: bool = False
-    target_seconds: float = 3.0
+    target_seconds: float = 6.0
     initial_in_flight: float = 65536.0
 
     def __post_init__(self) -> None:
@@ -135,7 +135,7 @@ class AdmissionConfig:
             degrade=settings.admission_degrade,
             min_new_tokens=settings.admission_min_new_tokens,
             adaptive=getattr(settings, "admission_adaptive", False),
-            target_seconds=getattr(settings, "admission_target_seconds", 3.0),
+            target_seconds=getattr(settings, "admission_target_seconds", 6.0),
             initial_in_flight=getattr(settings, "admission_initial_in_flight", 65536.0),
         )
 
