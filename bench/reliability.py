@@ -1453,7 +1453,8 @@ class Reliability:
                 "deadline_exceeded": sum(o.code == "DEADLINE_EXCEEDED" for o in outcomes),
                 "generated_weight_per_s": round(sum(o.weight for o in generated) / max(elapsed, 1e-9), 1),
                 "learned_in_flight_limit": limit,
-                # The limit is measured throughput x LLMESH_ADMISSION_TARGET_SECONDS (6 s) / 2.
+                # The limit is measured throughput x LLMESH_ADMISSION_TARGET_SECONDS (3 s) / 2,
+                # or more where first tokens stayed prompt (the carried weight).
                 "learned_weight_per_s": None if throughput is None else round(throughput, 1),
                 "default_window_budget": "LLMESH_ADMISSION_BUDGET default (cap only)",
             }

@@ -443,10 +443,10 @@ DECLARED: tuple[Setting, ...] = (
     ),
     Setting(
         "LLMESH_ADMISSION_TARGET_SECONDS",
-        "6",
-        "Time in the system the learned in-flight limit aims at: measured weight throughput x this / 2. "
-        "It covers a whole answer, so it must exceed the longest answers the backend streams without "
-        "queueing (a 64-token answer at 32 streams takes ~5 s on vLLM's CPU build).",
+        "3",
+        "Time in the system the learned in-flight limit aims at: measured weight throughput x this / 2; "
+        "the limit is also at least the weight the model carried while its time to first token stayed "
+        "flat (docs/reliability.md).",
         ("gateway",),
         _positive_float,
     ),

@@ -34,8 +34,10 @@ Reservation and refund
 
 Weight in flight
     Besides the rate, the weight admitted and not yet generated is bounded, per model, by a limit
-    learned from what inference is measured to deliver (``CapacityLimit``: throughput x target
-    latency, Little's law). ``budget`` caps it; without ``adaptive`` the cap is the limit.
+    learned from what inference is measured to deliver (``CapacityLimit``): the larger of
+    throughput x target latency (Little's law) and the weight in flight the model has been seen
+    to carry without queueing (judged by its time to first token). ``budget`` caps it; without
+    ``adaptive`` the cap is the limit.
 
 ``WeightWindow`` is the in-process window (sync, no awaits). ``RedisWeightWindow`` has the same
 methods as coroutines and enforces one budget across gateway replicas with a Redis sorted set and
@@ -100,7 +102,7 @@ class AdmissionConfig:
     degrade: bool = True
     min_new_tokens: int = 16
     adaptive: bool = False
-    target_seconds: float = 6.0
+    target_seconds: float = 3.0
     initial_in_flight: float = 65536.0
 
     def __post_init__(self) -> None:
@@ -135,7 +137,7 @@ class AdmissionConfig:
             degrade=settings.admission_degrade,
             min_new_tokens=settings.admission_min_new_tokens,
             adaptive=getattr(settings, "admission_adaptive", False),
-            target_seconds=getattr(settings, "admission_target_seconds", 6.0),
+            target_seconds=getattr(settings, "admission_target_seconds", 3.0),
             initial_in_flight=getattr(settings, "admission_initial_in_flight", 65536.0),
         )
 
@@ -296,6 +298,20 @@ REMAINING_SHARE = 0.5
 # what a slow machine delivers (at 3,000 weight/s, 16,384 in flight is 11 s in the system).
 FLOOR_DIVISOR = 16
 
+# The queueing judge (see CapacityLimit): a judging period's median time to first token is
+# "not queueing" while it stays within QUEUE_TOLERANCE x the baseline + QUEUE_SLACK_S, the
+# baseline being the lowest period minimum of the last BASELINE_S.
+QUEUE_TOLERANCE = 2.0
+QUEUE_SLACK_S = 0.05
+BASELINE_S = 120.0
+JUDGE_S = 1.0  # a period lasts at least this and holds JUDGE_SAMPLES first tokens...
+JUDGE_SAMPLES = 3
+JUDGE_MAX_S = 5.0  # ...or lasts this long with at least one
+# What the model carried without queueing is allowed again with this headroom, so the limit keeps
+# probing upwards while time to first token stays flat; queueing takes it back to below the peak.
+CARRIED_HEADROOM = 1.25
+CARRIED_BACKOFF = 0.8
+
 
 class CapacityLimit:
     """How much weight one model may have in flight from this gateway, learned from what it is
@@ -311,15 +327,33 @@ class CapacityLimit:
     stays bounded and the surplus is shed. A cold gateway allows `initial` until it has measured;
     the limit never drops below `initial / 16` (and one request always runs when none is in
     flight), so a gateway that measured nothing recently can still learn. `cap` bounds it all;
-    without `adaptive` the cap is the limit."""
+    without `adaptive` the cap is the limit.
+
+    Time in the system is not queueing, though: a batching engine (vLLM, or ours on a GPU) runs
+    more streams side by side, each slower, and its requests may spend longer than the target in
+    the system while none of them waits. So the limit is also at least what the model has been
+    seen to carry without queueing, judged like Envoy's adaptive concurrency and Netflix's
+    gradient limits judge round trips, with the time to first token (admission to first token:
+    the queue and the prefill) as the signal. Per judging period (`JUDGE_S`, `JUDGE_SAMPLES`),
+    if the median time to first token stays within `QUEUE_TOLERANCE` x its baseline (the lowest
+    period minimum of the last `BASELINE_S`) plus `QUEUE_SLACK_S`, the peak weight in flight
+    during the period was carried without queueing: `carried` rises to it, and the limit allows
+    `CARRIED_HEADROOM` x that, so it keeps probing upwards while the first tokens stay prompt.
+    When they slow down, `carried` falls below that period's peak (`CARRIED_BACKOFF`) and Little's
+    law takes over again. A request's deadline is judged apart (`drain_seconds`)."""
 
     __slots__ = (
         "_busy",
         "_done",
         "_last",
+        "_minima",
+        "_peak",
+        "_period_start",
+        "_ttfts",
         "adaptive",
         "alpha",
         "cap",
+        "carried",
         "held",
         "in_flight",
         "initial",
@@ -355,13 +389,60 @@ class CapacityLimit:
         self._busy = 0.0
         self._done = 0.0
         self._last = now
+        self.carried = 0.0  # weight in flight seen carried without queueing; 0 until judged
+        self._ttfts: list[float] = []  # this judging period's times to first token
+        self._peak = 0.0  # this period's highest weight in flight
+        self._period_start = now
+        self._minima: deque[tuple[float, float]] = deque()  # (period end, its lowest time to first token)
 
     def limit(self) -> float:
         if not self.adaptive:
             return self.cap
         if not self.throughput:
-            return self.initial
-        return min(self.cap, max(self.initial / FLOOR_DIVISOR, self.throughput * self.target_seconds * REMAINING_SHARE))
+            little = self.initial
+        else:
+            little = max(self.initial / FLOOR_DIVISOR, self.throughput * self.target_seconds * REMAINING_SHARE)
+        return min(self.cap, max(little, self.carried * CARRIED_HEADROOM))
+
+    def admitted(self, weight: float) -> None:
+        """A request of `weight` went in flight."""
+        self.in_flight += weight
+        self.requests += 1
+        self._peak = max(self._peak, self.in_flight)
+
+    def first_token(self, now: float, seconds: float) -> bool | None:
+        """A request's first token came back `seconds` after its admission; the verdict of the
+        judging period it ended, if it ended one (see `judge`)."""
+        if not self._ttfts and now - self._period_start > JUDGE_MAX_S:
+            self._period_start = now  # a period with no first tokens yet starts with its first
+        self._ttfts.append(seconds)
+        return self.judge(now)
+
+    def baseline(self) -> float | None:
+        """The lowest time to first token of the last BASELINE_S (None before the first period)."""
+        return min((low for _, low in self._minima), default=None)
+
+    def judge(self, now: float) -> bool | None:
+        """Ends the judging period if it is due: whether the model queued in it (None: not due)."""
+        samples, age = len(self._ttfts), now - self._period_start
+        if not samples or not ((age >= JUDGE_S and samples >= JUDGE_SAMPLES) or age >= JUDGE_MAX_S):
+            return None
+        ordered = sorted(self._ttfts)
+        median = ordered[samples // 2]
+        while self._minima and self._minima[0][0] < now - BASELINE_S:
+            self._minima.popleft()
+        self._minima.append((now, ordered[0]))
+        base = self.baseline()
+        assert base is not None
+        queued = median > QUEUE_TOLERANCE * base + QUEUE_SLACK_S
+        if queued:
+            self.carried = min(self.carried, CARRIED_BACKOFF * self._peak)
+        else:
+            self.carried = max(self.carried, self._peak)
+        self._ttfts.clear()
+        self._peak = self.in_flight
+        self._period_start = now
+        return queued
 
     def room(self, with_holds: bool) -> float:
         taken = self.in_flight + (self.held if with_holds else 0)
@@ -404,6 +485,7 @@ class Ticket:
     __slots__ = (
         "_entry",
         "_window",
+        "admitted_at",
         "finished",
         "model",
         "on_refund",
@@ -415,9 +497,17 @@ class Ticket:
     )
 
     def __init__(
-        self, window: WeightWindow, tenant: str, model: str, unit: int, reserved: int, entry: list[float]
+        self,
+        window: WeightWindow,
+        tenant: str,
+        model: str,
+        unit: int,
+        reserved: int,
+        entry: list[float],
+        admitted_at: float,
     ) -> None:
         self._window = window
+        self.admitted_at = admitted_at
         self._entry = entry
         self.tenant = tenant
         self.model = model
@@ -622,10 +712,10 @@ class WeightWindow:
         """Puts an admitted weight in flight (a cluster window's admission, mirrored here)."""
         with self._lock:
             capacity = self.capacity(model)
-            capacity.advance(self.clock())
-            capacity.in_flight += weight
-            capacity.requests += 1
-        return Ticket(self, tenant, model, unit, weight, entry)
+            now = self.clock()
+            capacity.advance(now)
+            capacity.admitted(weight)
+        return Ticket(self, tenant, model, unit, weight, entry, now)
 
     def refund(self, tenant: str, entry: list[float], weight: float) -> None:
         """Takes `weight` off an admitted entry still in the window."""
@@ -645,12 +735,14 @@ class WeightWindow:
         with self._lock:
             capacity = self.capacity(ticket.model)
             capacity.in_flight -= weight
+            now = self.clock()
             if not ticket.streaming:
                 # Its first tokens: the time until now was its queue and prefill, not a stall.
-                capacity.advance(self.clock())
+                capacity.advance(now)
                 ticket.streaming = True
                 capacity.streaming += 1
-            capacity.advance(self.clock(), weight)
+                capacity.first_token(now, now - ticket.admitted_at)
+            capacity.advance(now, weight)
 
     def _finished(self, ticket: Ticket, refund: int) -> None:
         with self._lock:
@@ -725,9 +817,8 @@ class WeightWindow:
                     series.add(now, weight, entry)
                     self._tenants[req.tenant] = series
                     if req.planned:
-                        capacity.in_flight += weight
-                        capacity.requests += 1
-                        ticket = Ticket(self, req.tenant, model, req.unit, weight, entry)
+                        capacity.admitted(weight)
+                        ticket = Ticket(self, req.tenant, model, req.unit, weight, entry, now)
                 return Admission(
                     tenant=req.tenant,
                     lane=req.lane,

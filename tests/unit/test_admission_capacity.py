@@ -117,6 +117,88 @@ def test_at_the_limit_a_request_spends_the_target_in_the_system() -> None:
     assert cap.drain_seconds(unit * tokens) == pytest.approx(tokens * step * (1 + 1 / k))
 
 
+def _period(cap: CapacityLimit, now: Clock, ttfts: list[float]) -> bool | None:
+    """One judging period's first tokens, half a second apart; the verdict of the last one."""
+    verdict = None
+    for seconds in ttfts:
+        now.t += 0.5
+        verdict = cap.first_token(now.t, seconds)
+    return verdict
+
+
+def test_weight_carried_with_prompt_first_tokens_is_allowed_beyond_the_target() -> None:
+    # A batching backend: 32 streams side by side, each slower than the target, none waiting.
+    now = Clock(0.0)
+    cap = CapacityLimit(cap=1e9, adaptive=True, target_seconds=3.0, initial=1000, now=now.t)
+    cap.requests = cap.streaming = 1
+    for _ in range(4):  # 2,000 weight/s: Little's law allows 3,000 in flight at a 3 s target
+        now.t += 0.5
+        cap.advance(now.t, 1000)
+    assert cap.limit() == pytest.approx(3000)
+    for _ in range(8):
+        cap.admitted(1000)  # 8,000 in flight, more than Little's law would admit
+    assert _period(cap, now, [0.20, 0.19, 0.21]) is False  # first tokens prompt: not queueing
+    assert cap.carried == 8000
+    assert cap.limit() == pytest.approx(8000 * 1.25)  # and it keeps probing upwards
+
+
+def test_slow_first_tokens_take_the_carried_weight_back() -> None:
+    now = Clock(0.0)
+    cap = CapacityLimit(cap=1e9, adaptive=True, target_seconds=3.0, initial=1000, now=now.t)
+    cap.admitted(8000)
+    assert _period(cap, now, [0.2, 0.2, 0.2]) is False
+    assert cap.carried == 8000
+    cap.admitted(4000)  # the peak grows to 12,000 and first tokens wait: the backend queues
+    assert _period(cap, now, [0.2, 0.9, 1.1]) is True  # median 0.9 s > 2 x 0.2 s + 50 ms
+    assert cap.carried == 8000  # queueing at 12,000 does not raise it
+    cap.in_flight = 6000  # half of it finished; the backend still queues at the new peak
+    cap._peak = 6000
+    assert _period(cap, now, [1.0, 1.2, 1.3]) is True
+    assert cap.carried == pytest.approx(0.8 * 6000)
+    assert cap.limit() == pytest.approx(0.8 * 6000 * 1.25)
+    cap.in_flight = cap._peak = 1000
+    assert _period(cap, now, [1.0, 1.2, 1.3]) is True
+    assert cap.carried == pytest.approx(800)
+    assert cap.limit() == 1000  # Little's law (cold here: `initial`) takes over
+
+
+def test_a_judging_period_needs_time_and_samples() -> None:
+    now = Clock(0.0)
+    cap = CapacityLimit(cap=1e9, adaptive=True, target_seconds=3.0, initial=1000, now=now.t)
+    cap.admitted(5000)
+    assert cap.first_token(0.5, 0.2) is None  # too early
+    assert cap.first_token(1.2, 0.2) is None  # a second in, but only two first tokens
+    assert cap.first_token(1.3, 0.2) is False
+    assert cap.first_token(2.0, 5.0) is None
+    assert cap.first_token(6.4, 5.0) is True  # after JUDGE_MAX_S one sample is enough
+
+
+def test_the_baseline_is_the_lowest_minimum_of_recent_periods() -> None:
+    now = Clock(0.0)
+    cap = CapacityLimit(cap=1e9, adaptive=True, target_seconds=3.0, initial=1000, now=now.t)
+    _period(cap, now, [0.1, 0.1, 0.1])
+    assert cap.baseline() == pytest.approx(0.1)
+    assert _period(cap, now, [0.2, 0.3, 0.35]) is True  # 0.3 > 2 x 0.1 + 0.05: queued
+    now.t += 200.0  # the 0.1 s period is forgotten: the backend's floor moved (longer prompts)
+    assert _period(cap, now, [0.2, 0.3, 0.35]) is False
+    assert cap.baseline() == pytest.approx(0.2)
+
+
+def test_the_window_learns_first_tokens_from_tickets() -> None:
+    clock = Clock(0.0)
+    w = WeightWindow(cfg(adaptive=True, initial_in_flight=1000), clock=clock)
+    tickets = []
+    for _ in range(3):
+        a = w.plan("t", 10, 30)  # 300 each: 900 in flight
+        assert a.ticket is not None
+        tickets.append(a.ticket)
+    clock.t += 1.0
+    for ticket in tickets:
+        ticket.progress(1)  # first tokens, 1 s after admission
+    cap = w.capacity()
+    assert cap.carried == 900 and cap.baseline() == pytest.approx(1.0)
+
+
 def test_idle_time_does_not_dilute_the_measured_throughput() -> None:
     now = Clock(0.0)
     cap = CapacityLimit(cap=1e9, adaptive=True, target_seconds=1.0, initial=1000, now=now.t)
