@@ -300,7 +300,8 @@ FLOOR_DIVISOR = 16
 
 # The queueing judge (see CapacityLimit): a judging period's median time to first token is
 # "not queueing" while it stays within QUEUE_TOLERANCE x the baseline + QUEUE_SLACK_S, the
-# baseline being the lowest period minimum of the last BASELINE_S.
+# baseline being the lowest period median of the last BASELINE_S (a median, not the fastest
+# sample: in a churning batch first tokens spread over a few steps without any queue).
 QUEUE_TOLERANCE = 2.0
 QUEUE_SLACK_S = 0.05
 BASELINE_S = 120.0
@@ -336,7 +337,7 @@ class CapacityLimit:
     gradient limits judge round trips, with the time to first token (admission to first token:
     the queue and the prefill) as the signal. Per judging period (`JUDGE_S`, `JUDGE_SAMPLES`),
     if the median time to first token stays within `QUEUE_TOLERANCE` x its baseline (the lowest
-    period minimum of the last `BASELINE_S`) plus `QUEUE_SLACK_S`, the peak weight in flight
+    period median of the last `BASELINE_S`) plus `QUEUE_SLACK_S`, the peak weight in flight
     during the period was carried without queueing: `carried` rises to it, and the limit allows
     `CARRIED_HEADROOM` x that, so it keeps probing upwards while the first tokens stay prompt.
     When they slow down, `carried` falls below that period's peak (`CARRIED_BACKOFF`) and Little's
@@ -346,7 +347,7 @@ class CapacityLimit:
         "_busy",
         "_done",
         "_last",
-        "_minima",
+        "_medians",
         "_peak",
         "_period_start",
         "_ttfts",
@@ -393,7 +394,7 @@ class CapacityLimit:
         self._ttfts: list[float] = []  # this judging period's times to first token
         self._peak = 0.0  # this period's highest weight in flight
         self._period_start = now
-        self._minima: deque[tuple[float, float]] = deque()  # (period end, its lowest time to first token)
+        self._medians: deque[tuple[float, float]] = deque()  # (period end, its median time to first token)
 
     def limit(self) -> float:
         if not self.adaptive:
@@ -419,19 +420,19 @@ class CapacityLimit:
         return self.judge(now)
 
     def baseline(self) -> float | None:
-        """The lowest time to first token of the last BASELINE_S (None before the first period)."""
-        return min((low for _, low in self._minima), default=None)
+        """The lowest period median time to first token of the last BASELINE_S (None before the
+        first period)."""
+        return min((median for _, median in self._medians), default=None)
 
     def judge(self, now: float) -> bool | None:
         """Ends the judging period if it is due: whether the model queued in it (None: not due)."""
         samples, age = len(self._ttfts), now - self._period_start
         if not samples or not ((age >= JUDGE_S and samples >= JUDGE_SAMPLES) or age >= JUDGE_MAX_S):
             return None
-        ordered = sorted(self._ttfts)
-        median = ordered[samples // 2]
-        while self._minima and self._minima[0][0] < now - BASELINE_S:
-            self._minima.popleft()
-        self._minima.append((now, ordered[0]))
+        median = sorted(self._ttfts)[samples // 2]
+        while self._medians and self._medians[0][0] < now - BASELINE_S:
+            self._medians.popleft()
+        self._medians.append((now, median))
         base = self.baseline()
         assert base is not None
         queued = median > QUEUE_TOLERANCE * base + QUEUE_SLACK_S

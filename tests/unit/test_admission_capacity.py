@@ -173,15 +173,16 @@ def test_a_judging_period_needs_time_and_samples() -> None:
     assert cap.first_token(6.4, 5.0) is True  # after JUDGE_MAX_S one sample is enough
 
 
-def test_the_baseline_is_the_lowest_minimum_of_recent_periods() -> None:
+def test_the_baseline_is_the_lowest_median_of_recent_periods() -> None:
     now = Clock(0.0)
     cap = CapacityLimit(cap=1e9, adaptive=True, target_seconds=3.0, initial=1000, now=now.t)
-    _period(cap, now, [0.1, 0.1, 0.1])
+    assert _period(cap, now, [0.02, 0.1, 0.3]) is False  # spread over steps: the median counts
     assert cap.baseline() == pytest.approx(0.1)
-    assert _period(cap, now, [0.2, 0.3, 0.35]) is True  # 0.3 > 2 x 0.1 + 0.05: queued
-    now.t += 200.0  # the 0.1 s period is forgotten: the backend's floor moved (longer prompts)
+    assert _period(cap, now, [0.02, 0.25, 0.3]) is False  # 0.25 = 2 x 0.1 + 0.05
+    assert _period(cap, now, [0.02, 0.3, 0.35]) is True  # 0.3 > 2 x 0.1 + 0.05: queued
+    now.t += 200.0  # the 0.1 s periods are forgotten: the backend's floor moved (longer prompts)
     assert _period(cap, now, [0.2, 0.3, 0.35]) is False
-    assert cap.baseline() == pytest.approx(0.2)
+    assert cap.baseline() == pytest.approx(0.3)
 
 
 def test_the_window_learns_first_tokens_from_tickets() -> None:
