@@ -309,9 +309,10 @@ JUDGE_S = 1.0  # a period lasts at least this and holds JUDGE_SAMPLES first toke
 JUDGE_SAMPLES = 3
 JUDGE_MAX_S = 5.0  # ...or lasts this long with at least one
 # What the model carried without queueing is allowed again with this headroom, so the limit keeps
-# probing upwards while time to first token stays flat; queueing takes it back to below the peak.
+# probing upwards while time to first token stays flat; queueing halves it (from at most the
+# period's peak), so a queue drains within a few periods: CARRIED_HEADROOM x CARRIED_BACKOFF < 1.
 CARRIED_HEADROOM = 1.25
-CARRIED_BACKOFF = 0.8
+CARRIED_BACKOFF = 0.5
 
 
 class CapacityLimit:
@@ -340,8 +341,8 @@ class CapacityLimit:
     period median of the last `BASELINE_S`) plus `QUEUE_SLACK_S`, the peak weight in flight
     during the period was carried without queueing: `carried` rises to it, and the limit allows
     `CARRIED_HEADROOM` x that, so it keeps probing upwards while the first tokens stay prompt.
-    When they slow down, `carried` falls below that period's peak (`CARRIED_BACKOFF`) and Little's
-    law takes over again. A request's deadline is judged apart (`drain_seconds`)."""
+    When they slow down, `carried` halves (from at most that period's peak: `CARRIED_BACKOFF`)
+    until Little's law takes over again. A request's deadline is judged apart (`drain_seconds`)."""
 
     __slots__ = (
         "_busy",
@@ -437,7 +438,7 @@ class CapacityLimit:
         assert base is not None
         queued = median > QUEUE_TOLERANCE * base + QUEUE_SLACK_S
         if queued:
-            self.carried = min(self.carried, CARRIED_BACKOFF * self._peak)
+            self.carried = CARRIED_BACKOFF * min(self.carried, self._peak)
         else:
             self.carried = max(self.carried, self._peak)
         self._ttfts.clear()

@@ -150,16 +150,16 @@ def test_slow_first_tokens_take_the_carried_weight_back() -> None:
     assert cap.carried == 8000
     cap.admitted(4000)  # the peak grows to 12,000 and first tokens wait: the backend queues
     assert _period(cap, now, [0.2, 0.9, 1.1]) is True  # median 0.9 s > 2 x 0.2 s + 50 ms
-    assert cap.carried == 8000  # queueing at 12,000 does not raise it
-    cap.in_flight = 6000  # half of it finished; the backend still queues at the new peak
-    cap._peak = 6000
+    assert cap.carried == 4000  # halved: queueing at 12,000 does not count what it carried
+    assert cap.limit() == 5000  # below what is in flight: the queue drains
+    cap.in_flight = cap._peak = 3000  # most of it finished; the backend still queues
     assert _period(cap, now, [1.0, 1.2, 1.3]) is True
-    assert cap.carried == pytest.approx(0.8 * 6000)
-    assert cap.limit() == pytest.approx(0.8 * 6000 * 1.25)
-    cap.in_flight = cap._peak = 1000
+    assert cap.carried == 1500  # half of at most the period's peak
     assert _period(cap, now, [1.0, 1.2, 1.3]) is True
-    assert cap.carried == pytest.approx(800)
+    assert cap.carried == 750
     assert cap.limit() == 1000  # Little's law (cold here: `initial`) takes over
+    assert _period(cap, now, [0.2, 0.2, 0.2]) is False  # prompt again: what it carried counts
+    assert cap.carried == 3000
 
 
 def test_a_judging_period_needs_time_and_samples() -> None:
