@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from services.inference.engine.kv import SlotKVCache
+from services.inference.engine.llama import LlamaDecoder, supported
 from services.inference.engine.model import LoadedModel
 from services.inference.engine.sampling import choose
 
@@ -36,7 +37,13 @@ _IDS, _POS, _COL, _LEN = range(4)
 
 class ModelRunner:
     def __init__(
-        self, model: LoadedModel, slots: int, slot_length: int, buckets: tuple[int, ...], cuda_graphs: bool
+        self,
+        model: LoadedModel,
+        slots: int,
+        slot_length: int,
+        buckets: tuple[int, ...],
+        cuda_graphs: bool,
+        fast_decode: bool = True,
     ) -> None:
         self.model = model
         self.device = model.device
@@ -60,6 +67,12 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.use_graphs = cuda_graphs and dev.type == "cuda"
         self._pool: Any = None
+        #: The own decode forward (llama.py) where the model allows it, else the HF forward.
+        self.fast: LlamaDecoder | None = None
+        why_not = supported(hf, dev) if fast_decode else "disabled"
+        if why_not is None:
+            self.fast = LlamaDecoder(hf, self.kv, slots)
+        log.info("decode forward: %s", "own Llama forward" if self.fast else f"transformers ({why_not})")
 
     # ----------------------------------------------------------------- shapes
 
@@ -121,6 +134,13 @@ class ModelRunner:
         `sampling`: (batch rows that sample, temperatures, top_p, seeds, counters). Returns the
         chosen token of batch rows 0..max slot (one device-to-host copy). `eager_width` runs the
         step eagerly over that many columns even where a graph exists (to check a replay)."""
+        logits, top = self.step_logits(rows, eager_width)
+        tokens = choose(logits, *sampling)
+        return tokens[:top].tolist()
+
+    def step_logits(self, rows: list[tuple[int, int, int]], eager_width: int | None = None) -> tuple[torch.Tensor, int]:
+        """The forward of one decode step: logits of batch rows 0..B-1 (B: the bucket covering
+        the highest slot in use) and the number of rows up to that slot."""
         top = max(slot for slot, _, _ in rows) + 1
         batch = self.bucket(top)
         ids, pos, cols, lens = [0] * batch, [0] * batch, [self.kv.scratch] * batch, [1] * batch
@@ -134,19 +154,22 @@ class ModelRunner:
         graph = self.graphs.get(batch) if eager_width is None else None
         if graph is not None:
             graph.replay()
-        else:
-            self._step(batch, eager_width or width)
-        tokens = choose(self.logits[:batch], *sampling)
-        return tokens[:top].tolist()
+            return self.logits[:batch], top
+        return self._forward_step(batch, eager_width or width), top
 
     def _step(self, batch: int, width: int) -> None:
         """The static-shape step over the persistent buffers (captured as is into a graph)."""
+        self.logits[:batch] = self._forward_step(batch, width)
+
+    def _forward_step(self, batch: int, width: int) -> torch.Tensor:
         inputs = self.inputs
         lengths = inputs[_LEN, :batch]
         mask = (self.columns[:width][None, :] < lengths[:, None])[:, None, None, :]
         self.kv.decode(self.rows[:batch], inputs[_COL, :batch], width)
+        if self.fast is not None:
+            return self.fast.forward(inputs[_IDS, :batch], inputs[_POS, :batch], mask)
         hidden = self._hidden(inputs[_IDS, :batch, None], inputs[_POS, :batch, None], mask)
-        self.logits[:batch] = self.lm_head(hidden[:, -1])
+        return self.lm_head(hidden[:, -1])
 
     # ----------------------------------------------------------------- CUDA graphs
 
