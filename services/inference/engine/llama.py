@@ -108,6 +108,7 @@ class LlamaDecoder:
         #: Tests: called with (layer index, hidden [rows, hidden]) before each layer (fault
         #: injection inside a step, as a forward pre-hook on an HF layer does for its forward).
         self.before_layer: Callable[[int, torch.Tensor], None] | None = None
+        self.fused_norm = True
         self.kv = kv
         self.hidden = cfg.hidden_size
         self.heads = cfg.num_attention_heads
@@ -141,6 +142,8 @@ class LlamaDecoder:
             self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fused_norm:
+            return F.rms_norm(x, (self.hidden,), weight, self.eps)
         # LlamaRMSNorm's arithmetic: in float32, cast back, then the weight.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
