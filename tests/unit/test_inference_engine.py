@@ -294,8 +294,8 @@ async def test_out_of_memory_halves_the_batch_and_loses_nothing(loaded: LoadedMo
             raise torch.OutOfMemoryError("injected: CUDA out of memory")
 
     handle = loaded.model.model.layers[1].register_forward_pre_hook(fail_once)
-    if eng.runner.fast is not None:  # the own decode forward (llama.py) runs no HF layer
-        eng.runner.fast.before_layer = lambda index, x: fail_once(None, (x[:, None],)) if index == 1 else None  # type: ignore[arg-type]
+    if eng.runner.fast is not None:  # the own Llama forward (llama.py) runs no HF layer
+        eng.runner.fast.before_layer = lambda index, hidden: fail_once(loaded.model, (hidden,)) if index == 1 else None
     try:
         before = sample("llmesh_inference_oom_retries_total")
         together = await asyncio.gather(*(run(eng, ids) for ids in ps))

@@ -1,6 +1,7 @@
-"""The own Llama decode forward (engine/llama.py) against transformers' forward, in float32:
-rows of different lengths in slots with a hole (a padding row), two steps (the second reads
-the KV columns the first wrote), on the tiny random-weight model and on SmolLM2-135M."""
+"""The own Llama forward (engine/llama.py) against transformers' forward, in float32: a fresh
+prefill of rows of different lengths, then decode steps with a hole among the slots (a padding
+row), two steps (the second reads the KV columns the first wrote), and a chunked prefill, on
+the tiny random-weight model and on SmolLM2-135M."""
 
 from __future__ import annotations
 
@@ -36,7 +37,10 @@ def test_decode_logits_equal_the_transformers_forward(loaded: LoadedModel) -> No
     prompts = [loaded.encode(t) for t in TEXTS]
     assert len({len(p) for p in prompts}) == len(prompts)
     with torch.inference_mode():
-        first = runner.prefill_fresh(SLOTS, prompts, loaded.pad_id).argmax(-1).tolist()
+        prefilled = runner.prefill_fresh(SLOTS, prompts, loaded.pad_id)
+        for row, prompt in enumerate(prompts):  # right-padded together, causal
+            torch.testing.assert_close(prefilled[row], full_forward(loaded, prompt), atol=2e-4, rtol=1e-4)
+        first = prefilled.argmax(-1).tolist()
         seqs = [[*p, t] for p, t in zip(prompts, first, strict=True)]
         for _ in range(2):
             rows = [(slot, seq[-1], len(seq) - 1) for slot, seq in zip(SLOTS, seqs, strict=True)]
@@ -53,6 +57,17 @@ def test_decode_logits_equal_the_transformers_forward(loaded: LoadedModel) -> No
             torch.testing.assert_close(logits[SLOTS], reference[SLOTS], atol=2e-5, rtol=1e-5)
             for slot, seq in zip(SLOTS, seqs, strict=True):
                 seq.append(int(logits[slot].argmax()))
+
+
+def test_chunked_prefill_equals_the_transformers_forward(loaded: LoadedModel) -> None:
+    runner = ModelRunner(loaded, 2, 96, (1, 2), cuda_graphs=False)
+    assert runner.fast is not None
+    ids = loaded.encode(TEXTS[2] + TEXTS[1])
+    with torch.inference_mode():
+        runner.prefill_fresh([0], [ids[:1]], loaded.pad_id)  # slot 0 busy beside
+        for start, end in ((0, 7), (7, 20), (20, len(ids))):
+            logits = runner.prefill_chunk(1, ids[start:end], start)
+            torch.testing.assert_close(logits[0], full_forward(loaded, ids[:end]), atol=2e-4, rtol=1e-4)
 
 
 def test_the_transformers_prefill_keeps_its_weights(loaded: LoadedModel) -> None:

@@ -1,7 +1,8 @@
-"""An own decode forward for Llama-family models: one new token per row over the KV slots.
+"""An own forward for Llama-family models over the KV slots: the decode step (one new token
+per row) and prefill (fresh groups and chunks, through the cache's modes as the HF forward).
 
-The Hugging Face forward stays the prefill path and the fallback for every other architecture;
-this one is the hot loop of a decode step, with what its generic code cannot do:
+The Hugging Face forward stays the fallback for every other architecture (and on CUDA, where
+the decode step is a captured graph); this one does what its generic code cannot:
 
 * q/k/v and gate/up are one matmul each: their weights are concatenated once at load, and the
   HF modules' weights become row views of the concatenation (no second copy in memory, and the
@@ -15,8 +16,9 @@ this one is the hot loop of a decode step, with what its generic code cannot do:
 * GQA without repeating keys: a row's query heads of one KV head are that head's query rows.
 
 Used only where `supported()` says so: a plain Llama (no biases, SiLU MLP, rotary of a static
-kind, unquantized `nn.Linear` projections), CPU. Its logits match the HF forward's (a unit test
-compares them in float32).
+kind, unquantized `nn.Linear` projections), CPU. Its logits match the HF forward's (unit tests
+compare them in float32). The fused and packed weights are taken at load: a model whose weights
+change afterwards (`.to(dtype)`, quantization) needs a new runner.
 """
 
 from __future__ import annotations
@@ -149,6 +151,10 @@ class LlamaDecoder:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * h.to(x.dtype)
 
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = self.head_dim // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab] of one decode step. `ids`, `positions`: [rows]; `mask`: bool
         [rows, 1, 1, width] (the columns each row reads). The KV cache is in decode mode (its
@@ -156,20 +162,17 @@ class LlamaDecoder:
         rows = ids.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         q_size, kv_size = heads * dim, kv_heads * dim
-        half = dim // 2
         cos = self.cos[positions][:, None, :]  # [rows, 1, dim]
         sin = self.sin[positions][:, None, :]
         kv = self.kv
         x = F.embedding(ids, self.embed)
         for index, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
             if self.before_layer is not None:
-                self.before_layer(index, x)
+                self.before_layer(index, x[:, None])
             qkv = qkv_proj(self._norm(x, ln1))
-            q = qkv[:, :q_size].view(rows, heads, dim)
-            k = qkv[:, q_size : q_size + kv_size].view(rows, kv_heads, dim)
+            q = self._rotate(qkv[:, :q_size].view(rows, heads, dim), cos, sin)
+            k = self._rotate(qkv[:, q_size : q_size + kv_size].view(rows, kv_heads, dim), cos, sin)
             v = qkv[:, q_size + kv_size :].view(rows, kv_heads, dim)
-            q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
-            k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
             keys, values = kv.write_decode(index, k, v)
             # The query heads of one KV head attend as that head's query rows (no repeat_kv).
             attn = F.scaled_dot_product_attention(
@@ -179,3 +182,30 @@ class LlamaDecoder:
             gate_up = gate_up_proj(self._norm(x, ln2))
             x = down_proj.add(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], x)
         return self.lm_head(self._norm(x, self.final_norm))
+
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The final-normed hidden states [rows, tokens, hidden] of a prefill forward (the KV
+        cache in fresh or chunk mode, as for the HF forward). `ids`, `positions`: [rows,
+        tokens]; `mask`: bool [rows, 1, tokens, columns read]."""
+        rows, tokens = ids.shape
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        q_size, kv_size = heads * dim, kv_heads * dim
+        cos = self.cos[positions][:, None]  # [rows, 1, tokens, dim]
+        sin = self.sin[positions][:, None]
+        kv = self.kv
+        x = F.embedding(ids, self.embed).view(rows * tokens, self.hidden)
+        for index, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
+            if self.before_layer is not None:
+                self.before_layer(index, x.view(rows, tokens, self.hidden))
+            qkv = qkv_proj(self._norm(x, ln1)).view(rows, tokens, -1)
+            q = self._rotate(qkv[..., :q_size].view(rows, tokens, heads, dim).transpose(1, 2), cos, sin)
+            k = qkv[..., q_size : q_size + kv_size].view(rows, tokens, kv_heads, dim).transpose(1, 2)
+            v = qkv[..., q_size + kv_size :].view(rows, tokens, kv_heads, dim).transpose(1, 2)
+            keys, values = kv.update(self._rotate(k, cos, sin), v, index)
+            attn = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=heads != kv_heads
+            )
+            x = o_proj.add(attn.transpose(1, 2).reshape(rows * tokens, q_size), x)
+            gate_up = gate_up_proj(self._norm(x, ln2))
+            x = down_proj.add(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], x)
+        return self._norm(x, self.final_norm).view(rows, tokens, self.hidden)

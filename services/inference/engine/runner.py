@@ -101,7 +101,7 @@ class ModelRunner:
         self.kv.fresh(torch.tensor(slots, device=dev))
         hidden = self._hidden(ids, positions, mask)
         last = torch.tensor([len(p) - 1 for p in prompts], device=dev)
-        return self.lm_head(hidden[torch.arange(len(prompts), device=dev), last])
+        return self._head(hidden[torch.arange(len(prompts), device=dev), last])
 
     def prefill_chunk(self, slot: int, tokens: list[int], start: int) -> torch.Tensor:
         """Prefills `tokens` at columns [start, start + n) of `slot`; returns the last logits [1, vocab]."""
@@ -114,13 +114,19 @@ class ModelRunner:
             self.kv.claim(slot)
         self.kv.chunk(slot, start)
         hidden = self._hidden(ids, positions, mask)
-        return self.lm_head(hidden[:, -1])
+        return self._head(hidden[:, -1])
 
     def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The final-normed hidden states of a prefill forward (the KV cache's mode set)."""
+        if self.fast is not None:
+            return self.fast.prefill(ids, positions, mask)
         out = self.base(
             input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=self.kv, use_cache=True
         )
         return out.last_hidden_state
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.fast.lm_head(hidden) if self.fast is not None else self.lm_head(hidden)
 
     # ----------------------------------------------------------------- decode
 
