@@ -12,6 +12,10 @@ single device-to-host copy per step.
 
 Prefill runs eagerly: a group of fresh prompts (right-padded, causal mask; each row writes its
 own slot), or one chunk of a long prompt continuing its slot.
+
+The forward: llama.py's own one where `llama.supported` allows (plain Llama models on CPU:
+fused and prepacked matmuls), else the Hugging Face model's base forward with the slots as its
+cache; both see the same inputs, masks and cache modes.
 """
 
 from __future__ import annotations
