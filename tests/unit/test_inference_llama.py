@@ -71,7 +71,8 @@ def test_chunked_prefill_equals_the_transformers_forward(loaded: LoadedModel) ->
 
 
 def test_the_transformers_prefill_keeps_its_weights(loaded: LoadedModel) -> None:
-    """The fused q/k/v and gate/up weights are the HF modules' weights (views, one copy)."""
+    """float32 (no packing): the fused q/k/v and gate/up weights are the HF modules' weights
+    (views, one copy)."""
     layer = loaded.model.model.layers[0]
     before = full_forward(loaded, loaded.encode(TEXTS[1]))
     runner = ModelRunner(loaded, 2, 64, (1, 2), cuda_graphs=False)

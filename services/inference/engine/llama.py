@@ -4,12 +4,13 @@ per row) and prefill (fresh groups and chunks, through the cache's modes as the 
 The Hugging Face forward stays the fallback for every other architecture (and on CUDA, where
 the decode step is a captured graph); this one does what its generic code cannot:
 
-* q/k/v and gate/up are one matmul each: their weights are concatenated once at load, and the
-  HF modules' weights become row views of the concatenation (no second copy in memory, and the
-  HF prefill keeps using the same numbers);
-* on CPU in bfloat16 the weights are also prepacked for oneDNN once (the plain path lays them
-  out again on every call: 20-40 us per small matmul), and the o/down projections add the
-  residual in the matmul's epilogue;
+* q/k/v and gate/up are one matmul each: their weights are concatenated once at load (in
+  float32 the HF modules' weights become row views of the concatenation: no second copy);
+* on CPU in bfloat16 the weights are prepacked for oneDNN once (the plain path lays them out
+  again on every call: 20-40 us per small matmul), and the o/down projections add the residual
+  in the matmul's epilogue. The packed copy is extra memory (about the model's size less the
+  embeddings; +270 MB for SmolLM2-135M): the HF modules keep their plain weights for the
+  fallback and the quality guard;
 * the rotary cos/sin come from a table computed once by the model's own rotary module (the same
   values it computes per step), the attention mask once per step for all layers, and the KV
   columns of the step are written with one `index_copy_` per layer and tensor (kv.py);
@@ -61,10 +62,13 @@ def supported(hf: Any, device: torch.device) -> str | None:
     return None
 
 
-def _share_rows(modules: list[torch.nn.Linear]) -> torch.Tensor:
-    """Concatenates the modules' weights along the output rows and points each module at its
-    rows of the result (a contiguous view), so the weights exist once."""
+def _fuse(modules: list[torch.nn.Linear], share: bool) -> torch.Tensor:
+    """Concatenates the modules' weights along the output rows. `share`: points each module at
+    its rows of the result (a contiguous view), so the weights exist once (where the result is
+    kept: not when it is only prepacked, and dropped)."""
     fused = torch.cat([m.weight.detach() for m in modules])
+    if not share:
+        return fused
     start = 0
     for m in modules:
         rows = m.weight.shape[0]
@@ -77,17 +81,20 @@ class _Linear:
     """y = x W^T (+ a fused epilogue), with the weight prepacked for oneDNN in bfloat16."""
 
     def __init__(self, weight: torch.Tensor, pack: bool, rows_hint: int) -> None:
-        self.weight = weight
+        #: The plain weight (None once prepacked: the packed copy is all the matmul needs).
+        self.weight: torch.Tensor | None = None if pack else weight
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint) if pack else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
+            assert self.weight is not None
             return F.linear(x, self.weight)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + x W^T."""
         if self.packed is None:
+            assert self.weight is not None
             return residual + F.linear(x, self.weight)
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, None, "add")
 
@@ -125,8 +132,8 @@ class LlamaDecoder:
         with torch.no_grad():
             for layer in base.layers:
                 att, mlp = layer.self_attn, layer.mlp
-                qkv = _share_rows([att.q_proj, att.k_proj, att.v_proj])
-                gate_up = _share_rows([mlp.gate_proj, mlp.up_proj])
+                qkv = _fuse([att.q_proj, att.k_proj, att.v_proj], share=not self.pack)
+                gate_up = _fuse([mlp.gate_proj, mlp.up_proj], share=not self.pack)
                 self.layers.append(
                     (
                         layer.input_layernorm.weight,
