@@ -229,7 +229,8 @@ async def test_full_queue_is_refused_at_once(loaded: LoadedModel) -> None:
 
 
 async def test_queue_timeout(loaded: LoadedModel) -> None:
-    eng = side_engine(loaded, max_batch_size=1, queue_timeout_s=0.3)
+    # 256 tokens of the tiny model take about 0.3 s with the own decode forward: well past 0.1 s.
+    eng = side_engine(loaded, max_batch_size=1, queue_timeout_s=0.1)
     try:
         ids = eng.encode("Hello")
         running = eng.submit(ids, SamplingParams(max_new_tokens=256, ignore_eos=True))
@@ -293,6 +294,8 @@ async def test_out_of_memory_halves_the_batch_and_loses_nothing(loaded: LoadedMo
             raise torch.OutOfMemoryError("injected: CUDA out of memory")
 
     handle = loaded.model.model.layers[1].register_forward_pre_hook(fail_once)
+    if eng.runner.fast is not None:  # the own Llama forward (llama.py) runs no HF layer
+        eng.runner.fast.before_layer = lambda index, hidden: fail_once(loaded.model, (hidden,)) if index == 1 else None
     try:
         before = sample("llmesh_inference_oom_retries_total")
         together = await asyncio.gather(*(run(eng, ids) for ids in ps))

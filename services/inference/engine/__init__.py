@@ -1,5 +1,6 @@
 """The builtin inference engine (see core.py for the loop, and one module per concern:
-config, model, kv (slots), runner (decode step, CUDA graphs), sampling, scheduler, stream)."""
+config, model, kv (slots), runner (decode step, CUDA graphs), llama (the own forward of Llama
+models on CPU; transformers' forward otherwise), sampling, scheduler, stream)."""
 
 from services.inference.engine.config import (
     FINISH_CANCELLED,

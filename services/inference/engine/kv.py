@@ -54,6 +54,11 @@ class SlotKVCache:
         self.mode = DECODE
         self._rows: torch.Tensor | None = None  # decode: arange(B); fresh: the group's slots
         self._write_cols: torch.Tensor | None = None
+        self._kv_heads = kv_heads
+        self._head_dim = head_dim
+        self._heads = torch.arange(kv_heads, device=device)
+        #: decode: each (row, KV head)'s write position in a buffer seen as [-1, head_dim]
+        self._flat: torch.Tensor | None = None
         self._slot = 0
         self._start = 0
         self._width = 0
@@ -73,17 +78,29 @@ class SlotKVCache:
 
     def decode(self, rows: torch.Tensor, write_cols: torch.Tensor, width: int) -> None:
         self.mode, self._rows, self._write_cols, self._width = DECODE, rows, write_cols, width
+        # One index for every layer of the step: a row-by-row index_put costs far more.
+        columns = self.slot_length + 1
+        self._flat = ((rows[:, None] * self._kv_heads + self._heads) * columns + write_cols[:, None]).reshape(-1)
+
+    def write_decode(
+        self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode mode: writes each row's new key and value [rows, kv_heads, head_dim] at its
+        write column; returns the columns [0, width) of rows 0..B-1 (views)."""
+        assert self._flat is not None
+        kb, vb = self.keys[layer_idx], self.values[layer_idx]
+        dim = self._head_dim
+        kb.view(-1, dim).index_copy_(0, self._flat, keys.reshape(-1, dim))
+        vb.view(-1, dim).index_copy_(0, self._flat, values.reshape(-1, dim))
+        rows, width = keys.shape[0], self._width
+        return kb[:rows, :, :width], vb[:rows, :, :width]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         kb, vb = self.keys[layer_idx], self.values[layer_idx]
         if self.mode == DECODE:
-            assert self._rows is not None and self._write_cols is not None
-            kb[self._rows, :, self._write_cols] = key_states[:, :, 0]
-            vb[self._rows, :, self._write_cols] = value_states[:, :, 0]
-            rows, width = key_states.shape[0], self._width
-            return kb[:rows, :, :width], vb[:rows, :, :width]
+            return self.write_decode(layer_idx, key_states[:, :, 0], value_states[:, :, 0])
         n = key_states.shape[2]
         if self.mode == FRESH:
             assert self._rows is not None

@@ -12,6 +12,10 @@ single device-to-host copy per step.
 
 Prefill runs eagerly: a group of fresh prompts (right-padded, causal mask; each row writes its
 own slot), or one chunk of a long prompt continuing its slot.
+
+The forward: llama.py's own one where `llama.supported` allows (plain Llama models on CPU:
+fused and prepacked matmuls), else the Hugging Face model's base forward with the slots as its
+cache; both see the same inputs, masks and cache modes.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 
 from services.inference.engine.kv import SlotKVCache
+from services.inference.engine.llama import LlamaDecoder, supported
 from services.inference.engine.model import LoadedModel
 from services.inference.engine.sampling import choose
 
@@ -36,7 +41,13 @@ _IDS, _POS, _COL, _LEN = range(4)
 
 class ModelRunner:
     def __init__(
-        self, model: LoadedModel, slots: int, slot_length: int, buckets: tuple[int, ...], cuda_graphs: bool
+        self,
+        model: LoadedModel,
+        slots: int,
+        slot_length: int,
+        buckets: tuple[int, ...],
+        cuda_graphs: bool,
+        fast_decode: bool = True,
     ) -> None:
         self.model = model
         self.device = model.device
@@ -60,6 +71,12 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.use_graphs = cuda_graphs and dev.type == "cuda"
         self._pool: Any = None
+        #: The own decode forward (llama.py) where the model allows it, else the HF forward.
+        self.fast: LlamaDecoder | None = None
+        why_not = supported(hf, dev) if fast_decode else "disabled"
+        if why_not is None:
+            self.fast = LlamaDecoder(hf, self.kv, slots)
+        log.info("decode forward: %s", "own Llama forward" if self.fast else f"transformers ({why_not})")
 
     # ----------------------------------------------------------------- shapes
 
@@ -88,7 +105,7 @@ class ModelRunner:
         self.kv.fresh(torch.tensor(slots, device=dev))
         hidden = self._hidden(ids, positions, mask)
         last = torch.tensor([len(p) - 1 for p in prompts], device=dev)
-        return self.lm_head(hidden[torch.arange(len(prompts), device=dev), last])
+        return self._head(hidden[torch.arange(len(prompts), device=dev), last])
 
     def prefill_chunk(self, slot: int, tokens: list[int], start: int) -> torch.Tensor:
         """Prefills `tokens` at columns [start, start + n) of `slot`; returns the last logits [1, vocab]."""
@@ -101,13 +118,19 @@ class ModelRunner:
             self.kv.claim(slot)
         self.kv.chunk(slot, start)
         hidden = self._hidden(ids, positions, mask)
-        return self.lm_head(hidden[:, -1])
+        return self._head(hidden[:, -1])
 
     def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The final-normed hidden states of a prefill forward (the KV cache's mode set)."""
+        if self.fast is not None:
+            return self.fast.prefill(ids, positions, mask)
         out = self.base(
             input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=self.kv, use_cache=True
         )
         return out.last_hidden_state
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.fast.lm_head(hidden) if self.fast is not None else self.lm_head(hidden)
 
     # ----------------------------------------------------------------- decode
 
@@ -121,6 +144,13 @@ class ModelRunner:
         `sampling`: (batch rows that sample, temperatures, top_p, seeds, counters). Returns the
         chosen token of batch rows 0..max slot (one device-to-host copy). `eager_width` runs the
         step eagerly over that many columns even where a graph exists (to check a replay)."""
+        logits, top = self.step_logits(rows, eager_width)
+        tokens = choose(logits, *sampling)
+        return tokens[:top].tolist()
+
+    def step_logits(self, rows: list[tuple[int, int, int]], eager_width: int | None = None) -> tuple[torch.Tensor, int]:
+        """The forward of one decode step: logits of batch rows 0..B-1 (B: the bucket covering
+        the highest slot in use) and the number of rows up to that slot."""
         top = max(slot for slot, _, _ in rows) + 1
         batch = self.bucket(top)
         ids, pos, cols, lens = [0] * batch, [0] * batch, [self.kv.scratch] * batch, [1] * batch
@@ -134,19 +164,22 @@ class ModelRunner:
         graph = self.graphs.get(batch) if eager_width is None else None
         if graph is not None:
             graph.replay()
-        else:
-            self._step(batch, eager_width or width)
-        tokens = choose(self.logits[:batch], *sampling)
-        return tokens[:top].tolist()
+            return self.logits[:batch], top
+        return self._forward_step(batch, eager_width or width), top
 
     def _step(self, batch: int, width: int) -> None:
         """The static-shape step over the persistent buffers (captured as is into a graph)."""
+        self.logits[:batch] = self._forward_step(batch, width)
+
+    def _forward_step(self, batch: int, width: int) -> torch.Tensor:
         inputs = self.inputs
         lengths = inputs[_LEN, :batch]
         mask = (self.columns[:width][None, :] < lengths[:, None])[:, None, None, :]
         self.kv.decode(self.rows[:batch], inputs[_COL, :batch], width)
+        if self.fast is not None:
+            return self.fast.forward(inputs[_IDS, :batch], inputs[_POS, :batch], mask)
         hidden = self._hidden(inputs[_IDS, :batch, None], inputs[_POS, :batch, None], mask)
-        self.logits[:batch] = self.lm_head(hidden[:, -1])
+        return self.lm_head(hidden[:, -1])
 
     # ----------------------------------------------------------------- CUDA graphs
 

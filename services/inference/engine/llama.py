@@ -1,0 +1,218 @@
+"""An own forward for Llama-family models over the KV slots: the decode step (one new token
+per row) and prefill (fresh groups and chunks, through the cache's modes as the HF forward).
+
+The Hugging Face forward stays the fallback for every other architecture (and on CUDA, where
+the decode step is a captured graph); this one does what its generic code cannot:
+
+* q/k/v and gate/up are one matmul each: their weights are concatenated once at load (in
+  float32 the HF modules' weights become row views of the concatenation: no second copy);
+* on CPU in bfloat16 the weights are prepacked for oneDNN once (the plain path lays them out
+  again on every call: 20-40 us per small matmul), and the o/down projections add the residual
+  in the matmul's epilogue. The packed copy is extra memory (about the model's size less the
+  embeddings; +270 MB for SmolLM2-135M): the HF modules keep their plain weights for the
+  fallback and the quality guard;
+* the rotary cos/sin come from a table computed once by the model's own rotary module (the same
+  values it computes per step), the attention mask once per step for all layers, and the KV
+  columns of the step are written with one `index_copy_` per layer and tensor (kv.py);
+* GQA without repeating keys: a row's query heads of one KV head are that head's query rows.
+
+Used only where `supported()` says so: a plain Llama (no biases, SiLU MLP, rotary of a static
+kind, unquantized `nn.Linear` projections), CPU. Its logits match the HF forward's (unit tests
+compare them in float32). The fused and packed weights are taken at load: a model whose weights
+change afterwards (`.to(dtype)`, quantization) needs a new runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from services.inference.engine.kv import SlotKVCache
+
+#: Rotary kinds whose cos/sin for a position do not depend on the sequence length.
+_STATIC_ROPE = {"default", "linear", "llama3"}
+_MODEL_TYPES = {"llama"}
+
+
+def supported(hf: Any, device: torch.device) -> str | None:
+    """None when the model can use this forward, else why not."""
+    cfg = hf.config
+    if device.type != "cpu":
+        return f"device {device.type} (CUDA decodes through graphs of the HF forward)"
+    if getattr(cfg, "model_type", None) not in _MODEL_TYPES:
+        return f"model type {getattr(cfg, 'model_type', None)!r}"
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        return "biases"
+    if getattr(cfg, "hidden_act", None) != "silu":
+        return f"activation {getattr(cfg, 'hidden_act', None)!r}"
+    base: Any = getattr(hf, hf.base_model_prefix, None)
+    rotary = getattr(base, "rotary_emb", None)
+    if rotary is None or getattr(rotary, "rope_type", "default") not in _STATIC_ROPE:
+        return f"rotary {getattr(rotary, 'rope_type', None)!r}"
+    for layer in base.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        for lin in (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            if type(lin) is not torch.nn.Linear:
+                return f"projection {type(lin).__name__} (quantized?)"
+    if type(hf.get_output_embeddings()) is not torch.nn.Linear:
+        return "output embeddings"
+    return None
+
+
+def _fuse(modules: list[torch.nn.Linear], share: bool) -> torch.Tensor:
+    """Concatenates the modules' weights along the output rows. `share`: points each module at
+    its rows of the result (a contiguous view), so the weights exist once (where the result is
+    kept: not when it is only prepacked, and dropped)."""
+    fused = torch.cat([m.weight.detach() for m in modules])
+    if not share:
+        return fused
+    start = 0
+    for m in modules:
+        rows = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
+class _Linear:
+    """y = x W^T (+ a fused epilogue), with the weight prepacked for oneDNN in bfloat16."""
+
+    def __init__(self, weight: torch.Tensor, pack: bool, rows_hint: int) -> None:
+        #: The plain weight (None once prepacked: the packed copy is all the matmul needs).
+        self.weight: torch.Tensor | None = None if pack else weight
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint) if pack else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            assert self.weight is not None
+            return F.linear(x, self.weight)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x W^T."""
+        if self.packed is None:
+            assert self.weight is not None
+            return residual + F.linear(x, self.weight)
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, None, "add")
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    return (
+        dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+class LlamaDecoder:
+    def __init__(self, hf: Any, kv: SlotKVCache, rows_hint: int, pack: bool | None = None) -> None:
+        cfg = hf.config
+        base = getattr(hf, hf.base_model_prefix)
+        dtype = base.embed_tokens.weight.dtype
+        self.pack = can_pack(dtype) if pack is None else pack
+        #: Tests: called with (layer index, hidden [rows, hidden]) before each layer (fault
+        #: injection inside a step, as a forward pre-hook on an HF layer does for its forward).
+        self.before_layer: Callable[[int, torch.Tensor], None] | None = None
+        self.fused_norm = True
+        self.kv = kv
+        self.hidden = cfg.hidden_size
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // self.heads
+        self.intermediate = cfg.intermediate_size
+        self.eps = float(cfg.rms_norm_eps)
+        self.embed = base.embed_tokens.weight
+        self.final_norm = base.norm.weight
+        self.lm_head = _Linear(hf.get_output_embeddings().weight.detach(), self.pack, rows_hint)
+        self.layers: list[tuple[Any, ...]] = []
+        with torch.no_grad():
+            for layer in base.layers:
+                att, mlp = layer.self_attn, layer.mlp
+                qkv = _fuse([att.q_proj, att.k_proj, att.v_proj], share=not self.pack)
+                gate_up = _fuse([mlp.gate_proj, mlp.up_proj], share=not self.pack)
+                self.layers.append(
+                    (
+                        layer.input_layernorm.weight,
+                        _Linear(qkv, self.pack, rows_hint),
+                        _Linear(att.o_proj.weight.detach(), self.pack, rows_hint),
+                        layer.post_attention_layernorm.weight,
+                        _Linear(gate_up, self.pack, rows_hint),
+                        _Linear(mlp.down_proj.weight.detach(), self.pack, rows_hint),
+                    )
+                )
+            self.scaling = float(base.layers[0].self_attn.scaling)
+            # cos/sin of every column a slot has, by the model's own rotary module.
+            positions = torch.arange(kv.slot_length + 1, device=self.embed.device)[None]
+            cos, sin = base.rotary_emb(self.embed[:1], positions)
+            self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fused_norm:
+            return F.rms_norm(x, (self.hidden,), weight, self.eps)
+        # LlamaRMSNorm's arithmetic: in float32, cast back, then the weight.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * h.to(x.dtype)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = self.head_dim // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] of one decode step. `ids`, `positions`: [rows]; `mask`: bool
+        [rows, 1, 1, width] (the columns each row reads). The KV cache is in decode mode (its
+        rows, write columns and width set for this step)."""
+        rows = ids.shape[0]
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        q_size, kv_size = heads * dim, kv_heads * dim
+        cos = self.cos[positions][:, None, :]  # [rows, 1, dim]
+        sin = self.sin[positions][:, None, :]
+        kv = self.kv
+        x = F.embedding(ids, self.embed)
+        for index, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
+            if self.before_layer is not None:
+                self.before_layer(index, x[:, None])
+            qkv = qkv_proj(self._norm(x, ln1))
+            q = self._rotate(qkv[:, :q_size].view(rows, heads, dim), cos, sin)
+            k = self._rotate(qkv[:, q_size : q_size + kv_size].view(rows, kv_heads, dim), cos, sin)
+            v = qkv[:, q_size + kv_size :].view(rows, kv_heads, dim)
+            keys, values = kv.write_decode(index, k, v)
+            # The query heads of one KV head attend as that head's query rows (no repeat_kv).
+            attn = F.scaled_dot_product_attention(
+                q.view(rows, kv_heads, heads // kv_heads, dim), keys, values, attn_mask=mask, scale=self.scaling
+            )
+            x = o_proj.add(attn.reshape(rows, q_size), x)
+            gate_up = gate_up_proj(self._norm(x, ln2))
+            x = down_proj.add(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], x)
+        return self.lm_head(self._norm(x, self.final_norm))
+
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The final-normed hidden states [rows, tokens, hidden] of a prefill forward (the KV
+        cache in fresh or chunk mode, as for the HF forward). `ids`, `positions`: [rows,
+        tokens]; `mask`: bool [rows, 1, tokens, columns read]."""
+        rows, tokens = ids.shape
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        q_size, kv_size = heads * dim, kv_heads * dim
+        cos = self.cos[positions][:, None]  # [rows, 1, tokens, dim]
+        sin = self.sin[positions][:, None]
+        kv = self.kv
+        x = F.embedding(ids, self.embed).view(rows * tokens, self.hidden)
+        for index, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
+            if self.before_layer is not None:
+                self.before_layer(index, x.view(rows, tokens, self.hidden))
+            qkv = qkv_proj(self._norm(x, ln1)).view(rows, tokens, -1)
+            q = self._rotate(qkv[..., :q_size].view(rows, tokens, heads, dim).transpose(1, 2), cos, sin)
+            k = qkv[..., q_size : q_size + kv_size].view(rows, tokens, kv_heads, dim).transpose(1, 2)
+            v = qkv[..., q_size + kv_size :].view(rows, tokens, kv_heads, dim).transpose(1, 2)
+            keys, values = kv.update(self._rotate(k, cos, sin), v, index)
+            attn = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=heads != kv_heads
+            )
+            x = o_proj.add(attn.transpose(1, 2).reshape(rows * tokens, q_size), x)
+            gate_up = gate_up_proj(self._norm(x, ln2))
+            x = down_proj.add(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], x)
+        return self._norm(x, self.final_norm).view(rows, tokens, self.hidden)
