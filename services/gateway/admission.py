@@ -304,6 +304,10 @@ FLOOR_DIVISOR = 16
 # sample: in a churning batch first tokens spread over a few steps without any queue).
 QUEUE_TOLERANCE = 2.0
 QUEUE_SLACK_S = 0.05
+# ...and, where tokens stream, while it stays within QUEUE_STEPS x the period's median time
+# between tokens: a first token waits for the step running and its own prefill, a few steps,
+# however long a step takes at the batch size; a queue makes it wait for whole answers.
+QUEUE_STEPS = 6.0
 BASELINE_S = 120.0
 JUDGE_S = 1.0  # a period lasts at least this and holds JUDGE_SAMPLES first tokens...
 JUDGE_SAMPLES = 3
@@ -338,7 +342,9 @@ class CapacityLimit:
     gradient limits judge round trips, with the time to first token (admission to first token:
     the queue and the prefill) as the signal. Per judging period (`JUDGE_S`, `JUDGE_SAMPLES`),
     if the median time to first token stays within `QUEUE_TOLERANCE` x its baseline (the lowest
-    period median of the last `BASELINE_S`) plus `QUEUE_SLACK_S`, the peak weight in flight
+    period median of the last `BASELINE_S`) plus `QUEUE_SLACK_S`, or within `QUEUE_STEPS` x the
+    period's median time between tokens (a step grows with the batch: at 32 streams vLLM's first
+    tokens take 3x longer than at one, with no queue), the peak weight in flight
     during the period was carried without queueing: `carried` rises to it, and the limit allows
     `CARRIED_HEADROOM` x that, so it keeps probing upwards while the first tokens stay prompt.
     When they slow down, `carried` halves (from at most that period's peak: `CARRIED_BACKOFF`)
@@ -347,6 +353,7 @@ class CapacityLimit:
     __slots__ = (
         "_busy",
         "_done",
+        "_itls",
         "_last",
         "_medians",
         "_peak",
@@ -393,6 +400,7 @@ class CapacityLimit:
         self._last = now
         self.carried = 0.0  # weight in flight seen carried without queueing; 0 until judged
         self._ttfts: list[float] = []  # this judging period's times to first token
+        self._itls: list[float] = []  # and its times between tokens
         self._peak = 0.0  # this period's highest weight in flight
         self._period_start = now
         self._medians: deque[tuple[float, float]] = deque()  # (period end, its median time to first token)
@@ -420,6 +428,10 @@ class CapacityLimit:
         self._ttfts.append(seconds)
         return self.judge(now)
 
+    def between_tokens(self, seconds: float) -> None:
+        """A stream's next tokens came `seconds` per token after its previous ones."""
+        self._itls.append(seconds)
+
     def baseline(self) -> float | None:
         """The lowest period median time to first token of the last BASELINE_S (None before the
         first period)."""
@@ -437,11 +449,14 @@ class CapacityLimit:
         base = self.baseline()
         assert base is not None
         queued = median > QUEUE_TOLERANCE * base + QUEUE_SLACK_S
+        if queued and self._itls:
+            queued = median > QUEUE_STEPS * sorted(self._itls)[len(self._itls) // 2]
         if queued:
             self.carried = CARRIED_BACKOFF * min(self.carried, self._peak)
         else:
             self.carried = max(self.carried, self._peak)
         self._ttfts.clear()
+        self._itls.clear()
         self._peak = self.in_flight
         self._period_start = now
         return queued
@@ -489,6 +504,7 @@ class Ticket:
         "_window",
         "admitted_at",
         "finished",
+        "last_at",
         "model",
         "on_refund",
         "reserved",
@@ -510,6 +526,7 @@ class Ticket:
     ) -> None:
         self._window = window
         self.admitted_at = admitted_at
+        self.last_at = admitted_at  # when its latest tokens came back
         self._entry = entry
         self.tenant = tenant
         self.model = model
@@ -744,6 +761,9 @@ class WeightWindow:
                 ticket.streaming = True
                 capacity.streaming += 1
                 capacity.first_token(now, now - ticket.admitted_at)
+            elif weight > 0:
+                capacity.between_tokens((now - ticket.last_at) * ticket.unit / weight)
+            ticket.last_at = now
             capacity.advance(now, weight)
 
     def _finished(self, ticket: Ticket, refund: int) -> None:

@@ -162,6 +162,35 @@ def test_slow_first_tokens_take_the_carried_weight_back() -> None:
     assert cap.carried == 3000
 
 
+def test_first_tokens_a_few_steps_long_are_not_queueing_however_long_the_steps() -> None:
+    # vLLM's CPU build: one stream steps in 25 ms, 32 in 95 ms; a first token waits a step or
+    # three either way, so it takes 3x longer at 32 streams than at one without any queue.
+    now = Clock(0.0)
+    cap = CapacityLimit(cap=1e9, adaptive=True, target_seconds=3.0, initial=1000, now=now.t)
+    cap.admitted(1000)
+    assert _period(cap, now, [0.06, 0.07, 0.08]) is False
+    cap.admitted(20_000)
+    for _ in range(30):
+        cap.between_tokens(0.095)
+    assert _period(cap, now, [0.2, 0.28, 0.3]) is False  # > 2 x 0.07 + 50 ms, but 3 steps
+    assert cap.carried == 21_000
+    for _ in range(30):
+        cap.between_tokens(0.095)
+    assert _period(cap, now, [2.5, 3.0, 4.0]) is True  # 30 steps: waiting for whole answers
+
+
+def test_the_window_measures_time_between_tokens_per_stream() -> None:
+    clock = Clock(0.0)
+    w = WeightWindow(cfg(adaptive=True, initial_in_flight=1e6), clock=clock)
+    a = w.plan("t", 10, 100)
+    assert a.ticket is not None
+    clock.t += 0.5
+    a.ticket.progress(1)  # the first token: no gap yet
+    clock.t += 0.3
+    a.ticket.progress(3)  # three tokens 0.3 s later: 0.1 s each
+    assert w.capacity()._itls == [pytest.approx(0.1)]
+
+
 def test_a_judging_period_needs_time_and_samples() -> None:
     now = Clock(0.0)
     cap = CapacityLimit(cap=1e9, adaptive=True, target_seconds=3.0, initial=1000, now=now.t)
