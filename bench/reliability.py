@@ -1,6 +1,6 @@
 """Reliability suite: the five services as processes under load, with faults and bad input.
 
-    python -m bench.reliability [--quick] [--model tiny|smollm2] [--duration 60]
+    python -m bench.reliability [--quick] [--model tiny|smollm2] [--backend builtin|openai] [--duration 60]
 
 Starts its own redis-server on a free port (so it can stop and start it), a temporary data dir
 and the five services as separate processes on loopback (llmesh.supervisor.Mesh), then:
@@ -25,6 +25,10 @@ and the five services as separate processes on loopback (llmesh.supervisor.Mesh)
             random bytes and mutations of valid requests; counts crashed processes and status
             codes other than INVALID_ARGUMENT / RESOURCE_EXHAUSTED / UNAUTHENTICATED (OK is fine
             for a request that happens to be valid).
+
+With --backend openai the inference service fronts a real vLLM (CPU build, `make vllm`) serving
+the prepared SmolLM2, and the faults add backend_freeze (vLLM's process group SIGSTOPped like the
+other freezes); that run writes bench/results/reliability_openai.json.
 
 Writes bench/results/reliability.json (with "passes") and prints a table. The default run takes
 about 8 minutes on 2 shared CPU cores (freezes and the default-budget phase included). The tiny
@@ -63,6 +67,7 @@ import grpc
 from bench.common import machine, percentile, print_table, write_result
 from llmesh.errors import status_details, unpack_details
 from llmesh.supervisor import Mesh
+from llmesh.testing import VLLM_MODEL_NAME, VllmServer
 from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 GATEWAY = "/llmesh.v1.Gateway/"
@@ -127,6 +132,10 @@ FREEZE_KINDS = ("cached", "cached_rag", "rag", "plain")
 FREEZE_MIX = {"cached": 0.25, "cached_rag": 0.25, "rag": 0.25, "plain": 0.25}
 FREEZES = ("retrieval_freeze", "cache_freeze", "tokenizer_freeze", "redis_freeze")
 FAULTS = ("inference_kill", "retrieval_kill", "redis_stop", "inference_stall", "gateway_sigterm", *FREEZES)
+# With --backend openai: the engine behind the inference service (vLLM) frozen, its process group
+# SIGSTOPped as the other freezes.
+BACKEND_FREEZE = "backend_freeze"
+ALL_FREEZES = (*FREEZES, BACKEND_FREEZE)
 FREEZE_RECOVERY_S = 2.0  # first success of an affected request after SIGCONT
 TOPICS = ("volcanoes", "tides", "owls", "glaciers", "bridges", "comets", "coral", "deserts", "rivers", "clouds")
 
@@ -885,6 +894,16 @@ class Reliability:
         models_dir = real_models_dir()
         if args.model == "tiny":
             build_tiny_model(models_dir)
+        # --backend openai: inference fronts a real vLLM (CPU build) serving the prepared SmolLM2.
+        self.vllm: VllmServer | None = None
+        backend_env: dict[str, str] = {}
+        if args.backend == "openai":
+            self.vllm = VllmServer((models_dir / "smollm2" / "current").resolve(), self.tmp / "vllm.log")
+            backend_env = {
+                "LLMESH_INFERENCE_BACKEND": "openai",
+                "LLMESH_BACKEND_URLS": self.vllm.base_url,
+                "LLMESH_BACKEND_MODEL": VLLM_MODEL_NAME,
+            }
         env = {
             "LLMESH_DATA_DIR": str(self.tmp / "data"),
             "LLMESH_MODELS_DIR": str(models_dir),
@@ -898,6 +917,7 @@ class Reliability:
             "LLMESH_LOG_LEVEL": os.environ.get("LLMESH_LOG_LEVEL", "WARNING"),
             "OTEL_EXPORTER_OTLP_ENDPOINT": "",
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "",
+            **backend_env,
         }
         # The gateway is the front door: on shared cores it runs above everything else, as a
         # deployment gives it cores of its own (a CPU request, a cpuset); raising priority needs
@@ -975,7 +995,11 @@ class Reliability:
                 self.mesh.procs[name].proc.send_signal(signal.SIGCONT)
             elif name == "redis" and self.redis is not None:
                 self.redis.send_signal(signal.SIGCONT)
+            elif name == "backend" and self.vllm is not None:
+                self.signal_backend(signal.SIGCONT)
         self.mesh.stop()
+        if self.vllm is not None:
+            self.vllm.stop()
         self.kill_redis()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
@@ -1154,6 +1178,22 @@ class Reliability:
             self.stopped.discard(name)
         result.t_back = now()
 
+    def signal_backend(self, sig: signal.Signals) -> None:
+        """To vLLM's whole process group: its API server and its engine core."""
+        assert self.vllm is not None and self.vllm.process is not None
+        os.killpg(self.vllm.process.pid, sig)
+
+    async def fault_backend_freeze(self, result: FaultResult) -> None:
+        self.stopped.add("backend")
+        self.signal_backend(signal.SIGSTOP)
+        result.t_down = now()
+        try:
+            await asyncio.sleep(self.args.freeze_seconds)
+        finally:
+            self.signal_backend(signal.SIGCONT)
+            self.stopped.discard("backend")
+        result.t_back = now()
+
     async def fault_kill(self, name: str, result: FaultResult) -> None:
         await asyncio.to_thread(self.mesh.stop_one, name, 10.0, signal.SIGKILL)
         result.t_down = now()
@@ -1320,12 +1360,19 @@ class Reliability:
                 "cache",
                 FREEZE_KINDS,
             ),
+            (
+                BACKEND_FREEZE,
+                self.fault_backend_freeze,
+                lambda o: o.ok and o.kind in ("plain", "rag") and not o.cache_hit,
+                "inference",
+                FREEZE_KINDS,
+            ),
         ]
         for name, inject, recovered, peer, kinds in plan:
             if name not in which:
                 continue
             print(f"fault: {name}", flush=True)
-            mix = FREEZE_MIX if name in FREEZES else None
+            mix = FREEZE_MIX if name in ALL_FREEZES else None
             result = await self.run_fault(name, inject, recovered, peer, kinds, mix)
             if name == "retrieval_kill":
                 result["rag_grounded_after_restart"] = await self.grounded()
@@ -1464,12 +1511,16 @@ class Reliability:
     async def main(self) -> dict[str, Any]:
         args = self.args
         t0 = now()
+        if self.vllm is not None:
+            self.vllm.start()
+            await asyncio.to_thread(self.vllm.wait_ready)
+            print(f"vLLM up in {now() - t0:.1f}s", flush=True)
         await asyncio.to_thread(self.start_redis)
         await asyncio.to_thread(self.mesh.start)
         self.remember_ports()
         print(f"mesh up in {now() - t0:.1f}s (model {args.model})", flush=True)
         self.load = Load(self.gateway_target(), args.new_tokens)
-        result: dict[str, Any] = {"model": args.model, "quick": args.quick}
+        result: dict[str, Any] = {"model": args.model, "backend": args.backend, "quick": args.quick}
         try:
             await self.ingest()
             if "load" in args.only:
@@ -1555,7 +1606,7 @@ def passes(result: dict[str, Any]) -> dict[str, bool]:
         )
     if faults:
         out["no_crashes_in_faults"] = all(not f["crashed_after"] for f in faults.values())
-    for name in FREEZES:
+    for name in ALL_FREEZES:
         if name in faults:
             f = faults[name]
             out[f"{name}_no_deadline_exceeded"] = f["deadline_exceeded"] == 0
@@ -1696,6 +1747,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="15 s load, shorter faults, 1,000 bad inputs")
     parser.add_argument("--model", default="tiny", help="inference model: tiny (default) or smollm2")
+    parser.add_argument(
+        "--backend",
+        choices=("builtin", "openai"),
+        default="builtin",
+        help="inference backend: builtin (default) or openai in front of vLLM's CPU build on SmolLM2 "
+        "(needs `make vllm`; adds the backend_freeze fault; writes reliability_openai.json)",
+    )
     parser.add_argument("--duration", type=float, default=None, help="load seconds (default 60, --quick 15)")
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--bad-inputs", type=int, default=None, help="bad inputs to send (default 1500, quick 1000)")
@@ -1721,8 +1779,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="niceness of this load generator during the load phase (default -10, as the gateway)",
     )
     args = parser.parse_args(argv)
+    if args.backend == "openai":
+        if not VllmServer.available():
+            raise SystemExit("--backend openai needs vLLM's CPU build: run `make vllm` first")
+        args.model = "smollm2"  # what vLLM serves; our side of it is its tokenizer
+    faults = (*FAULTS, BACKEND_FREEZE) if args.backend == "openai" else FAULTS
     only = {p.strip() for p in args.only.split(",") if p.strip()}
-    args.faults = [f for f in FAULTS if "faults" in only or f in only]
+    args.faults = [f for f in faults if "faults" in only or f in only]
     args.only = only
     tiny = args.model == "tiny"
     args.duration = args.duration or (15.0 if args.quick else 60.0)
@@ -1748,12 +1811,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         bench.cleanup()
     result = _finite(result)
     print_result(result)
-    complete = {"load", "default_budget", "bad_input"} <= args.only and len(args.faults) == len(FAULTS)
+    complete = {"load", "default_budget", "bad_input"} <= args.only and len(args.faults) == len(faults)
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
     elif complete:
-        print(f"wrote {write_result('reliability', result)}")
+        name = "reliability" if args.backend == "builtin" else "reliability_openai"
+        print(f"wrote {write_result(name, result)}")
     else:
         print("partial run: bench/results/reliability.json left as it was (use --out to keep this one)")
 
