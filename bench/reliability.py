@@ -1129,7 +1129,7 @@ class Reliability:
         ]
         if name == "redis_stop":
             out["seconds_to_cache_not_degraded"] = round(min(not_degraded) - result.t_back, 3) if not_degraded else None
-        if name in FREEZES:
+        if name in ALL_FREEZES:
             out.update(freeze_figures(sink, result, down_kinds))
         out.update(result.extra)
         if args.dump is not None:
@@ -1724,7 +1724,7 @@ def print_result(result: dict[str, Any]) -> None:
         f"shed {f['shed_during']:>4}  shed p99 {_s(f['shed_p99_s'])}  deadline errors {f['deadline_exceeded']}  "
         f"first success after SIGCONT {_s(f['seconds_to_first_success'])}"
         for name, f in result.get("faults", {}).items()
-        if name in FREEZES
+        if name in ALL_FREEZES
     }
     if freezes:
         print_table(freezes, "freezes (SIGSTOP, then SIGCONT)")
