@@ -100,6 +100,18 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "faults.tokenizer_freeze.ok_per_second",
         "faults.redis_freeze.ok_per_second",
     ),
+    "reliability_openai": (
+        "backend",
+        "model",
+        "default_budget.ok",
+        "default_budget.shed",
+        "default_budget.deadline_exceeded",
+        "default_budget.shed_p99_s",
+        "default_budget.learned_in_flight_limit",
+        "faults.backend_freeze.ok_per_second",
+        "faults.backend_freeze.seconds_to_first_success",
+        "faults.inference_stall.seconds_to_recover",
+    ),
 }
 
 
