@@ -1168,13 +1168,20 @@ class Reliability:
             await self.prime()
         proc = self.redis if name == "redis" else self.mesh.procs[name].proc
         assert proc is not None
+        await self._pause(name, proc.send_signal, self.args.freeze_seconds, result)
+
+    async def _pause(
+        self, name: str, send: Callable[[signal.Signals], None], seconds: float, result: FaultResult
+    ) -> None:
+        """SIGSTOP through `send`, `seconds`, then SIGCONT (cancelled too); `name` stays in
+        `stopped` meanwhile, so cleanup resumes it whatever happens."""
         self.stopped.add(name)
-        proc.send_signal(signal.SIGSTOP)
+        send(signal.SIGSTOP)
         result.t_down = now()
         try:
-            await asyncio.sleep(self.args.freeze_seconds)
+            await asyncio.sleep(seconds)
         finally:
-            proc.send_signal(signal.SIGCONT)
+            send(signal.SIGCONT)
             self.stopped.discard(name)
         result.t_back = now()
 
@@ -1184,15 +1191,7 @@ class Reliability:
         os.killpg(self.vllm.process.pid, sig)
 
     async def fault_backend_freeze(self, result: FaultResult) -> None:
-        self.stopped.add("backend")
-        self.signal_backend(signal.SIGSTOP)
-        result.t_down = now()
-        try:
-            await asyncio.sleep(self.args.freeze_seconds)
-        finally:
-            self.signal_backend(signal.SIGCONT)
-            self.stopped.discard("backend")
-        result.t_back = now()
+        await self._pause("backend", self.signal_backend, self.args.freeze_seconds, result)
 
     async def fault_kill(self, name: str, result: FaultResult) -> None:
         await asyncio.to_thread(self.mesh.stop_one, name, 10.0, signal.SIGKILL)
@@ -1209,16 +1208,7 @@ class Reliability:
         result.t_back = now()
 
     async def fault_stall(self, result: FaultResult) -> None:
-        proc = self.mesh.procs["inference"].proc
-        self.stopped.add("inference")
-        proc.send_signal(signal.SIGSTOP)
-        result.t_down = now()
-        try:
-            await asyncio.sleep(self.args.stall_seconds)
-        finally:
-            proc.send_signal(signal.SIGCONT)
-            self.stopped.discard("inference")
-        result.t_back = now()
+        await self._pause("inference", self.mesh.procs["inference"].proc.send_signal, self.args.stall_seconds, result)
 
     async def fault_gateway(self, result: FaultResult) -> None:
         """SIGTERM to the gateway while long streams are in flight; they must finish in the grace."""
