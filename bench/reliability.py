@@ -769,6 +769,34 @@ def gauge(port: int, name: str) -> float | None:
     return None
 
 
+def histogram(port: int, name: str) -> dict[float, float]:
+    """The cumulative bucket counts of one unlabelled histogram, by upper bound."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return {}
+    buckets: dict[float, float] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and match.group(1) == name + "_bucket":
+            bound = re.search(r'le="([^"]+)"', match.group(2))
+            if bound:
+                buckets[float(bound.group(1))] = float(match.group(3))
+    return buckets
+
+
+def bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float | None:
+    """The upper bound of the bucket holding quantile `q` of the samples taken between two scrapes."""
+    counts = sorted((bound, after[bound] - before.get(bound, 0.0)) for bound in after)
+    if not counts or counts[-1][1] <= 0:
+        return None
+    for bound, count in counts:
+        if count >= q * counts[-1][1]:
+            return bound
+    return None
+
+
 ADMISSION_GAUGES = {
     "llmesh_gateway_admission_in_flight_limit": "limit",
     "llmesh_gateway_admission_in_flight": "in_flight",
@@ -1450,10 +1478,12 @@ class Reliability:
         print(f"load: {args.clients} clients for {args.duration:.0f}s", flush=True)
         stop, lags = asyncio.Event(), []
         lag_task = asyncio.create_task(loop_lag(stop, lags))
+        lag_before = self.loop_lags()
         with process_niceness(args.client_nice):
             outcomes, elapsed = await self.load.for_seconds(args.clients, args.duration, deadline=args.deadline)
         stop.set()
         await lag_task
+        lag_after = self.loop_lags()
         load = summarize(outcomes)
         load.update(
             {
@@ -1463,11 +1493,23 @@ class Reliability:
                 "admission_budget": budget,
                 "client_loop_lag_p50_s": round(percentile(lags, 0.5), 4),
                 "client_loop_lag_p99_s": round(percentile(lags, 0.99), 4),
+                # Bucket upper bounds of each service's own loop lag (llmesh_event_loop_lag_seconds).
+                "loop_lag_p99_le_s": {
+                    name: bucket_quantile(lag_before.get(name, {}), after, 0.99) for name, after in lag_after.items()
+                },
                 "gateway_niceness": self.gateway_niceness(),
             }
         )
         await self.restart_gateway()  # the faults run with the default admission budget
         return calibration, load
+
+    def loop_lags(self) -> dict[str, dict[float, float]]:
+        """Each running service's event-loop lag histogram."""
+        return {
+            name: histogram(proc.metrics_port, "llmesh_event_loop_lag_seconds")
+            for name, proc in self.mesh.procs.items()
+            if proc.metrics_port
+        }
 
     async def default_budget(self) -> dict[str, Any]:
         """The load phase on default settings (no calibrated budget): what the gateway learns, and

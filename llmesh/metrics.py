@@ -27,6 +27,12 @@ GRPC_HANDLING = Histogram(
 SERVING = Gauge(
     "llmesh_serving", "1 while the service reports SERVING on its health service, 0 while warming up or draining."
 )
+# How late the event loop runs a timer: time every request on it waits before its handler runs.
+EVENT_LOOP_LAG = Histogram(
+    "llmesh_event_loop_lag_seconds",
+    "How late the service's event loop woke a periodic timer (a busy or blocked loop delays every request).",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+)
 DEPENDENCY_UP = Gauge(
     "llmesh_dependency_up",
     "1 while a backing store the service uses answers, 0 while it is unreachable (the service's health details).",

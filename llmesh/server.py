@@ -27,7 +27,15 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from llmesh import errors, rpc_tracing, telemetry
-from llmesh.metrics import DEPENDENCY_UP, GRPC_HANDLED, GRPC_HANDLING, GRPC_STARTED, SERVING, MetricsEndpoint
+from llmesh.metrics import (
+    DEPENDENCY_UP,
+    EVENT_LOOP_LAG,
+    GRPC_HANDLED,
+    GRPC_HANDLING,
+    GRPC_STARTED,
+    SERVING,
+    MetricsEndpoint,
+)
 from llmesh.settings import Settings, load_or_exit
 
 log = logging.getLogger("llmesh.server")
@@ -37,6 +45,7 @@ lifecycle = logging.getLogger("llmesh.lifecycle")
 lifecycle.setLevel(logging.INFO)
 T = TypeVar("T")
 HEALTH_DETAIL_INTERVAL_S = 1.0
+LOOP_LAG_INTERVAL_S = 0.05
 
 
 class ServiceApp(Protocol):
@@ -351,6 +360,16 @@ def run_service(service: str, factory: Callable[[Settings], ServiceApp]) -> None
         telemetry.shutdown_tracing()
 
 
+async def watch_loop_lag(interval: float = LOOP_LAG_INTERVAL_S) -> None:
+    """Samples how late the running loop wakes a timer into EVENT_LOOP_LAG, until cancelled:
+    what every request on this loop waits for before its handler runs."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + interval
+        await asyncio.sleep(interval)
+        EVENT_LOOP_LAG.observe(max(0.0, loop.time() - due))
+
+
 async def _serve(service: str, factory: Callable[[Settings], ServiceApp], settings: Settings) -> None:
     metrics = MetricsEndpoint(settings.metrics_host, settings.metrics_port)
     host = ServiceHost(factory(settings), settings)
@@ -364,6 +383,7 @@ async def _serve(service: str, factory: Callable[[Settings], ServiceApp], settin
         fields = {"event": "listening", "port": port, "metrics_port": metrics.port, "health_port": host.health_port}
         lifecycle.info("listening", extra={"fields": fields})
 
+    lag = asyncio.create_task(watch_loop_lag())
     startup = asyncio.create_task(host.start(listening))
     waiter = asyncio.create_task(stopping.wait())
     done, _ = await asyncio.wait({startup, waiter}, return_when=asyncio.FIRST_COMPLETED)
@@ -391,6 +411,7 @@ async def _serve(service: str, factory: Callable[[Settings], ServiceApp], settin
         startup.cancel()
     lifecycle.info("draining", extra={"fields": {"event": "draining", "grace_seconds": settings.grace_seconds}})
     await host.stop()
+    lag.cancel()
     metrics.close()
     lifecycle.info("stopped", extra={"fields": {"event": "stopped"}})
 

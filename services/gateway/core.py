@@ -38,6 +38,7 @@ from services.gateway.admission import (
 )
 from services.gateway.breaker import BreakerOpen
 from services.gateway.peers import BREAKER_FAILURE_CODES, Deadline, PeerCallError, Peers
+from services.gateway.recent_hits import RecentHits, request_key
 
 # A downstream that failed, or whose breaker is open: optional hops degrade on these.
 DOWNSTREAM_ERRORS = (PeerCallError, BreakerOpen)
@@ -394,6 +395,7 @@ class Gateway:
         self.default_model = default_model
         self.predictor = InputTokenPredictor()
         self.versions = CollectionVersions(peers, config.version_ttl)
+        self.recent_hits = RecentHits()
         self._background: set[asyncio.Task[None]] = set()
         self.stores_skipped = 0
         self._cache_slow_until = 0.0
@@ -663,10 +665,16 @@ class Gateway:
             if refusal is not None and self._cache_suspect():
                 self._shed(refusal, "shed_early")
                 raise refusal
-            wait = SHED_RISK_LOOKUP_S if refusal is not None else None
+            # A request the cache answered lately will almost surely be answered again: it costs
+            # the model nothing, so it waits for the cache as usual instead of being shed.
+            key = request_key(plan.prompt, scope)
+            wait = SHED_RISK_LOOKUP_S if refusal is not None and key not in self.recent_hits else None
             with plan.timed("cache"):
                 hit = await self._lookup(plan, scope, deadline, wait)
+            if hit is None and "cache_unavailable" not in plan.degradations:
+                self.recent_hits.missed(key)
             if hit is not None:
+                self.recent_hits.hit(key)
                 if plan.hold is not None:
                     plan.hold.release()
                 answer = hit.answer

@@ -485,6 +485,37 @@ async def test_a_request_waiting_for_the_cache_holds_its_room_and_is_not_shed_af
         no_weight_left(app)
 
 
+async def test_under_overload_a_request_the_cache_answered_lately_waits_for_its_hit_and_is_served() -> None:
+    # The limit is full. A slow cache keeps a request it answered a moment ago waiting: that one
+    # is served from the cache (it costs the model nothing); another cacheable request, unknown,
+    # gives up on the cache after its short wait and is shed.
+    env = {"LLMESH_HOP_CACHE_LOOKUP_SECONDS": "5", "LLMESH_ADMISSION_INITIAL_IN_FLIGHT": "640"}
+    async with fake_mesh(**env) as (fake, app, _):
+        fake.hit_text = "Thirty days."
+        first = await run(app, ask(max_new_tokens=64), 10)
+        assert first.response.cache.hit
+        fake.generate.mode = "hang"
+        busy = asyncio.create_task(run(app, ask(max_new_tokens=64, use_cache=False, use_retrieval=False), 20))
+        await fake.generate.called.wait()  # the in-flight limit is now full
+        fake.lookup.mode = "hang"
+        fake.lookup.called.clear()
+        known = asyncio.create_task(run(app, ask(max_new_tokens=64), 10))
+        await fake.lookup.called.wait()
+        unknown = ask(max_new_tokens=64)
+        unknown.prompt = "Do you ship abroad?"
+        with pytest.raises(LlmeshError) as shed:
+            await run(app, unknown, 10)
+        assert shed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert not known.done()  # still waiting for the cache, not shed
+        fake.release.set()
+        served = await known
+        assert served.response.cache.hit and served.response.text == "Thirty days."
+        busy.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await busy
+        no_weight_left(app)
+
+
 async def test_lookups_queued_behind_a_frozen_cache_wait_no_longer_than_the_budget() -> None:
     # Two lookups go out at once; the rest queue for the next batch. A queued request's wait for
     # the cache (its queue time included) is one budget, not one for the queue and one for its batch.
