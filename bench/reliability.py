@@ -137,6 +137,15 @@ FAULTS = ("inference_kill", "retrieval_kill", "redis_stop", "inference_stall", "
 BACKEND_FREEZE = "backend_freeze"
 ALL_FREEZES = (*FREEZES, BACKEND_FREEZE)
 FREEZE_RECOVERY_S = 2.0  # first success of an affected request after SIGCONT
+# The hop each freeze stops: its recovery is also timed to the moment the hop answered the first
+# affected request started after SIGCONT (that request's own generation after it is not
+# recovery: on a loaded 2-core machine a vLLM answer takes seconds).
+FROZEN_HOP = {
+    "retrieval_freeze": "retrieval",
+    "tokenizer_freeze": "tokenizer",
+    "cache_freeze": "cache",
+    "redis_freeze": "cache",
+}
 TOPICS = ("volcanoes", "tides", "owls", "glaciers", "bridges", "comets", "coral", "deserts", "rivers", "clouds")
 
 
@@ -1159,6 +1168,14 @@ class Reliability:
             out["seconds_to_cache_not_degraded"] = round(min(not_degraded) - result.t_back, 3) if not_degraded else None
         if name in ALL_FREEZES:
             out.update(freeze_figures(sink, result, down_kinds))
+        if name in FROZEN_HOP:
+            hop = FROZEN_HOP[name]
+            answered = [
+                o.started + sum(ms for k, ms in o.timings.items() if k not in ("inference", "total")) / 1000
+                for o in after
+                if hop in o.timings
+            ]
+            out["seconds_to_hop_answered"] = round(min(answered) - result.t_back, 3) if answered else None
         out.update(result.extra)
         if args.dump is not None:
             self.dump(name, sink, watch, result)
@@ -1650,6 +1667,11 @@ def passes(result: dict[str, Any]) -> dict[str, bool]:
             out[f"{name}_first_success_within_{FREEZE_RECOVERY_S:g}s_of_sigcont"] = (
                 first is not None and first <= FREEZE_RECOVERY_S
             )
+            if name in FROZEN_HOP:
+                answered = f.get("seconds_to_hop_answered")
+                out[f"{name}_hop_answers_within_{FREEZE_RECOVERY_S:g}s_of_sigcont"] = (
+                    answered is not None and answered <= FREEZE_RECOVERY_S
+                )
     if "retrieval_freeze" in faults:
         out["retrieval_freeze_cached_rag_ok_every_second"] = all(
             n > 0 for n in faults["retrieval_freeze"]["ok_per_second_by_kind"]["cached_rag"]
@@ -1755,6 +1777,7 @@ def print_result(result: dict[str, Any]) -> None:
         name: f"ok/s {f['ok_per_second']:>6}  min ok in a second {min(f['ok_each_second'], default=0):>3}  "
         f"shed {f['shed_during']:>4}  shed p99 {_s(f['shed_p99_s'])}  deadline errors {f['deadline_exceeded']}  "
         f"first success after SIGCONT {_s(f['seconds_to_first_success'])}"
+        + (f"  hop answered {_s(f['seconds_to_hop_answered'])}" if "seconds_to_hop_answered" in f else "")
         for name, f in result.get("faults", {}).items()
         if name in ALL_FREEZES
     }

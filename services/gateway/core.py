@@ -202,9 +202,12 @@ def render_chatml(messages: list[common_pb2.ChatMessage]) -> str:
     return body + "<|im_start|>assistant\n"
 
 
+CONSERVATIVE_TOKENS_PER_BYTE = 1 / 3
+
+
 def estimate_tokens(text: str) -> int:
     """A conservative local token estimate (BPE averages ~4 bytes a token on English; 3 errs high)."""
-    return max(1, -(-len(text.encode("utf-8")) // 3))
+    return max(1, math.ceil(len(text.encode("utf-8")) * CONSERVATIVE_TOKENS_PER_BYTE))
 
 
 def build_messages(plan: Plan, sources: list[common_pb2.ScoredChunk]) -> list[common_pb2.ChatMessage]:
@@ -230,6 +233,8 @@ class InputTokenPredictor:
     def __init__(self) -> None:
         self.tokens_per_byte = 0.0
         self.context_tokens: dict[str, float] = {}
+        # Tokens per byte of retrieved context (the estimate while the tokenizer is away).
+        self.context_tokens_per_byte = 0.0
 
     @staticmethod
     def text_bytes(plan: Plan) -> int:
@@ -244,17 +249,21 @@ class InputTokenPredictor:
         guess = size * self.tokens_per_byte + context
         return max(floor, int(guess))
 
-    def estimate(self, rendered: str) -> int:
-        """Tokens of a rendered prompt while the tokenizer is away: the learned rate with a 10 %
-        margin, or the conservative `estimate_tokens` before anything was learned."""
+    def estimate(self, plan: Plan, context_bytes: int, rendered: str) -> int:
+        """Tokens of a rendered prompt while the tokenizer is away, on the same learned rates the
+        prediction uses (the question's, the template's overhead folded in, and the retrieved
+        context's, which a short question's rate overstates twofold), with a 10 % margin; the
+        conservative `estimate_tokens` before anything was learned."""
         if not self.tokens_per_byte:
             return estimate_tokens(rendered)
-        size = len(rendered.encode("utf-8"))
-        return max(1, size // 8, math.ceil(size * self.tokens_per_byte * 1.1))
+        context_rate = self.context_tokens_per_byte or CONSERVATIVE_TOKENS_PER_BYTE
+        guess = self.text_bytes(plan) * self.tokens_per_byte + context_bytes * context_rate
+        return max(1, len(rendered.encode("utf-8")) // 8, math.ceil(guess * 1.1))
 
-    def observe(self, plan: Plan, input_tokens: int, with_context: bool) -> None:
+    def observe(self, plan: Plan, input_tokens: int, context_bytes: int = 0) -> None:
+        """Learns from a request's exact token count; `context_bytes`: the retrieved context it held."""
         size = max(1, self.text_bytes(plan))
-        if not with_context:
+        if not context_bytes:
             rate = input_tokens / size
             self.tokens_per_byte = rate if not self.tokens_per_byte else _ema(self.tokens_per_byte, rate, self.ALPHA)
         elif self.tokens_per_byte:
@@ -263,6 +272,17 @@ class InputTokenPredictor:
             if known is None and len(self.context_tokens) >= self.MAX_COLLECTIONS:
                 self.context_tokens.pop(next(iter(self.context_tokens)))
             self.context_tokens[plan.collection] = added if known is None else _ema(known, added, self.ALPHA)
+            rate = added / context_bytes
+            self.context_tokens_per_byte = (
+                rate if not self.context_tokens_per_byte else _ema(self.context_tokens_per_byte, rate, self.ALPHA)
+            )
+
+
+def context_bytes(sources: Sequence[common_pb2.ScoredChunk]) -> int:
+    """What retrieved chunks add to a prompt's text, in bytes (their text and the instruction)."""
+    if not sources:
+        return 0
+    return len(CONTEXT_INSTRUCTION) + sum(len(chunk.text.encode("utf-8")) + 6 for chunk in sources)
 
 
 def _consume(task: asyncio.Future[Any]) -> None:
@@ -709,7 +729,7 @@ class Gateway:
         with plan.timed("tokenizer"):
             prompt, input_tokens = await self._render(plan, sources, deadline, route.tokenizer)
         if "tokenizer_estimate" not in plan.degradations:
-            self.predictor.observe(plan, input_tokens, with_context=bool(sources))
+            self.predictor.observe(plan, input_tokens, context_bytes(sources))
         if input_tokens > self.config.max_prompt_tokens:
             raise InvalidArgument(
                 [("prompt", f"{input_tokens} tokens with context; the limit is {self.config.max_prompt_tokens}")]
@@ -778,7 +798,7 @@ class Gateway:
             log.warning("tokenizer unavailable, estimating tokens locally: %s", exc.message)
             plan.degrade("tokenizer_estimate")
             text = render_chatml(messages)
-            return text, self.predictor.estimate(text)
+            return text, self.predictor.estimate(plan, context_bytes(sources), text)
 
     def _cache_suspect(self) -> bool:
         """The cache failed, ran out of budget or answered degraded in the last CACHE_SUSPECT_S,

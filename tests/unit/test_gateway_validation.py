@@ -86,13 +86,30 @@ def test_input_token_prediction_learns_tokens_per_byte_and_context_per_collectio
     rag = validate(gateway_pb2.GenerateRequest(prompt="x" * 80, collection="handbook"), CONFIG)
     size = InputTokenPredictor.text_bytes(plain)
     assert predictor.predict(plain) == predictor.predict(rag) == size // 8  # nothing seen yet: the bound
-    predictor.observe(plain, size // 4, with_context=False)  # this tokenizer: 4 bytes a token
+    predictor.observe(plain, size // 4)  # this tokenizer: 4 bytes a token
     assert predictor.predict(plain) == size // 4
     assert predictor.predict(rag) == size // 4  # no context seen for this collection yet
-    predictor.observe(rag, size // 4 + 300, with_context=True)
+    predictor.observe(rag, size // 4 + 300, context_bytes=1500)
     assert predictor.predict(rag) == size // 4 + 300
     other = validate(gateway_pb2.GenerateRequest(prompt="x" * 80, collection="other"), CONFIG)
     assert predictor.predict(other) == size // 4  # context is learned per collection
     for _ in range(60):
-        predictor.observe(plain, size // 100, with_context=False)  # learns, but never predicts below bytes / 8
+        predictor.observe(plain, size // 100)  # learns, but never predicts below bytes / 8
     assert predictor.predict(plain) == size // 8
+
+
+def test_the_local_estimate_uses_the_context_rate_not_the_short_questions_rate() -> None:
+    # A short question's rate carries the chat template's tokens (here 0.5 a byte); retrieved
+    # context is plain prose (0.2 a byte). Rendered bytes x the question's rate would overstate
+    # a RAG prompt about twofold, enough to refuse a request after its hops.
+    predictor = InputTokenPredictor()
+    plan = validate(gateway_pb2.GenerateRequest(prompt="x" * 80, collection="handbook"), CONFIG)
+    size = InputTokenPredictor.text_bytes(plan)
+    rendered = "y" * 3000
+    assert predictor.estimate(plan, 2000, rendered) == 1000  # nothing learned: 3 bytes a token
+    predictor.observe(plan, size // 2)
+    predictor.observe(plan, size // 2 + 400, context_bytes=2000)
+    exact = size // 2 + 400
+    estimate = predictor.estimate(plan, 2000, rendered)
+    assert exact <= estimate <= 1.15 * exact
+    assert estimate < 0.6 * (size + 2000) * 0.5  # the question's rate over every byte: far more
