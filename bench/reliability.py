@@ -1685,6 +1685,8 @@ def passes(result: dict[str, Any]) -> dict[str, bool]:
         out["default_budget_sheds"] = default["shed"] > 0
         out["default_budget_no_deadline_exceeded"] = default["deadline_exceeded"] == 0
         out["default_budget_lost_zero"] = default["lost"] == 0
+        out["default_budget_sheds_carry_retry_info"] = default["shed_without_retry_info"] == 0
+        out["default_budget_shed_p99_le_50ms"] = (default["shed_p99_s"] or 0) <= 0.050
     return out
 
 
