@@ -61,6 +61,9 @@ MAX_BACKGROUND_STORES = 64
 # A request that would be shed on a miss waits for the cache only this long: a refusal is fast
 # whatever state the cache is in (frozen, or its breaker still deciding).
 SHED_RISK_LOOKUP_S = 0.02
+# ...unless the cache answered that request lately and keeps answering others: then it waits up
+# to this long, still bounded so a refusal after a cache that stalls stays fast.
+KNOWN_HIT_WAIT_S = 0.1
 # After the cache failed or answered degraded, requests decide admission before looking it up
 # for this long.
 CACHE_SUSPECT_S = 1.0
@@ -419,6 +422,7 @@ class Gateway:
         self._background: set[asyncio.Task[None]] = set()
         self.stores_skipped = 0
         self._cache_slow_until = 0.0
+        self._cache_answered_at = 0.0
 
     async def model_key(self, deadline: Deadline, model: str = "") -> str:
         """Model id + weights digest + dtype of one model (a route name; "" = the default): new
@@ -531,10 +535,17 @@ class Gateway:
         )
 
     async def _lookup(
-        self, plan: Plan, scope: cache_pb2.CacheScope, deadline: Deadline, wait: float | None = None
+        self,
+        plan: Plan,
+        scope: cache_pb2.CacheScope,
+        deadline: Deadline,
+        wait: float | None = None,
+        key: bytes | None = None,
     ) -> cache_pb2.CacheLookupResponse | None:
         """A hit, or None (a miss, or the cache unavailable). `wait`: give up on the cache after
-        this long (the request is shed on a miss, so it only waits as long as a refusal may take).
+        this long (the request is shed on a miss, so it only waits as long as a refusal may take),
+        or up to KNOWN_HIT_WAIT_S while the cache keeps answering other lookups when the cache
+        answered this request (`key`) lately: it will almost surely be served, not shed.
 
         The wait, queueing behind other lookups included, never exceeds the lookup's hop budget.
         The call itself is not cancelled when the request stops waiting: it runs to its own budget
@@ -543,14 +554,24 @@ class Gateway:
         # Attributes go on the request span: the client span of the RPC already times the hop.
         span = trace.get_current_span()
         budget = self.peers.budgets.cache_lookup
+        patience = KNOWN_HIT_WAIT_S if key is not None and key in self.recent_hits else 0.0
+        asked_at = time.monotonic()
         lookup = asyncio.ensure_future(
             self.peers.cache_lookup(
                 cache_pb2.CacheLookupRequest(prompt=plan.prompt, scope=scope, allow_semantic=True), deadline
             )
         )
         lookup.add_done_callback(_consume)
+        lookup.add_done_callback(self._cache_heard)
         try:
-            found = await asyncio.wait_for(asyncio.shield(lookup), budget if wait is None else min(wait, budget))
+            try:
+                found = await asyncio.wait_for(asyncio.shield(lookup), budget if wait is None else min(wait, budget))
+            except TimeoutError:
+                # Still waiting only while the cache answered lookups asked after this one: it is
+                # busy, not frozen, and this answer is likely on its way.
+                if wait is None or wait >= budget or self._cache_answered_at <= asked_at or patience <= wait:
+                    raise
+                found = await asyncio.wait_for(asyncio.shield(lookup), min(patience, budget) - wait)
         except TimeoutError:
             if wait is not None and wait < budget:
                 return None  # the request decides without the cache; the lookup goes on
@@ -566,6 +587,11 @@ class Gateway:
         if found.degraded:
             self._cache_slow_until = time.monotonic() + CACHE_SUSPECT_S
             plan.degrade("cache_unavailable")
+        if key is not None:
+            if found.hit:
+                self.recent_hits.hit(key)
+            else:
+                self.recent_hits.missed(key)
         span.set_attribute("llmesh.cache.hit", found.hit)
         if found.hit:
             span.set_attribute("llmesh.cache.tier", common_pb2.CacheTier.Name(found.tier))
@@ -685,16 +711,12 @@ class Gateway:
             if refusal is not None and self._cache_suspect():
                 self._shed(refusal, "shed_early")
                 raise refusal
-            # A request the cache answered lately will almost surely be answered again: it costs
-            # the model nothing, so it waits for the cache as usual instead of being shed.
-            key = request_key(plan.prompt, scope)
-            wait = SHED_RISK_LOOKUP_S if refusal is not None and key not in self.recent_hits else None
+            # A request the cache answered lately will almost surely be answered again (it costs
+            # the model nothing): it waits longer, while the cache is answering (see `_lookup`).
+            wait = SHED_RISK_LOOKUP_S if refusal is not None else None
             with plan.timed("cache"):
-                hit = await self._lookup(plan, scope, deadline, wait)
-            if hit is None and "cache_unavailable" not in plan.degradations:
-                self.recent_hits.missed(key)
+                hit = await self._lookup(plan, scope, deadline, wait, request_key(plan.prompt, scope))
             if hit is not None:
-                self.recent_hits.hit(key)
                 if plan.hold is not None:
                     plan.hold.release()
                 answer = hit.answer
@@ -799,6 +821,11 @@ class Gateway:
             plan.degrade("tokenizer_estimate")
             text = render_chatml(messages)
             return text, self.predictor.estimate(plan, context_bytes(sources), text)
+
+    def _cache_heard(self, lookup: asyncio.Future[Any]) -> None:
+        """Notes when the cache last answered a lookup (the liveness a patient request waits on)."""
+        if not lookup.cancelled() and lookup.exception() is None:
+            self._cache_answered_at = time.monotonic()
 
     def _cache_suspect(self) -> bool:
         """The cache failed, ran out of budget or answered degraded in the last CACHE_SUSPECT_S,

@@ -30,6 +30,7 @@ from llmesh.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
+from services.gateway import core
 from services.gateway.core import Delta, Final
 from services.gateway.peers import Deadline
 from services.gateway.servicer import GatewayApp
@@ -76,6 +77,8 @@ class FakePeers(
         self.first_token_delay = 0.0
         self.token_interval = 0.0
         self.hit_text = ""  # a cache hit with this text when set
+        self.hit_prompts: set[str] | None = None  # ...for these prompts only (None: any)
+        self.slow_prompts: set[str] = set()  # lookups of these hang until released
         self.version = 1
         self.stored: list[cache_pb2.CacheStoreRequest] = []
         self.streams_done = 0
@@ -112,8 +115,13 @@ class FakePeers(
 
     # cache
     async def Lookup(self, request, context):  # type: ignore[no-untyped-def]
-        await self.lookup.act(context, self.release)
-        if self.hit_text and request.scope.collection_version == self.version:
+        if request.prompt in self.slow_prompts:
+            self.lookup.called.set()
+            await self.release.wait()
+        else:
+            await self.lookup.act(context, self.release)
+        hits = self.hit_prompts is None or request.prompt in self.hit_prompts
+        if self.hit_text and hits and request.scope.collection_version == self.version:
             return cache_pb2.CacheLookupResponse(
                 hit=True, tier=common_pb2.CACHE_TIER_EXACT, answer=cache_pb2.CachedAnswer(text=self.hit_text)
             )
@@ -485,19 +493,24 @@ async def test_a_request_waiting_for_the_cache_holds_its_room_and_is_not_shed_af
         no_weight_left(app)
 
 
-async def test_under_overload_a_request_the_cache_answered_lately_waits_for_its_hit_and_is_served() -> None:
-    # The limit is full. A slow cache keeps a request it answered a moment ago waiting: that one
-    # is served from the cache (it costs the model nothing); another cacheable request, unknown,
-    # gives up on the cache after its short wait and is shed.
+async def test_under_overload_a_request_the_cache_answered_lately_waits_for_its_hit_and_is_served(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The limit is full. The cache is slow with a request it answered a moment ago but answers
+    # others: that one keeps waiting past the short wait and is served from the cache (it costs
+    # the model nothing); another cacheable request, unknown, misses and is shed at once.
+    monkeypatch.setattr(core, "SHED_RISK_LOOKUP_S", 0.3)  # wide enough for a loaded machine
+    monkeypatch.setattr(core, "KNOWN_HIT_WAIT_S", 4.0)
     env = {"LLMESH_HOP_CACHE_LOOKUP_SECONDS": "5", "LLMESH_ADMISSION_INITIAL_IN_FLIGHT": "640"}
     async with fake_mesh(**env) as (fake, app, _):
-        fake.hit_text = "Thirty days."
+        known_prompt = ask().prompt
+        fake.hit_text, fake.hit_prompts = "Thirty days.", {known_prompt}
         first = await run(app, ask(max_new_tokens=64), 10)
         assert first.response.cache.hit
         fake.generate.mode = "hang"
         busy = asyncio.create_task(run(app, ask(max_new_tokens=64, use_cache=False, use_retrieval=False), 20))
         await fake.generate.called.wait()  # the in-flight limit is now full
-        fake.lookup.mode = "hang"
+        fake.slow_prompts.add(known_prompt)
         fake.lookup.called.clear()
         known = asyncio.create_task(run(app, ask(max_new_tokens=64), 10))
         await fake.lookup.called.wait()
@@ -506,10 +519,32 @@ async def test_under_overload_a_request_the_cache_answered_lately_waits_for_its_
         with pytest.raises(LlmeshError) as shed:
             await run(app, unknown, 10)
         assert shed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert not known.done()  # still waiting for the cache, not shed
+        done, _ = await asyncio.wait({known}, timeout=0.6)  # past the short wait: still waiting
+        assert not done
         fake.release.set()
         served = await known
         assert served.response.cache.hit and served.response.text == "Thirty days."
+        busy.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await busy
+        no_weight_left(app)
+
+
+async def test_under_overload_a_request_the_cache_answered_lately_gives_up_on_a_frozen_cache_early() -> None:
+    env = {"LLMESH_HOP_CACHE_LOOKUP_SECONDS": "5", "LLMESH_ADMISSION_INITIAL_IN_FLIGHT": "640"}
+    async with fake_mesh(**env) as (fake, app, _):
+        fake.hit_text = "Thirty days."
+        assert (await run(app, ask(max_new_tokens=64), 10)).response.cache.hit
+        fake.generate.mode = "hang"
+        busy = asyncio.create_task(run(app, ask(max_new_tokens=64, use_cache=False, use_retrieval=False), 20))
+        await fake.generate.called.wait()  # the in-flight limit is now full
+        fake.lookup.mode = "hang"  # frozen: it answers nobody
+        deadline = Deadline.after(10)
+        with pytest.raises(LlmeshError) as shed:
+            async for _ in app.gateway.generate(ask(max_new_tokens=64), deadline):
+                pass
+        assert shed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert deadline.remaining() > 9  # the short wait, not the cache's 5 s budget
         busy.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await busy
