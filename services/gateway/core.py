@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import re
@@ -61,9 +62,9 @@ MAX_BACKGROUND_STORES = 64
 # A request that would be shed on a miss waits for the cache only this long: a refusal is fast
 # whatever state the cache is in (frozen, or its breaker still deciding).
 SHED_RISK_LOOKUP_S = 0.02
-# ...unless the cache answered that request lately and keeps answering others: then it waits up
-# to this long, still bounded so a refusal after a cache that stalls stays fast.
-KNOWN_HIT_WAIT_S = 0.1
+# ...unless the cache answered that request lately and has since answered a lookup asked after
+# it (busy, not frozen): then it waits up to this long, so a refusal stays fast.
+KNOWN_HIT_WAIT_S = 0.05
 # After the cache failed or answered degraded, requests decide admission before looking it up
 # for this long.
 CACHE_SUSPECT_S = 1.0
@@ -422,7 +423,7 @@ class Gateway:
         self._background: set[asyncio.Task[None]] = set()
         self.stores_skipped = 0
         self._cache_slow_until = 0.0
-        self._cache_answered_at = 0.0
+        self._cache_answered_asked_at = 0.0
 
     async def model_key(self, deadline: Deadline, model: str = "") -> str:
         """Model id + weights digest + dtype of one model (a route name; "" = the default): new
@@ -544,8 +545,8 @@ class Gateway:
     ) -> cache_pb2.CacheLookupResponse | None:
         """A hit, or None (a miss, or the cache unavailable). `wait`: give up on the cache after
         this long (the request is shed on a miss, so it only waits as long as a refusal may take),
-        or up to KNOWN_HIT_WAIT_S while the cache keeps answering other lookups when the cache
-        answered this request (`key`) lately: it will almost surely be served, not shed.
+        or up to KNOWN_HIT_WAIT_S, once the cache has answered a lookup asked after this one, when
+        the cache answered this request (`key`) lately: it will almost surely be served, not shed.
 
         The wait, queueing behind other lookups included, never exceeds the lookup's hop budget.
         The call itself is not cancelled when the request stops waiting: it runs to its own budget
@@ -562,14 +563,14 @@ class Gateway:
             )
         )
         lookup.add_done_callback(_consume)
-        lookup.add_done_callback(self._cache_heard)
+        lookup.add_done_callback(functools.partial(self._cache_heard, asked_at))
         try:
             try:
                 found = await asyncio.wait_for(asyncio.shield(lookup), budget if wait is None else min(wait, budget))
             except TimeoutError:
-                # Still waiting only while the cache answered lookups asked after this one: it is
+                # Still waiting only once the cache answered a lookup asked after this one: it is
                 # busy, not frozen, and this answer is likely on its way.
-                if wait is None or wait >= budget or self._cache_answered_at <= asked_at or patience <= wait:
+                if wait is None or wait >= budget or self._cache_answered_asked_at <= asked_at or patience <= wait:
                     raise
                 found = await asyncio.wait_for(asyncio.shield(lookup), min(patience, budget) - wait)
         except TimeoutError:
@@ -822,10 +823,11 @@ class Gateway:
             text = render_chatml(messages)
             return text, self.predictor.estimate(plan, context_bytes(sources), text)
 
-    def _cache_heard(self, lookup: asyncio.Future[Any]) -> None:
-        """Notes when the cache last answered a lookup (the liveness a patient request waits on)."""
-        if not lookup.cancelled() and lookup.exception() is None:
-            self._cache_answered_at = time.monotonic()
+    def _cache_heard(self, asked_at: float, lookup: asyncio.Future[Any]) -> None:
+        """Notes the latest lookup the cache answered in full (not degraded), by when it was asked:
+        the liveness a patient request waits on."""
+        if not lookup.cancelled() and lookup.exception() is None and not lookup.result().degraded:
+            self._cache_answered_asked_at = max(self._cache_answered_asked_at, asked_at)
 
     def _cache_suspect(self) -> bool:
         """The cache failed, ran out of budget or answered degraded in the last CACHE_SUSPECT_S,
