@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import math
 import re
@@ -62,8 +61,8 @@ MAX_BACKGROUND_STORES = 64
 # A request that would be shed on a miss waits for the cache only this long: a refusal is fast
 # whatever state the cache is in (frozen, or its breaker still deciding).
 SHED_RISK_LOOKUP_S = 0.02
-# ...unless the cache answered that request lately and has since answered a lookup asked after
-# it (busy, not frozen): then it waits up to this long, so a refusal stays fast.
+# ...unless the cache answered that request lately and answers other lookups meanwhile (busy,
+# not frozen): then it waits up to this long, so a refusal stays fast.
 KNOWN_HIT_WAIT_S = 0.05
 # After the cache failed or answered degraded, requests decide admission before looking it up
 # for this long.
@@ -423,7 +422,7 @@ class Gateway:
         self._background: set[asyncio.Task[None]] = set()
         self.stores_skipped = 0
         self._cache_slow_until = 0.0
-        self._cache_answered_asked_at = 0.0
+        self._cache_answered_at = 0.0
 
     async def model_key(self, deadline: Deadline, model: str = "") -> str:
         """Model id + weights digest + dtype of one model (a route name; "" = the default): new
@@ -545,7 +544,7 @@ class Gateway:
     ) -> cache_pb2.CacheLookupResponse | None:
         """A hit, or None (a miss, or the cache unavailable). `wait`: give up on the cache after
         this long (the request is shed on a miss, so it only waits as long as a refusal may take),
-        or up to KNOWN_HIT_WAIT_S, once the cache has answered a lookup asked after this one, when
+        or up to KNOWN_HIT_WAIT_S, if the cache answered another lookup meanwhile, when
         the cache answered this request (`key`) lately: it will almost surely be served, not shed.
 
         The wait, queueing behind other lookups included, never exceeds the lookup's hop budget.
@@ -563,14 +562,15 @@ class Gateway:
             )
         )
         lookup.add_done_callback(_consume)
-        lookup.add_done_callback(functools.partial(self._cache_heard, asked_at))
+        lookup.add_done_callback(self._cache_heard)
         try:
             try:
                 found = await asyncio.wait_for(asyncio.shield(lookup), budget if wait is None else min(wait, budget))
             except TimeoutError:
-                # Still waiting only once the cache answered a lookup asked after this one: it is
-                # busy, not frozen, and this answer is likely on its way.
-                if wait is None or wait >= budget or self._cache_answered_asked_at <= asked_at or patience <= wait:
+                # Still waiting only if the cache answered some lookup since this one was asked
+                # (lookups go out in batches, so not necessarily a later one): it is busy, not
+                # frozen, and this answer is likely on its way.
+                if wait is None or wait >= budget or self._cache_answered_at <= asked_at or patience <= wait:
                     raise
                 found = await asyncio.wait_for(asyncio.shield(lookup), min(patience, budget) - wait)
         except TimeoutError:
@@ -823,11 +823,11 @@ class Gateway:
             text = render_chatml(messages)
             return text, self.predictor.estimate(plan, context_bytes(sources), text)
 
-    def _cache_heard(self, asked_at: float, lookup: asyncio.Future[Any]) -> None:
-        """Notes the latest lookup the cache answered in full (not degraded), by when it was asked:
-        the liveness a patient request waits on."""
+    def _cache_heard(self, lookup: asyncio.Future[Any]) -> None:
+        """Notes when the cache last answered a lookup in full (not degraded): the liveness a
+        patient request waits on."""
         if not lookup.cancelled() and lookup.exception() is None and not lookup.result().degraded:
-            self._cache_answered_asked_at = max(self._cache_answered_asked_at, asked_at)
+            self._cache_answered_at = time.monotonic()
 
     def _cache_suspect(self) -> bool:
         """The cache failed, ran out of budget or answered degraded in the last CACHE_SUSPECT_S,
