@@ -61,9 +61,11 @@ MAX_BACKGROUND_STORES = 64
 # A request that would be shed on a miss waits for the cache only this long: a refusal is fast
 # whatever state the cache is in (frozen, or its breaker still deciding).
 SHED_RISK_LOOKUP_S = 0.02
-# ...unless the cache answered that request lately and answers other lookups meanwhile (busy,
-# not frozen): then it waits up to this long, so a refusal stays fast.
+# ...unless the cache answered that request lately and keeps answering other lookups (busy, not
+# frozen): then it waits up to this long in all, so a refusal stays fast...
 KNOWN_HIT_WAIT_S = 0.05
+# ...checking every this long that the cache answered something within the last this long.
+CACHE_ALIVE_S = 0.01
 # After the cache failed or answered degraded, requests decide admission before looking it up
 # for this long.
 CACHE_SUSPECT_S = 1.0
@@ -544,7 +546,7 @@ class Gateway:
     ) -> cache_pb2.CacheLookupResponse | None:
         """A hit, or None (a miss, or the cache unavailable). `wait`: give up on the cache after
         this long (the request is shed on a miss, so it only waits as long as a refusal may take),
-        or up to KNOWN_HIT_WAIT_S, if the cache answered another lookup meanwhile, when
+        or up to KNOWN_HIT_WAIT_S while the cache keeps answering other lookups, when
         the cache answered this request (`key`) lately: it will almost surely be served, not shed.
 
         The wait, queueing behind other lookups included, never exceeds the lookup's hop budget.
@@ -567,12 +569,9 @@ class Gateway:
             try:
                 found = await asyncio.wait_for(asyncio.shield(lookup), budget if wait is None else min(wait, budget))
             except TimeoutError:
-                # Still waiting only if the cache answered some lookup since this one was asked
-                # (lookups go out in batches, so not necessarily a later one): it is busy, not
-                # frozen, and this answer is likely on its way.
-                if wait is None or wait >= budget or self._cache_answered_at <= asked_at or patience <= wait:
+                if wait is None or wait >= budget:
                     raise
-                found = await asyncio.wait_for(asyncio.shield(lookup), min(patience, budget) - wait)
+                found = await self._wait_while_cache_answers(lookup, asked_at + min(patience, budget))
         except TimeoutError:
             if wait is not None and wait < budget:
                 return None  # the request decides without the cache; the lookup goes on
@@ -822,6 +821,21 @@ class Gateway:
             plan.degrade("tokenizer_estimate")
             text = render_chatml(messages)
             return text, self.predictor.estimate(plan, context_bytes(sources), text)
+
+    async def _wait_while_cache_answers(
+        self, lookup: asyncio.Future[cache_pb2.CacheLookupResponse], until: float
+    ) -> cache_pb2.CacheLookupResponse:
+        """Waits for `lookup` in steps of CACHE_ALIVE_S, each only while the cache answered some
+        other lookup in full within the last step (it is busy, not frozen: this answer is likely
+        on its way; lookups go out in batches), until `until`; raises TimeoutError when it stops."""
+        while True:
+            now = time.monotonic()
+            if now >= until or now - self._cache_answered_at > CACHE_ALIVE_S:
+                raise TimeoutError
+            try:
+                return await asyncio.wait_for(asyncio.shield(lookup), min(CACHE_ALIVE_S, until - now))
+            except TimeoutError:
+                continue
 
     def _cache_heard(self, lookup: asyncio.Future[Any]) -> None:
         """Notes when the cache last answered a lookup in full (not degraded): the liveness a
