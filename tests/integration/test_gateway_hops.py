@@ -194,6 +194,20 @@ async def run(app: GatewayApp, request: gateway_pb2.GenerateRequest, seconds: fl
     return final
 
 
+@contextlib.asynccontextmanager
+async def limit_filled(fake: FakePeers, app: GatewayApp) -> AsyncIterator[None]:
+    """One request hangs in inference for the block, filling an in-flight limit of 640."""
+    fake.generate.mode = "hang"
+    busy = asyncio.create_task(run(app, ask(max_new_tokens=64, use_cache=False, use_retrieval=False), 20))
+    await fake.generate.called.wait()
+    try:
+        yield
+    finally:
+        busy.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await busy
+
+
 def no_weight_left(app: GatewayApp) -> None:
     window = app.window
     assert window.held() == 0  # type: ignore[union-attr]
@@ -431,19 +445,14 @@ async def test_a_cancelled_request_releases_its_hold_and_reservation() -> None:
 async def test_a_request_that_would_be_shed_on_a_miss_does_not_wait_for_a_frozen_cache() -> None:
     env = {"LLMESH_HOP_CACHE_LOOKUP_SECONDS": "5", "LLMESH_ADMISSION_INITIAL_IN_FLIGHT": "640"}
     async with fake_mesh(**env) as (fake, app, _):
-        fake.generate.mode = "hang"
-        busy = asyncio.create_task(run(app, ask(max_new_tokens=64, use_cache=False, use_retrieval=False), 10))
-        await fake.generate.called.wait()  # the in-flight limit is now full
-        fake.lookup.mode = "hang"
-        deadline = Deadline.after(10)
-        with pytest.raises(LlmeshError) as shed:
-            async for _ in app.gateway.generate(ask(max_new_tokens=64, use_retrieval=False), deadline):
-                pass
-        assert shed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert deadline.remaining() > 9  # not the cache's 5 s budget: it would be shed on a miss anyway
-        busy.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await busy
+        async with limit_filled(fake, app):  # the in-flight limit is now full
+            fake.lookup.mode = "hang"
+            deadline = Deadline.after(10)
+            with pytest.raises(LlmeshError) as shed:
+                async for _ in app.gateway.generate(ask(max_new_tokens=64, use_retrieval=False), deadline):
+                    pass
+            assert shed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert deadline.remaining() > 9  # not the cache's 5 s budget: it would be shed on a miss anyway
         no_weight_left(app)
 
 
@@ -455,22 +464,17 @@ async def test_a_frozen_cache_is_cut_off_though_every_request_gives_up_on_it_ear
         breaker = app.peers.breakers["cache"]
         opened = asyncio.Event()
         breaker.on_transition.append(lambda old, new, reason: opened.set() if new.value == "open" else None)
-        fake.generate.mode = "hang"
-        busy = asyncio.create_task(run(app, ask(max_new_tokens=64, use_cache=False, use_retrieval=False), 20))
-        await fake.generate.called.wait()  # the in-flight limit is now full
-        fake.lookup.mode = "hang"
-        for _ in range(8):
-            if opened.is_set():
-                break
-            with pytest.raises(LlmeshError) as shed:
-                await run(app, ask(max_new_tokens=64, use_retrieval=False), 10)
-            assert shed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(opened.wait(), 0.5)
-        assert opened.is_set() and breaker.state.value == "open"
-        busy.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await busy
+        async with limit_filled(fake, app):  # the in-flight limit is now full
+            fake.lookup.mode = "hang"
+            for _ in range(8):
+                if opened.is_set():
+                    break
+                with pytest.raises(LlmeshError) as shed:
+                    await run(app, ask(max_new_tokens=64, use_retrieval=False), 10)
+                assert shed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(opened.wait(), 0.5)
+            assert opened.is_set() and breaker.state.value == "open"
         no_weight_left(app)
 
 
@@ -510,26 +514,21 @@ async def test_under_overload_a_request_the_cache_answered_lately_waits_for_its_
         fake.hit_text, fake.hit_prompts = "Thirty days.", {known_prompt}
         first = await run(app, ask(max_new_tokens=64), 10)
         assert first.response.cache.hit
-        fake.generate.mode = "hang"
-        busy = asyncio.create_task(run(app, ask(max_new_tokens=64, use_cache=False, use_retrieval=False), 20))
-        await fake.generate.called.wait()  # the in-flight limit is now full
-        fake.slow_prompts.add(known_prompt)
-        fake.lookup.called.clear()
-        known = asyncio.create_task(run(app, ask(max_new_tokens=64), 10))
-        await fake.lookup.called.wait()
-        unknown = ask(max_new_tokens=64)
-        unknown.prompt = "Do you ship abroad?"
-        with pytest.raises(LlmeshError) as shed:
-            await run(app, unknown, 10)
-        assert shed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        done, _ = await asyncio.wait({known}, timeout=0.6)  # past the short wait: still waiting
-        assert not done
-        fake.release.set()
-        served = await known
-        assert served.response.cache.hit and served.response.text == "Thirty days."
-        busy.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await busy
+        async with limit_filled(fake, app):  # the in-flight limit is now full
+            fake.slow_prompts.add(known_prompt)
+            fake.lookup.called.clear()
+            known = asyncio.create_task(run(app, ask(max_new_tokens=64), 10))
+            await fake.lookup.called.wait()
+            unknown = ask(max_new_tokens=64)
+            unknown.prompt = "Do you ship abroad?"
+            with pytest.raises(LlmeshError) as shed:
+                await run(app, unknown, 10)
+            assert shed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            done, _ = await asyncio.wait({known}, timeout=0.6)  # past the short wait: still waiting
+            assert not done
+            fake.release.set()
+            served = await known
+            assert served.response.cache.hit and served.response.text == "Thirty days."
         no_weight_left(app)
 
 
@@ -538,19 +537,14 @@ async def test_under_overload_a_request_the_cache_answered_lately_gives_up_on_a_
     async with fake_mesh(**env) as (fake, app, _):
         fake.hit_text = "Thirty days."
         assert (await run(app, ask(max_new_tokens=64), 10)).response.cache.hit
-        fake.generate.mode = "hang"
-        busy = asyncio.create_task(run(app, ask(max_new_tokens=64, use_cache=False, use_retrieval=False), 20))
-        await fake.generate.called.wait()  # the in-flight limit is now full
-        fake.lookup.mode = "hang"  # frozen: it answers nobody
-        deadline = Deadline.after(10)
-        with pytest.raises(LlmeshError) as shed:
-            async for _ in app.gateway.generate(ask(max_new_tokens=64), deadline):
-                pass
-        assert shed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert deadline.remaining() > 9  # the short wait, not the cache's 5 s budget
-        busy.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await busy
+        async with limit_filled(fake, app):  # the in-flight limit is now full
+            fake.lookup.mode = "hang"  # frozen: it answers nobody
+            deadline = Deadline.after(10)
+            with pytest.raises(LlmeshError) as shed:
+                async for _ in app.gateway.generate(ask(max_new_tokens=64), deadline):
+                    pass
+            assert shed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert deadline.remaining() > 9  # the short wait, not the cache's 5 s budget
         no_weight_left(app)
 
 
