@@ -85,9 +85,13 @@ def _die_with_parent() -> None:
 class EmbeddedRedis:
     """One server child process, loopback only, persisted under `<data dir>/redis`."""
 
-    def __init__(self, port: int, directory: Path) -> None:
+    def __init__(self, port: int, directory: Path, *, databases: int = 16, persist: bool = True) -> None:
+        """`databases`: how many numbered databases it serves (the test suite gives each test its
+        own); `persist=False`: no snapshot (a scratch server that starts empty every time)."""
         self.port = port
         self.directory = directory
+        self.databases = databases
+        self.persist = persist
         self.proc: subprocess.Popen[bytes] | None = None
 
     @classmethod
@@ -126,7 +130,8 @@ class EmbeddedRedis:
             "--daemonize", "no",
             "--dir", str(self.directory),
             "--dbfilename", "dump.rdb",
-            "--save", *SAVE_POINTS,
+            "--databases", str(self.databases),
+            "--save", *(SAVE_POINTS if self.persist else ("",)),
             "--appendonly", "no",
             "--pidfile", str(self.directory / "redis.pid"),
             "--logfile", str(self.log_path),
