@@ -34,7 +34,7 @@ def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from llmesh.redis_server import EmbeddedRedisError
+    from llmesh.redis_server import EmbeddedRedisError, redacted
     from llmesh.settings import DEFAULT_PORTS
     from llmesh.supervisor import LogEcho
     from llmesh.supervisor import Mesh as Processes
@@ -63,7 +63,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"mesh ready in {time.perf_counter() - started:.1f}s (Ctrl-C stops)",
         gateway=procs.target("gateway"),
         openai_api=openai_api,
-        redis=procs.redis.url if procs.redis else "LLMESH_REDIS_URL",
+        redis=redacted(procs.redis.url) if procs.redis else "LLMESH_REDIS_URL",
     )
     if procs.models:
         say("models: " + ", ".join(f"{m} at {procs.target(f'inference/{m}')}" for m in procs.models))

@@ -235,6 +235,12 @@ def _aliases(raw: str) -> dict[str, tuple[str, ...]]:
     return aliases
 
 
+def _memory(raw: str) -> str:
+    if not re.fullmatch(r"\d+(b|kb|mb|gb)?", raw.strip().lower()):
+        raise ValueError("expected a size such as 256mb or 2gb (0: no cap)")
+    return raw.strip().lower()
+
+
 def _text(raw: str) -> str:
     return raw
 
@@ -752,6 +758,23 @@ DECLARED: tuple[Setting, ...] = (
         "$LLMESH_DATA_DIR/redis) that `llmesh up` runs when LLMESH_REDIS_URL is empty.",
         ("cache", "gateway"),
         _positive_int,
+    ),
+    Setting(
+        "LLMESH_EMBEDDED_REDIS_STATE_PORT",
+        "6381",
+        "Loopback port of the embedded Redis for the gateways' shared admission window and key limits "
+        "(LLMESH_ADMISSION_REDIS_URL=embedded): its own server, which never evicts, under "
+        "$LLMESH_DATA_DIR/redis-state.",
+        ("gateway",),
+        _positive_int,
+    ),
+    Setting(
+        "LLMESH_EMBEDDED_REDIS_MAXMEMORY",
+        "256mb",
+        "Memory cap of the embedded cache Redis (`256mb`, `2gb`; `0`: none); past it the least recently "
+        "used cached answers are evicted.",
+        ("cache",),
+        _memory,
     ),
     Setting(
         "LLMESH_REDIS_TIMEOUT_SECONDS",
