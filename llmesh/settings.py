@@ -401,7 +401,7 @@ DECLARED: tuple[Setting, ...] = (
     Setting(
         "LLMESH_API_KEYS_FILE",
         "",
-        "API keys file (`llmesh keys create|list|revoke` edits it): each key as its sha256, with its id, "
+        "API keys file (`llmesh keys` creates, lists and revokes keys in it): each key as its sha256, with its id, "
         "tenant, models and limits (rpm, tpm, tpd); re-read on change, no restart. Set, it turns "
         "authentication on even while it holds no key.",
         ("gateway",),
@@ -420,6 +420,13 @@ DECLARED: tuple[Setting, ...] = (
         "reads the cluster's back; a key near a limit asks Redis on every request.",
         ("gateway",),
         _positive_float,
+    ),
+    Setting(
+        "LLMESH_USAGE_METRICS",
+        "true",
+        "Usage counters per tenant and model on /metrics (false: only the access log says who used what).",
+        ("gateway",),
+        _bool,
     ),
     Setting(
         "LLMESH_USAGE_MAX_TENANTS",

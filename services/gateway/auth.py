@@ -25,6 +25,11 @@ ANY_TENANT = "*"
 log = logging.getLogger("llmesh.gateway")
 
 KEYS_LOADED = Gauge("llmesh_gateway_api_keys", "API keys the gateway accepts, by where they come from.", ["source"])
+KEYS_FILE_VALID = Gauge(
+    "llmesh_gateway_api_keys_file_valid",
+    "1 while the API keys file on disk is the one in force; 0 after a change failed to parse (the previous "
+    "keys stay in force).",
+)
 KEYS_RELOADS = Counter(
     "llmesh_gateway_api_keys_reloads", "Re-reads of the API keys file after it changed, by result.", ["result"]
 )
@@ -173,6 +178,7 @@ class KeyRing:
         if self.path is not None:
             self._stamp = self._stat()
             self.keys = self.env.merged(ApiKeys.from_records(keys_file.load(self.path)))  # errors: refuse to start
+            KEYS_FILE_VALID.set(1)
         self._published()
 
     def _stat(self) -> tuple[int, int, int] | None:
@@ -199,10 +205,12 @@ class KeyRing:
             records = keys_file.load(self.path)
         except keys_file.KeysFileError as exc:
             KEYS_RELOADS.labels("error").inc()
+            KEYS_FILE_VALID.set(0)
             log.error("API keys file not reloaded, the previous keys stay in force: %s", exc)
             return False
         self.keys = self.env.merged(ApiKeys.from_records(records))
         KEYS_RELOADS.labels("ok").inc()
+        KEYS_FILE_VALID.set(1)
         self._published()
         log.info(
             "API keys reloaded",

@@ -176,7 +176,7 @@ class GatewayApp:
             self.api_keys = KeyRing(s.api_keys, s.api_keys_file, s.api_keys_reload_seconds)
         except ValueError as exc:
             raise SettingsError(f"invalid settings: LLMESH_API_KEYS_FILE: {exc}") from None
-        usage = UsageMeter(self.limiter, TenantLabels(s.usage_max_tenants, self.api_keys.tenants))
+        usage = UsageMeter(self.limiter, TenantLabels(s.usage_max_tenants, self.api_keys.tenants), s.usage_metrics)
         self._watch: asyncio.Task[None] | None = None
         config = GatewayConfig(
             default_collection=s.default_collection,

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from prometheus_client import Counter
 
 from llmesh.errors import LlmeshError, ResourceExhausted
-from llmesh.v1 import gateway_pb2
+from llmesh.v1 import common_pb2, gateway_pb2
 from services.gateway.auth import ANONYMOUS, Caller
 from services.gateway.limits import KeyLimiter, KeyLimitExceeded
 
@@ -65,9 +65,12 @@ class TenantLabels:
 class UsageMeter:
     """Per-key limits before a request, counters and the access line after it."""
 
-    def __init__(self, limiter: KeyLimiter | None = None, labels: TenantLabels | None = None) -> None:
+    def __init__(
+        self, limiter: KeyLimiter | None = None, labels: TenantLabels | None = None, counters: bool = True
+    ) -> None:
         self.limiter = limiter or KeyLimiter()
         self.labels = labels or TenantLabels(100)
+        self.counters = counters  # LLMESH_USAGE_METRICS
 
     async def admit(self, caller: Caller | None) -> None:
         """KeyLimitExceeded when the caller's key is over one of its limits."""
@@ -88,9 +91,19 @@ class UsageMeter:
         """Counts one request and writes its access line. `model`: the label of the model that
         answered (or was asked for, when none did)."""
         caller = caller or Caller(ANONYMOUS, tenant)
+        usage = response.usage if response is not None else None
+        if usage is not None:
+            self.limiter.record(caller.key.id, caller.key.limits, usage.input_tokens + usage.output_tokens)
+        if self.counters:
+            self._count(caller, model, outcome, usage, error)
+        if access.isEnabledFor(logging.INFO):
+            self._access(caller, model, outcome, tier, response, error, elapsed)
+
+    def _count(
+        self, caller: Caller, model: str, outcome: str, usage: common_pb2.Usage | None, error: BaseException | None
+    ) -> None:
         labels = (self.labels(caller.tenant), model)
         REQUESTS.labels(*labels).inc()
-        usage = response.usage if response is not None else None
         if usage is not None:
             if usage.input_tokens:
                 INPUT_TOKENS.labels(*labels).inc(usage.input_tokens)
@@ -99,15 +112,23 @@ class UsageMeter:
             saved = usage.cached_input_tokens + usage.cached_output_tokens
             if saved:
                 SAVED_TOKENS.labels(*labels).inc(saved)
-            self.limiter.record(caller.key.id, caller.key.limits, usage.input_tokens + usage.output_tokens)
         if isinstance(error, KeyLimitExceeded):
             LIMITED.labels(*labels, error.limit).inc()
         elif isinstance(error, ResourceExhausted):
             SHED.labels(*labels).inc()
         elif outcome not in ("ok", "cancelled"):
             ERRORS.labels(*labels).inc()
-        if not access.isEnabledFor(logging.INFO):
-            return
+
+    def _access(
+        self,
+        caller: Caller,
+        model: str,
+        outcome: str,
+        tier: str,
+        response: gateway_pb2.GenerateResponse | None,
+        error: BaseException | None,
+        elapsed: float,
+    ) -> None:
         fields: dict[str, object] = {
             "event": "generate",
             "tenant": caller.tenant,
