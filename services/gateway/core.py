@@ -119,6 +119,8 @@ class Plan:
     ticket: Ticket | None = None
     # Milliseconds spent per hop, returned to the caller as `server-timing` metadata.
     timings: dict[str, float] = field(default_factory=dict)
+    # issue 29: tokens spent so far, counted for a request that ends without its final message.
+    spent: common_pb2.Usage = field(default_factory=common_pb2.Usage)
 
     @contextlib.contextmanager
     def timed(self, hop: str) -> Iterator[None]:
@@ -661,9 +663,10 @@ class Gateway:
         label = self._label(request.model)
         response: gateway_pb2.GenerateResponse | None = None
         error: BaseException | None = None
+        attempts: list[Plan] = []
         try:
             await self.usage.admit(caller)  # issue 29: the key's own limits, before any work
-            async for event in self._generate(request, deadline, caller):
+            async for event in self._generate(request, deadline, caller, attempts):
                 if isinstance(event, Final):
                     tier = (
                         "none"
@@ -687,11 +690,23 @@ class Gateway:
             if outcome == "ok":
                 metrics.REQUEST_DURATION.labels(tier, label).observe(elapsed, trace_exemplar())
             # issue 29: usage per tenant and model, the key's tokens, one access-log line per request.
+            # A request that ended early (cancelled, failed mid-stream) is billed what it spent.
+            if response is None and any(p.spent.input_tokens for p in attempts):
+                spent = common_pb2.Usage(
+                    input_tokens=sum(p.spent.input_tokens for p in attempts),
+                    output_tokens=sum(p.spent.output_tokens for p in attempts),
+                )
+                response = gateway_pb2.GenerateResponse(usage=spent, trace_id=current_trace_id())
             self.usage.finish(caller, request.tenant or "default", label, outcome, tier, response, error, elapsed)
 
     async def _generate(
-        self, request: gateway_pb2.GenerateRequest, deadline: Deadline, caller: Caller | None = None
+        self,
+        request: gateway_pb2.GenerateRequest,
+        deadline: Deadline,
+        caller: Caller | None = None,
+        attempts: list[Plan] | None = None,
     ) -> AsyncIterator[Delta | Final]:
+        attempts = [] if attempts is None else attempts
         # --- issue 29: the key's models; an alias tries its models in order (model_fallback).
         requested = request.model or self.default_model
         if caller is not None and requested and not caller.key.allows(requested):
@@ -702,7 +717,8 @@ class Gateway:
             )
         chain = self.aliases.get(request.model)
         if chain is None:
-            async for event in self._attempt(validate(request, self.config), deadline):
+            attempts.append(validate(request, self.config))
+            async for event in self._attempt(attempts[-1], deadline):
                 yield event
             return
         for i, name in enumerate(chain):
@@ -712,6 +728,7 @@ class Gateway:
                 continue
             plan = validate(request, self.config)
             plan.model = name
+            attempts.append(plan)
             if name != chain[0]:
                 plan.degrade("model_fallback")
             answered = False
@@ -844,6 +861,8 @@ class Gateway:
                 if message.finish_reason and message.usage.output_tokens:
                     step = max(step, message.usage.output_tokens - generated)
                 generated += step
+                # issue 29: what the request spent once inference answered, billed if it ends early.
+                plan.spent.input_tokens, plan.spent.output_tokens = input_tokens, generated
                 if plan.ticket is not None:
                     plan.ticket.progress(step)
                 if message.text:

@@ -130,6 +130,7 @@ async def test_a_key_past_its_rpm_limit_is_refused_on_both_apis_and_its_neighbou
     limited, limited_key = keys_file.create(path, "acme", rpm=2, name="limited")
     _, neighbour = keys_file.create(path, "acme", name="neighbour")
     _, http_limited = keys_file.create(path, "acme", rpm=2)
+    _, second_only = keys_file.create(path, "acme", models=(SECOND,))
     async with first_inference(mesh) as first, gateway(mesh, first, redis_url, LLMESH_API_KEYS_FILE=str(path)) as gw:
         async with grpc_stub(gw) as stub:
             for i in range(2):
@@ -143,6 +144,11 @@ async def test_a_key_past_its_rpm_limit_is_refused_on_both_apis_and_its_neighbou
             assert info["error_info"].metadata["key_id"] == limited.id  # type: ignore[attr-defined]
             delay = info["retry_info"].retry_delay  # type: ignore[attr-defined]
             assert 0 < delay.seconds + delay.nanos / 1e9 <= 60
+            # A key that names its models may use those only.
+            with pytest.raises(grpc.aio.AioRpcError) as not_allowed:
+                await stub.Generate(ask("hello", FIRST), metadata=bearer(second_only), timeout=60)
+            assert not_allowed.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert (await stub.Generate(ask("hello", SECOND), metadata=bearer(second_only), timeout=60)).text
             # Another key of the same tenant is not limited by it.
             for i in range(4):
                 reply = await stub.Generate(ask(f"hello {i}", FIRST), metadata=bearer(neighbour), timeout=60)
@@ -353,3 +359,26 @@ async def _streamed_usage(
                 extension = chunk.get("llmesh", {}).get("usage", extension)
     assert usage and extension, "no usage in the stream"
     return usage, extension
+
+
+async def test_a_stream_cancelled_midway_is_billed_what_it_generated(mesh: dict[str, Any], redis_url: str) -> None:
+    tenant = "usage-cancel"
+    out = ("llmesh_gateway_tenant_output_tokens_total", {"tenant": tenant, "model": FIRST})
+    before_in = _sample("llmesh_gateway_tenant_input_tokens_total", tenant=tenant, model=FIRST)
+    before_out = _sample(out[0], **out[1])
+    async with first_inference(mesh) as first, gateway(mesh, first, redis_url) as gw, grpc_stub(gw) as stub:
+        request = ask("Tell me a very long story", FIRST, tokens=400, use_cache=False, tenant=tenant)
+        request.sampling.ignore_eos = True
+        call = stub.GenerateStream(request, timeout=60)
+        deltas = 0
+        async for message in call:
+            deltas += bool(message.delta)
+            if deltas == 3:
+                break
+        call.cancel()
+        started = time.monotonic()
+        while _sample(out[0], **out[1]) == before_out:  # counted when the gateway's pipeline ends
+            assert time.monotonic() - started < 10, "a cancelled stream's tokens were never counted"
+            await asyncio.sleep(0.05)
+    assert _sample("llmesh_gateway_tenant_input_tokens_total", tenant=tenant, model=FIRST) > before_in
+    assert 3 <= _sample(out[0], **out[1]) - before_out < 400
