@@ -665,8 +665,16 @@ class Gateway:
         error: BaseException | None = None
         attempts: list[Plan] = []
         try:
-            await self.usage.admit(caller)  # issue 29: the key's own limits, before any work
-            async for event in self._generate(request, deadline, caller, attempts):
+            # issue 29: the key's models, then its own limits, before any work.
+            requested = request.model or self.default_model
+            if caller is not None and requested and not caller.key.allows(requested):
+                raise PermissionDenied(
+                    f"API key {caller.key_id} may not use model {requested!r}",
+                    reason="MODEL_NOT_ALLOWED",
+                    metadata={"model": requested},
+                )
+            await self.usage.admit(caller)
+            async for event in self._generate(request, deadline, attempts):
                 if isinstance(event, Final):
                     tier = (
                         "none"
@@ -700,21 +708,10 @@ class Gateway:
             self.usage.finish(caller, request.tenant or "default", label, outcome, tier, response, error, elapsed)
 
     async def _generate(
-        self,
-        request: gateway_pb2.GenerateRequest,
-        deadline: Deadline,
-        caller: Caller | None = None,
-        attempts: list[Plan] | None = None,
+        self, request: gateway_pb2.GenerateRequest, deadline: Deadline, attempts: list[Plan] | None = None
     ) -> AsyncIterator[Delta | Final]:
         attempts = [] if attempts is None else attempts
-        # --- issue 29: the key's models; an alias tries its models in order (model_fallback).
-        requested = request.model or self.default_model
-        if caller is not None and requested and not caller.key.allows(requested):
-            raise PermissionDenied(
-                f"API key {caller.key_id} may not use model {requested!r}",
-                reason="MODEL_NOT_ALLOWED",
-                metadata={"model": requested},
-            )
+        # --- issue 29: an alias tries its models in order (model_fallback).
         chain = self.aliases.get(request.model)
         if chain is None:
             attempts.append(validate(request, self.config))

@@ -120,6 +120,10 @@ class GatewayApp:
 
     def __init__(self, settings: Settings) -> None:
         s = settings
+        try:  # first: a bad keys file stops the gateway before it opens anything
+            self.api_keys = KeyRing(s.api_keys, s.api_keys_file, s.api_keys_reload_seconds)
+        except ValueError as exc:
+            raise SettingsError(f"invalid settings: LLMESH_API_KEYS_FILE: {exc}") from None
         breakers = BreakerConfig(
             window_size=s.breaker_window,
             minimum_calls=s.breaker_minimum_calls,
@@ -172,10 +176,6 @@ class GatewayApp:
             replicas=s.admission_replicas,
             sync_seconds=s.key_limit_sync_seconds,
         )
-        try:
-            self.api_keys = KeyRing(s.api_keys, s.api_keys_file, s.api_keys_reload_seconds)
-        except ValueError as exc:
-            raise SettingsError(f"invalid settings: LLMESH_API_KEYS_FILE: {exc}") from None
         usage = UsageMeter(self.limiter, TenantLabels(s.usage_max_tenants, self.api_keys.tenants), s.usage_metrics)
         self._watch: asyncio.Task[None] | None = None
         config = GatewayConfig(

@@ -107,7 +107,7 @@ def test_the_key_ring_reloads_on_change_and_keeps_the_old_keys_on_a_broken_file(
     assert ring.tenants() == {"acme"}
 
 
-def test_a_gateway_does_not_start_on_a_broken_keys_file(tmp_path: Path) -> None:
+async def test_a_gateway_does_not_start_on_a_broken_keys_file(tmp_path: Path) -> None:
     from llmesh.settings import SettingsError, load
     from services.gateway.servicer import GatewayApp
 
