@@ -737,7 +737,7 @@ class Gateway:
             except (Unavailable, PeerCallError, ResourceExhausted) as exc:
                 if answered or last or not _worth_a_fallback(exc):
                     raise
-                log.warning("alias %s: %s could not answer (%s), trying the next model", request.model, name, exc)
+                log.info("alias %s: %s could not answer (%s), trying the next model", request.model, name, exc)
         # --- end issue 29
 
     async def _attempt(self, plan: Plan, deadline: Deadline) -> AsyncIterator[Delta | Final]:
