@@ -351,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.tenancy:
         from bench import tenancy
 
-        tenancy.main(args.clients, args.seconds)
+        tenancy.main(args.clients, args.seconds * 2)  # twice as long: two gateways, eight alternating rounds
         return
     if args.scale:
         scale = scale_run(args.repeats * 8)

@@ -1,9 +1,10 @@
 """`python -m bench.cache --tenancy`: what running llmesh as a shared service costs a cache hit.
 
 One mesh (five processes, real models) and two gateways over the same cache, side by side, both
-with the admission window on the shared Redis: `off` (no API keys, usage counters off) and `on`
-(an API key from the keys file with per-key limits, rpm/tpm/tpd, enforced cluster-wide through
-that Redis, and the per-tenant usage counters). The same exact-hit load, in alternating rounds,
+with the admission window on the shared Redis and both authenticating the same API key (the
+callers send it to both): `off` has it from LLMESH_API_KEYS, no limits, usage counters off; `on`
+has it from the keys file with per-key limits (rpm, tpm, tpd; enforced cluster-wide through that
+Redis) and the per-tenant usage counters on. The same exact-hit load, in alternating rounds,
 over gRPC and over the HTTP API. Target: on >= 0.9 x off. Writes bench/results/cache_tenancy.json.
 """
 
@@ -36,13 +37,14 @@ def request(prompt: str) -> gateway_pb2.GenerateRequest:
     )
 
 
-async def fill(target: str) -> None:
+async def fill(target: str, key: str) -> None:
     """Each question asked until it is a hit (a miss generates and stores it in the background)."""
     async with grpc.aio.insecure_channel(target) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
+        metadata = (("authorization", f"Bearer {key}"),)
         for q in QUESTIONS:
             for _ in range(100):
-                if (await stub.Generate(request(q), timeout=300)).cache.hit:
+                if (await stub.Generate(request(q), timeout=300, metadata=metadata)).cache.hit:
                     break
                 await asyncio.sleep(0.1)
 
@@ -56,16 +58,17 @@ async def check_hits(targets: dict[str, str], metadata: dict[str, Any]) -> None:
                 assert reply.cache.hit, f"the {name} gateway missed the cache"
 
 
-def served_model(base_url: str) -> str:
-    with urllib.request.urlopen(f"{base_url}/models", timeout=30) as reply:
+def served_model(base_url: str, key: str) -> str:
+    listing = urllib.request.Request(f"{base_url}/models", headers={"authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(listing, timeout=30) as reply:
         return str(json.load(reply)["data"][0]["id"])
 
 
 async def measure(targets: dict[str, str], http: dict[str, str], key: str, clients: int, seconds: float) -> dict:
-    metadata: dict[str, Any] = {"off": None, "on": (("authorization", f"Bearer {key}"),)}
-    headers: dict[str, Any] = {"off": None, "on": {"authorization": f"Bearer {key}"}}
+    metadata: dict[str, Any] = {name: (("authorization", f"Bearer {key}"),) for name in ("off", "on")}
+    headers: dict[str, Any] = {name: {"authorization": f"Bearer {key}"} for name in ("off", "on")}
     await check_hits(targets, metadata)
-    model = await asyncio.to_thread(served_model, http["off"])
+    model = await asyncio.to_thread(served_model, http["off"], key)
 
     def hit(i: int) -> gateway_pb2.GenerateRequest:
         return request(QUESTIONS[i % len(QUESTIONS)])
@@ -78,7 +81,7 @@ async def measure(targets: dict[str, str], http: dict[str, str], key: str, clien
     ok: dict[str, int] = {}
     spent: dict[str, float] = {}
     errors: dict[str, int] = {}
-    rounds = 4
+    rounds = 8
     for i in range(rounds):
         for name in ("off", "on") if i % 2 == 0 else ("on", "off"):  # each goes first as often
             grpc_load = await closed_loop(targets[name], hit, clients, seconds / rounds, metadata=metadata[name])
@@ -99,11 +102,12 @@ def main(clients: int = 64, seconds: float = 15.0) -> None:
     with tempfile.TemporaryDirectory(prefix="llmesh-bench-tenancy-") as tmp:
         path = Path(tmp) / "keys.json"
         _, key = keys_file.create(path, TENANT, name="bench", rpm=LIMITS["rpm"], tpm=LIMITS["tpm"], tpd=LIMITS["tpd"])
-        with bench_mesh({"LLMESH_USAGE_METRICS": "false"}) as mesh:
+        # off: the same key, authenticated, without limits; no usage counters.
+        with bench_mesh({"LLMESH_USAGE_METRICS": "false", "LLMESH_API_KEYS": f"{key}={TENANT}"}) as mesh:
             shared = mesh.base_env["LLMESH_REDIS_URL"].rpartition("/")[0] + "/13"
             # The cache filled through a gateway that is then replaced: the two measured start
             # alike (neither has generated, so neither has learned a throughput to admit by).
-            asyncio.run(fill(mesh.target("gateway")))
+            asyncio.run(fill(mesh.target("gateway"), key))
             mesh.stop_one("gateway")
             mesh.start_one("gateway", extra_env={"LLMESH_ADMISSION_REDIS_URL": shared})
             mesh.start_one(
@@ -111,6 +115,7 @@ def main(clients: int = 64, seconds: float = 15.0) -> None:
                 module="gateway",
                 extra_env={
                     "LLMESH_ADMISSION_REDIS_URL": shared,
+                    "LLMESH_API_KEYS": "",
                     "LLMESH_API_KEYS_FILE": str(path),
                     "LLMESH_USAGE_METRICS": "true",
                 },
@@ -128,6 +133,10 @@ def main(clients: int = 64, seconds: float = 15.0) -> None:
         "http_exact_hit_rps_on>=0.9*off": result["http_on_over_off"] >= 0.9,
     }
     result["limits"] = LIMITS
+    result["arms"] = {
+        "off": "API key from LLMESH_API_KEYS (authenticated, no limits), LLMESH_USAGE_METRICS=false",
+        "on": "the same key from LLMESH_API_KEYS_FILE with rpm/tpm/tpd limits (cluster-wide via Redis), usage on",
+    }
     result["machine"] = machine()
     print_table({k: v for k, v in result.items() if k not in ("passes", "machine", "machine_at_start")}, "tenancy")
     print_table(result["passes"], "targets")
