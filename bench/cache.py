@@ -342,7 +342,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--scale", action="store_true", help="the scale run (100k stored cached questions) -> cache_scale.json"
     )
+    parser.add_argument(
+        "--tenancy",
+        action="store_true",
+        help="exact-hit throughput with API keys, per-key limits and usage counting on vs off -> cache_tenancy.json",
+    )
     args = parser.parse_args(argv)
+    if args.tenancy:
+        from bench import tenancy
+
+        tenancy.main(args.clients, args.seconds * 2)  # twice as long: two gateways, eight alternating rounds
+        return
     if args.scale:
         scale = scale_run(args.repeats * 8)
         print_table({k: v for k, v in scale.items() if k not in ("passes", "machine")}, "bench.cache --scale")

@@ -32,6 +32,7 @@ async def closed_loop(
     clients: int,
     seconds: float,
     channels: int = 4,
+    metadata: tuple[tuple[str, str], ...] | None = None,
 ) -> LoadResult:
     result = LoadResult()
     pool = [grpc.aio.insecure_channel(target) for _ in range(channels)]
@@ -44,7 +45,7 @@ async def closed_loop(
         while time.perf_counter() < stop_at:
             started = time.perf_counter()
             try:
-                await stub.Generate(make_request(i * 1_000_003 + n), timeout=30)
+                await stub.Generate(make_request(i * 1_000_003 + n), timeout=30, metadata=metadata)
                 result.ok += 1
                 result.latencies.append(time.perf_counter() - started)
             except grpc.aio.AioRpcError as err:

@@ -75,6 +75,15 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "semantic_hit.p50_ms",
         "fill.index_build_seconds",
     ),
+    "cache_tenancy": (
+        "grpc_off_exact_hit_rps",
+        "grpc_on_exact_hit_rps",
+        "grpc_on_over_off",
+        "http_off_exact_hit_rps",
+        "http_on_exact_hit_rps",
+        "http_on_over_off",
+        "machine.load_average_1m",
+    ),
     "tracing": ("hit_p50_ms_on", "hit_p50_ms_off", "overhead_ratio", "generate_overhead_ratio"),
     "reliability": (
         "model",

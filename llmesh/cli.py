@@ -34,7 +34,7 @@ def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from llmesh.redis_server import EmbeddedRedisError
+    from llmesh.redis_server import EmbeddedRedisError, redacted
     from llmesh.settings import DEFAULT_PORTS
     from llmesh.supervisor import LogEcho
     from llmesh.supervisor import Mesh as Processes
@@ -63,7 +63,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"mesh ready in {time.perf_counter() - started:.1f}s (Ctrl-C stops)",
         gateway=procs.target("gateway"),
         openai_api=openai_api,
-        redis=procs.redis.url if procs.redis else "LLMESH_REDIS_URL",
+        redis=redacted(procs.redis.url) if procs.redis else "LLMESH_REDIS_URL",
     )
     if procs.models:
         say("models: " + ", ".join(f"{m} at {procs.target(f'inference/{m}')}" for m in procs.models))
@@ -332,6 +332,52 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    """`llmesh keys create|list|revoke`: edits the API keys file the gateway re-reads on change."""
+    from pathlib import Path
+
+    from llmesh import keys_file
+
+    path_text = args.file or os.environ.get("LLMESH_API_KEYS_FILE", "")
+    if not path_text:
+        print("llmesh keys: name the keys file with --file or LLMESH_API_KEYS_FILE", file=sys.stderr)
+        return 2
+    path = Path(path_text)
+    try:
+        if args.action == "create":
+            models = tuple(m.strip() for m in (args.models or "").split(",") if m.strip())
+            record, key = keys_file.create(
+                path, args.tenant, models=models, rpm=args.rpm, tpm=args.tpm, tpd=args.tpd, name=args.name
+            )
+            if args.json:
+                print(json.dumps({**record.to_json(), "key": key}))
+            else:
+                print(key)
+                print(f"llmesh: created key {record.id} for tenant {record.tenant} in {path}; the key is shown only "
+                      "this once (the file keeps its sha256)", file=sys.stderr)  # fmt: skip
+            return 0
+        if args.action == "revoke":
+            record = keys_file.revoke(path, args.id)
+            print(f"llmesh: revoked key {record.id} (tenant {record.tenant}); gateways drop it within seconds",
+                  file=sys.stderr)  # fmt: skip
+            return 0
+        records = keys_file.load(path)
+    except keys_file.KeysFileError as exc:
+        print(f"llmesh keys: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([{k: v for k, v in r.to_json().items() if k != "sha256"} for r in records], indent=2))
+        return 0
+    rows: list[tuple[str, ...]] = [("ID", "TENANT", "MODELS", "RPM", "TPM", "TPD", "NAME", "CREATED")]
+    for r in records:
+        limits = [str(v) if v else "-" for v in (r.rpm, r.tpm, r.tpd)]
+        rows.append((r.id, r.tenant, ",".join(r.models) or "*", *limits, r.name, r.created_at))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmesh", description="LLM serving mesh")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -393,6 +439,23 @@ def build_parser() -> argparse.ArgumentParser:
     imports.add_argument("--chat-template", help="a Jinja chat template file, for tokenizers without one")
     imports.add_argument("--revision", help="hub revision (branch, tag or commit) to pin")
     models.set_defaults(func=cmd_models)
+
+    keys = sub.add_parser("keys", help="create, list or revoke gateway API keys (the LLMESH_API_KEYS_FILE)")
+    keys_sub = keys.add_subparsers(dest="action", required=True)
+    create = keys_sub.add_parser("create", help="a new key for a tenant; prints the key once")
+    create.add_argument("--tenant", required=True, help="the tenant it acts for (`*`: any the request names)")
+    create.add_argument("--models", default="", help="models it may use, comma-separated (default: all)")
+    create.add_argument("--rpm", type=int, default=0, help="requests per minute (0: no limit)")
+    create.add_argument("--tpm", type=int, default=0, help="tokens per minute (0: no limit)")
+    create.add_argument("--tpd", type=int, default=0, help="tokens per UTC day (0: no limit)")
+    create.add_argument("--name", default="", help="what the key is for (shown by `list`)")
+    keys_sub.add_parser("list", help="every key: id, tenant, models, limits (never the key)")
+    revoke = keys_sub.add_parser("revoke", help="remove a key by id; gateways refuse it within seconds")
+    revoke.add_argument("id")
+    for p in (keys, *keys_sub.choices.values()):
+        p.add_argument("--file", default=argparse.SUPPRESS if p is not keys else "", help="the keys file")
+        p.add_argument("--json", action="store_true", default=argparse.SUPPRESS if p is not keys else False)
+    keys.set_defaults(func=cmd_keys)
 
     bench = sub.add_parser("bench", help="run benchmarks (default: all)")
     bench.add_argument(

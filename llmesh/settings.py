@@ -219,6 +219,28 @@ def _api_keys(raw: str) -> str:
     return raw
 
 
+def _aliases(raw: str) -> dict[str, tuple[str, ...]]:
+    """`assistant=smollm2,mymodel;fast=tiny`: each alias, the models it tries in order."""
+    aliases: dict[str, tuple[str, ...]] = {}
+    for item in filter(None, (i.strip() for i in raw.split(";"))):
+        alias, sep, models = item.partition("=")
+        chain = tuple(m.strip() for m in models.split(",") if m.strip())
+        if not sep or not alias.strip() or not chain:
+            raise ValueError("expected alias=model,model;alias2=model (one entry per alias)")
+        if not _NAME.match(alias.strip()) or not all(_NAME.match(m) for m in chain):
+            raise ValueError(f"{item!r}: names may only hold letters, digits, '_', '-' and '.'")
+        if alias.strip() in aliases or len(set(chain)) != len(chain):
+            raise ValueError(f"{item!r}: an alias or one of its models is listed twice")
+        aliases[alias.strip()] = chain
+    return aliases
+
+
+def _memory(raw: str) -> str:
+    if not re.fullmatch(r"\d+(b|kb|mb|gb)?", raw.strip().lower()):
+        raise ValueError("expected a size such as 256mb or 2gb (0: no cap)")
+    return raw.strip().lower()
+
+
 def _text(raw: str) -> str:
     return raw
 
@@ -375,6 +397,52 @@ DECLARED: tuple[Setting, ...] = (
         "Gateway API keys and the tenants each owns: `key1=acme|beta;key2=*` (empty: no authentication).",
         ("gateway",),
         _api_keys,
+    ),
+    Setting(
+        "LLMESH_API_KEYS_FILE",
+        "",
+        "API keys file (`llmesh keys` creates, lists and revokes keys in it): each key as its sha256, with its id, "
+        "tenant, models and limits (rpm, tpm, tpd); re-read on change, no restart. Set, it turns "
+        "authentication on even while it holds no key.",
+        ("gateway",),
+    ),
+    Setting(
+        "LLMESH_API_KEYS_RELOAD_SECONDS",
+        "0.5",
+        "How often the gateway checks the API keys file for a change.",
+        ("gateway",),
+        _positive_float,
+    ),
+    Setting(
+        "LLMESH_KEY_LIMIT_SYNC_SECONDS",
+        "0.1",
+        "How often a gateway pushes its per-key counts to the shared Redis (LLMESH_ADMISSION_REDIS_URL) and "
+        "reads the cluster's back; a key near a limit asks Redis on every request.",
+        ("gateway",),
+        _positive_float,
+    ),
+    Setting(
+        "LLMESH_USAGE_METRICS",
+        "true",
+        "Usage counters per tenant and model on /metrics (false: only the access log says who used what).",
+        ("gateway",),
+        _bool,
+    ),
+    Setting(
+        "LLMESH_USAGE_MAX_TENANTS",
+        "100",
+        "Tenants with their own label on the usage metrics besides those a key names; later ones fold into `_other`.",
+        ("gateway",),
+        _positive_int,
+    ),
+    Setting(
+        "LLMESH_MODEL_ALIASES",
+        "",
+        "Model aliases, each an ordered list of served models: `assistant=smollm2,mymodel`. A request for "
+        "the alias is served by the first that can (breaker closed, not shed); a later one adds the "
+        "`model_fallback` degradation.",
+        ("gateway",),
+        _aliases,
     ),
     Setting(
         "LLMESH_HTTP_LISTEN",
@@ -697,6 +765,23 @@ DECLARED: tuple[Setting, ...] = (
         "$LLMESH_DATA_DIR/redis) that `llmesh up` runs when LLMESH_REDIS_URL is empty.",
         ("cache", "gateway"),
         _positive_int,
+    ),
+    Setting(
+        "LLMESH_EMBEDDED_REDIS_STATE_PORT",
+        "6381",
+        "Loopback port of the embedded Redis for the gateways' shared admission window and key limits "
+        "(LLMESH_ADMISSION_REDIS_URL=embedded): its own server, which never evicts, under "
+        "$LLMESH_DATA_DIR/redis-state.",
+        ("gateway",),
+        _positive_int,
+    ),
+    Setting(
+        "LLMESH_EMBEDDED_REDIS_MAXMEMORY",
+        "256mb",
+        "Memory cap of the embedded cache Redis (`256mb`, `2gb`; `0`: none); past it the least recently "
+        "used cached answers are evicted.",
+        ("cache",),
+        _memory,
     ),
     Setting(
         "LLMESH_REDIS_TIMEOUT_SECONDS",

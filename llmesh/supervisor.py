@@ -211,6 +211,8 @@ class Mesh:
         self.procs: dict[str, ServiceProcess] = {}
         #: The embedded Redis, when LLMESH_REDIS_URL is unset (started first, stopped last).
         self.redis: redis_server.EmbeddedRedis | None = None
+        #: The embedded Redis of the gateways' shared state, when LLMESH_ADMISSION_REDIS_URL=embedded.
+        self.redis_state: redis_server.EmbeddedRedis | None = None
         #: LLMESH_MODELS: one inference service per model (process `inference/NAME`) instead of one.
         try:
             self.models = parse_models(self.base_env.get("LLMESH_MODELS", ""))
@@ -266,10 +268,15 @@ class Mesh:
 
     def start(self, timeout: float = 180.0) -> Mesh:
         try:
-            if redis_server.wanted(self.base_env, self.services):
-                self.redis = redis_server.EmbeddedRedis.from_env(self.base_env, self.cwd).start()
+            for role in redis_server.wanted_roles(self.base_env, self.services):
+                server = redis_server.EmbeddedRedis.from_env(self.base_env, self.cwd, role).start()
+                if role == redis_server.STATE:
+                    self.redis_state = server
+                else:
+                    self.redis = server
                 if self.echo is not None:
-                    self.echo.say("embedded redis ready", url=self.redis.url, dir=str(self.redis.directory))
+                    url = redis_server.redacted(server.url)
+                    self.echo.say(f"embedded redis ({role}) ready", url=url, dir=str(server.directory))
             for name in START_ORDER:
                 if name == "inference" and self.models and name in self.services:
                     self.start_models(timeout)
@@ -318,9 +325,10 @@ class Mesh:
                     self.stop_one(f"inference/{model}")
             self.stop_one(name)
         # After every service drained: the server writes its snapshot and exits.
-        if self.redis is not None:
-            self.redis.stop()
-            self.redis = None
+        for server in (self.redis, self.redis_state):
+            if server is not None:
+                server.stop()
+        self.redis = self.redis_state = None
 
     @staticmethod
     def _kill(sp: ServiceProcess) -> None:

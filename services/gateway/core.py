@@ -15,13 +15,13 @@ import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import trace
 
-from llmesh.errors import InvalidArgument, LlmeshError, NotFound, ResourceExhausted
+from llmesh.errors import InvalidArgument, LlmeshError, NotFound, PermissionDenied, ResourceExhausted, Unavailable
 from llmesh.metrics import trace_exemplar
 from llmesh.telemetry import current_trace_id
 from llmesh.v1 import cache_pb2, common_pb2, gateway_pb2, inference_pb2, retrieval_pb2
@@ -36,9 +36,12 @@ from services.gateway.admission import (
     Ticket,
     WeightWindow,
 )
-from services.gateway.breaker import BreakerOpen
-from services.gateway.peers import BREAKER_FAILURE_CODES, Deadline, PeerCallError, Peers
+from services.gateway.auth import Caller
+from services.gateway.breaker import BreakerOpen, State
+from services.gateway.limits import KeyLimitExceeded
+from services.gateway.peers import BREAKER_FAILURE_CODES, Deadline, PeerCallError, Peers, inference_peer
 from services.gateway.recent_hits import RecentHits, request_key
+from services.gateway.usage import UsageMeter
 
 # A downstream that failed, or whose breaker is open: optional hops degrade on these.
 DOWNSTREAM_ERRORS = (PeerCallError, BreakerOpen)
@@ -116,6 +119,8 @@ class Plan:
     ticket: Ticket | None = None
     # Milliseconds spent per hop, returned to the caller as `server-timing` metadata.
     timings: dict[str, float] = field(default_factory=dict)
+    # issue 29: tokens spent so far, counted for a request that ends without its final message.
+    spent: common_pb2.Usage = field(default_factory=common_pb2.Usage)
 
     @contextlib.contextmanager
     def timed(self, hop: str) -> Iterator[None]:
@@ -290,6 +295,16 @@ def context_bytes(sources: Sequence[common_pb2.ScoredChunk]) -> int:
     return len(CONTEXT_INSTRUCTION) + sum(len(chunk.text.encode("utf-8")) + 6 for chunk in sources)
 
 
+def _worth_a_fallback(exc: BaseException) -> bool:
+    """issue 29: an alias's next model is tried when this one is unavailable or shed, not when
+    the request itself is wrong (those errors would be the same on any model)."""
+    if isinstance(exc, KeyLimitExceeded):
+        return False
+    if isinstance(exc, PeerCallError):
+        return exc.code in BREAKER_FAILURE_CODES or exc.code.name == "RESOURCE_EXHAUSTED"
+    return isinstance(exc, (Unavailable, ResourceExhausted))
+
+
 def _consume(task: asyncio.Future[Any]) -> None:
     """Retrieves a background call's outcome (no "exception was never retrieved" warnings)."""
     if not task.cancelled():
@@ -409,6 +424,8 @@ class Gateway:
         window: WeightWindow | RedisWeightWindow,
         models: Sequence[str] = ("",),
         default_model: str = "",
+        aliases: Mapping[str, Sequence[str]] | None = None,
+        usage: UsageMeter | None = None,
     ) -> None:
         self.peers = peers
         self.config = config
@@ -418,6 +435,13 @@ class Gateway:
         if default_model not in self.routes:
             raise ValueError(f"default model {default_model!r} is not one of {list(self.routes)}")
         self.default_model = default_model
+        # --- issue 29: model aliases (an ordered list of models, the next serving when one cannot).
+        self.aliases = {name: tuple(chain) for name, chain in (aliases or {}).items()}
+        for alias, chain in self.aliases.items():
+            if alias in self.routes or not chain or any(not m or m not in self.routes for m in chain):
+                raise ValueError(f"alias {alias!r}: must not be a model's name and must list served models")
+        self.usage = usage or UsageMeter()
+        # --- end issue 29
         self.predictor = InputTokenPredictor()
         self.versions = CollectionVersions(peers, config.version_ttl)
         self.recent_hits = RecentHits()
@@ -474,11 +498,13 @@ class Gateway:
             name = route.public_name()
             if name is not None:
                 names.append(name)
-        return names
+        return [*names, *self.aliases]  # issue 29: an alias is asked for by name as a model is
 
     def _label(self, model: str) -> str:
         """The metrics label of a request's model: a served model's name (a bounded set), never
         the caller's text ("unknown" for a name not served)."""
+        if model in self.aliases:
+            return model  # issue 29: an alias's name is a configured, bounded label value
         route = self.routes.get(model) if model else self.routes[self.default_model]
         if route is None and "" in self.routes and self.routes[""].public_name() == model:
             route = self.routes[""]
@@ -509,7 +535,12 @@ class Gateway:
             )
 
         ordered = sorted(self.routes.values(), key=lambda r: r.name != self.default_model)
-        return gateway_pb2.ListModelsResponse(models=await asyncio.gather(*(entry(r) for r in ordered)))
+        entries = list(await asyncio.gather(*(entry(r) for r in ordered)))
+        by_name = {e.name: e for e in entries}
+        for alias, chain in self.aliases.items():  # issue 29: available while one of its models is
+            available = any(by_name[m].available for m in chain if m in by_name)
+            entries.append(gateway_pb2.ModelEntry(name=alias, available=available, alias_of=chain))
+        return gateway_pb2.ListModelsResponse(models=entries)
 
     async def _retrieval_scope(self, plan: Plan, deadline: Deadline) -> tuple[str, int]:
         """(collection, version) the answer will be grounded in, or ("", 0) without retrieval.
@@ -621,14 +652,29 @@ class Gateway:
         span.set_attribute("llmesh.retrieval.scores", [round(c.score, 4) for c in found.results])
         return list(found.results)
 
-    async def generate(self, request: gateway_pb2.GenerateRequest, deadline: Deadline) -> AsyncIterator[Delta | Final]:
-        """Streams text deltas, then one Final with the whole response; records the outcome."""
+    async def generate(
+        self, request: gateway_pb2.GenerateRequest, deadline: Deadline, caller: Caller | None = None
+    ) -> AsyncIterator[Delta | Final]:
+        """Streams text deltas, then one Final with the whole response; records the outcome.
+        `caller`: the API key and tenant it comes from (its limits and usage; None: anonymous)."""
         started = time.perf_counter()
         tier = "none"
         outcome = "error"
         label = self._label(request.model)
+        response: gateway_pb2.GenerateResponse | None = None
+        error: BaseException | None = None
+        attempts: list[Plan] = []
         try:
-            async for event in self._generate(request, deadline):
+            # issue 29: the key's models, then its own limits, before any work.
+            requested = request.model or self.default_model
+            if caller is not None and requested and not caller.key.allows(requested):
+                raise PermissionDenied(
+                    f"API key {caller.key_id} may not use model {requested!r}",
+                    reason="MODEL_NOT_ALLOWED",
+                    metadata={"model": requested},
+                )
+            await self.usage.admit(caller)
+            async for event in self._generate(request, deadline, attempts):
                 if isinstance(event, Final):
                     tier = (
                         "none"
@@ -636,9 +682,12 @@ class Gateway:
                         else ("exact" if event.response.cache.tier == common_pb2.CACHE_TIER_EXACT else "semantic")
                     )
                     outcome = "ok"
+                    response = event.response
+                    label = self._label(response.answered_by) if response.answered_by else label
                 yield event
         except LlmeshError as exc:
             outcome = exc.code.name.lower()
+            error = exc
             raise
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
@@ -648,22 +697,50 @@ class Gateway:
             metrics.REQUESTS.labels(outcome, tier, label).inc()
             if outcome == "ok":
                 metrics.REQUEST_DURATION.labels(tier, label).observe(elapsed, trace_exemplar())
-            # One access-log line per request; the JSON formatter adds trace_id and span_id.
-            log.info(
-                "generate",
-                extra={
-                    "fields": {
-                        "event": "generate",
-                        "outcome": outcome,
-                        "cache_tier": tier,
-                        "model": label,
-                        "duration_ms": round(elapsed * 1000, 2),
-                    }
-                },
-            )
+            # issue 29: usage per tenant and model, the key's tokens, one access-log line per request.
+            # A request that ended early (cancelled, failed mid-stream) is billed what it spent.
+            if response is None and any(p.spent.input_tokens for p in attempts):
+                spent = common_pb2.Usage(
+                    input_tokens=sum(p.spent.input_tokens for p in attempts),
+                    output_tokens=sum(p.spent.output_tokens for p in attempts),
+                )
+                response = gateway_pb2.GenerateResponse(usage=spent, trace_id=current_trace_id())
+            self.usage.finish(caller, request.tenant or "default", label, outcome, tier, response, error, elapsed)
 
-    async def _generate(self, request: gateway_pb2.GenerateRequest, deadline: Deadline) -> AsyncIterator[Delta | Final]:
-        plan = validate(request, self.config)
+    async def _generate(
+        self, request: gateway_pb2.GenerateRequest, deadline: Deadline, attempts: list[Plan] | None = None
+    ) -> AsyncIterator[Delta | Final]:
+        attempts = [] if attempts is None else attempts
+        # --- issue 29: an alias tries its models in order (model_fallback).
+        chain = self.aliases.get(request.model)
+        if chain is None:
+            attempts.append(validate(request, self.config))
+            async for event in self._attempt(attempts[-1], deadline):
+                yield event
+            return
+        for i, name in enumerate(chain):
+            last = i == len(chain) - 1
+            if not last and self.peers.breakers[inference_peer(name)].state is State.OPEN:
+                log.info("alias %s: %s unavailable (breaker open), trying the next model", request.model, name)
+                continue
+            plan = validate(request, self.config)
+            plan.model = name
+            attempts.append(plan)
+            if name != chain[0]:
+                plan.degrade("model_fallback")
+            answered = False
+            try:
+                async for event in self._attempt(plan, deadline):
+                    answered = True
+                    yield event
+                return
+            except (Unavailable, PeerCallError, ResourceExhausted) as exc:
+                if answered or last or not _worth_a_fallback(exc):
+                    raise
+                log.info("alias %s: %s could not answer (%s), trying the next model", request.model, name, exc)
+        # --- end issue 29
+
+    async def _attempt(self, plan: Plan, deadline: Deadline) -> AsyncIterator[Delta | Final]:
         started = time.perf_counter()
         try:
             async for event in self._pipeline(plan, deadline):
@@ -721,16 +798,22 @@ class Gateway:
                     plan.hold.release()
                 answer = hit.answer
                 yield Delta(answer.text)
+                # issue 29: nothing processed or generated; the cached answer's tokens were saved.
+                saved = common_pb2.Usage(
+                    cached_input_tokens=answer.usage.input_tokens + answer.usage.cached_input_tokens,
+                    cached_output_tokens=answer.usage.output_tokens + answer.usage.cached_output_tokens,
+                )
                 yield Final(
                     gateway_pb2.GenerateResponse(
                         text=answer.text,
                         finish_reason=answer.finish_reason,
-                        usage=answer.usage,
+                        usage=saved,
                         cache=gateway_pb2.CacheInfo(hit=True, tier=hit.tier, similarity=hit.similarity),
                         sources=answer.sources,
                         trace_id=current_trace_id(),
                         model=model,
                         degradations=plan.degradations,
+                        answered_by=route.public_name() or "",
                     ),
                     plan.timings,
                 )
@@ -775,6 +858,8 @@ class Gateway:
                 if message.finish_reason and message.usage.output_tokens:
                     step = max(step, message.usage.output_tokens - generated)
                 generated += step
+                # issue 29: what the request spent once inference answered, billed if it ends early.
+                plan.spent.input_tokens, plan.spent.output_tokens = input_tokens, generated
                 if plan.ticket is not None:
                     plan.ticket.progress(step)
                 if message.text:
@@ -795,6 +880,7 @@ class Gateway:
             trace_id=current_trace_id(),
             model=model,
             degradations=plan.degradations,
+            answered_by=route.public_name() or "",
         )
         if plan.ticket is not None:
             plan.ticket.finish()  # the weight not generated goes back before the caller hears

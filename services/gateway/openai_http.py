@@ -38,7 +38,7 @@ from llmesh.rpc_tracing import start_server_span
 from llmesh.server import lifecycle
 from llmesh.v1 import common_pb2, gateway_pb2
 from services.gateway import metrics
-from services.gateway.auth import ApiKeys
+from services.gateway.auth import ApiKeys, KeyRing
 from services.gateway.core import Delta, Final, Gateway, server_timing
 from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, Sampling, param_name
 from services.gateway.peers import Deadline
@@ -206,7 +206,7 @@ class ObservedHttp:
 class OpenAiApi:
     """The API's routes over one Gateway."""
 
-    def __init__(self, gateway: Gateway, api_keys: ApiKeys, default_deadline: float) -> None:
+    def __init__(self, gateway: Gateway, api_keys: ApiKeys | KeyRing, default_deadline: float) -> None:
         self.gateway = gateway
         self.api_keys = api_keys
         self.default_deadline = default_deadline
@@ -273,12 +273,12 @@ class OpenAiApi:
 
     async def complete(self, request: Request, body: Sampling, translate: Any, chat: bool) -> Response:
         deadline = Deadline.after(self.default_deadline)
-        tenant = self.api_keys.tenant_of(request.headers.get("authorization"), body.llmesh.tenant)
-        generate: gateway_pb2.GenerateRequest = translate(tenant)
+        caller = self.api_keys.caller(request.headers.get("authorization"), body.llmesh.tenant)
+        generate: gateway_pb2.GenerateRequest = translate(caller.tenant)
         await self.check_model(body.model, deadline)
         answer = Answer(f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}", body.model, chat)
         # An async generator: closed (the pipeline cancelled) when the caller goes away mid-stream.
-        events = cast(AsyncGenerator[Delta | Final, None], self.gateway.generate(generate, deadline))
+        events = cast(AsyncGenerator[Delta | Final, None], self.gateway.generate(generate, deadline, caller))
         if not body.stream:
             final = None
             async for event in events:
@@ -300,9 +300,17 @@ def model_card(model: str) -> dict[str, Any]:
     return {"id": model, "object": "model", "created": 0, "owned_by": "llmesh"}
 
 
-def usage_of(response: gateway_pb2.GenerateResponse) -> dict[str, int]:
-    prompt, completion = response.usage.input_tokens, response.usage.output_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage_of(response: gateway_pb2.GenerateResponse) -> dict[str, Any]:
+    """OpenAI's usage: prompt tokens including those served from the cache (`cached_tokens`, as
+    OpenAI reports prompt caching), completion tokens generated (0 for a cached answer)."""
+    u = response.usage
+    prompt, completion = u.input_tokens + u.cached_input_tokens, u.output_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": u.cached_input_tokens},
+    }
 
 
 def extension_of(response: gateway_pb2.GenerateResponse) -> dict[str, Any]:
@@ -321,6 +329,12 @@ def extension_of(response: gateway_pb2.GenerateResponse) -> dict[str, Any]:
         "degradations": list(response.degradations),
         "trace_id": response.trace_id,
         "model_key": response.model,
+        # What a client bills on: tokens processed and generated, and those the cache saved.
+        "usage": {
+            "input_tokens": response.usage.input_tokens,
+            "output_tokens": response.usage.output_tokens,
+            "saved_tokens": response.usage.cached_input_tokens + response.usage.cached_output_tokens,
+        },
     }
 
 
@@ -352,7 +366,10 @@ class Answer:
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": response.text, "logprobs": None, "finish_reason": finish}
-        return {**self._envelope(self.object, [choice]), "usage": usage_of(response), "llmesh": extension_of(response)}
+        body = {**self._envelope(self.object, [choice]), "usage": usage_of(response), "llmesh": extension_of(response)}
+        if response.answered_by:
+            body["model"] = response.answered_by  # for an alias: the model that answered
+        return body
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -379,6 +396,7 @@ class Answer:
                         yield self._chunk([self._choice(event.text, None)], **usage)
                 else:
                     response = event.response
+                    self.model = response.answered_by or self.model  # for an alias: the model that answered
                     finish = FINISH_REASONS.get(response.finish_reason, "stop")
                     yield self._chunk([self._choice(None, finish)], **usage, llmesh=extension_of(response))
                     if include_usage:
@@ -482,7 +500,7 @@ class HttpServer:
         self._task = None
 
 
-def http_api(gateway: Gateway, api_keys: ApiKeys, settings: Any) -> HttpServer | None:
+def http_api(gateway: Gateway, api_keys: ApiKeys | KeyRing, settings: Any) -> HttpServer | None:
     """The gateway's HTTP API per its settings; None when LLMESH_HTTP_LISTEN is empty."""
     s = settings
     if not s.http_listen:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 
 import grpc
@@ -9,15 +11,17 @@ from opentelemetry import trace
 
 from llmesh import redis_server
 from llmesh.channels import peer_credentials, remaining_seconds
-from llmesh.settings import Settings, model_routes
+from llmesh.settings import Settings, SettingsError, model_routes
 from llmesh.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway import metrics
 from services.gateway.admission import AdmissionConfig, RedisWeightWindow, WeightWindow, connect_redis
-from services.gateway.auth import ApiKeys
+from services.gateway.auth import Caller, KeyRing
 from services.gateway.breaker import BreakerConfig, State, TransitionListener
 from services.gateway.core import Delta, Final, Gateway, GatewayConfig, server_timing
+from services.gateway.limits import KeyLimiter
 from services.gateway.openai_http import announce, http_api
 from services.gateway.peers import Deadline, HopBudgets, Peers
+from services.gateway.usage import TenantLabels, UsageMeter
 
 log = logging.getLogger("llmesh.gateway")
 BREAKER_STATE_VALUE = {State.CLOSED: 0, State.HALF_OPEN: 1, State.OPEN: 2}
@@ -60,20 +64,29 @@ def breaker_listener(peer: str) -> TransitionListener:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, gateway: Gateway, default_deadline: float, api_keys: ApiKeys) -> None:
+    def __init__(self, gateway: Gateway, default_deadline: float, api_keys: KeyRing) -> None:
         self.gateway = gateway
         self.default_deadline = default_deadline
         self.api_keys = api_keys
 
+    def _caller(self, context: grpc.aio.ServicerContext, tenant: str) -> Caller:
+        """The caller's key, authorized for the tenant the request names ("default" when none)."""
+        authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+        return self.api_keys.caller(authorization if isinstance(authorization, str) else None, tenant or "default")
+
     def _begin(self, context: grpc.aio.ServicerContext, tenant: str) -> Deadline:
         """Authorizes the caller for the tenant, then fixes the request's deadline."""
-        authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
-        self.api_keys.authorize(authorization if isinstance(authorization, str) else None, tenant or "default")
+        self._caller(context, tenant)
         return Deadline.after(remaining_seconds(context, self.default_deadline))
+
+    def _generation(self, request, context):  # type: ignore[no-untyped-def]
+        caller = self._caller(context, request.tenant)
+        deadline = Deadline.after(remaining_seconds(context, self.default_deadline))
+        return self.gateway.generate(request, deadline, caller)
 
     async def Generate(self, request, context):  # type: ignore[no-untyped-def]
         final: Final | None = None
-        async for event in self.gateway.generate(request, self._begin(context, request.tenant)):
+        async for event in self._generation(request, context):
             if isinstance(event, Final):
                 final = event
         assert final is not None
@@ -81,7 +94,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return final.response
 
     async def GenerateStream(self, request, context):  # type: ignore[no-untyped-def]
-        async for event in self.gateway.generate(request, self._begin(context, request.tenant)):
+        async for event in self._generation(request, context):
             if isinstance(event, Delta):
                 if event.text:
                     yield gateway_pb2.GenerateStreamResponse(delta=event.text)
@@ -107,6 +120,10 @@ class GatewayApp:
 
     def __init__(self, settings: Settings) -> None:
         s = settings
+        try:  # first: a bad keys file stops the gateway before it opens anything
+            self.api_keys = KeyRing(s.api_keys, s.api_keys_file, s.api_keys_reload_seconds)
+        except ValueError as exc:
+            raise SettingsError(f"invalid settings: LLMESH_API_KEYS_FILE: {exc}") from None
         breakers = BreakerConfig(
             window_size=s.breaker_window,
             minimum_calls=s.breaker_minimum_calls,
@@ -153,6 +170,14 @@ class GatewayApp:
             if s.admission_redis_url
             else WeightWindow(admission)
         )
+        # Per-key limits: cluster-wide through the same Redis as the admission window.
+        self.limiter = KeyLimiter(
+            connect_redis(redis_server.resolve_url(s.admission_redis_url, s)) if s.admission_redis_url else None,
+            replicas=s.admission_replicas,
+            sync_seconds=s.key_limit_sync_seconds,
+        )
+        usage = UsageMeter(self.limiter, TenantLabels(s.usage_max_tenants, self.api_keys.tenants), s.usage_metrics)
+        self._watch: asyncio.Task[None] | None = None
         config = GatewayConfig(
             default_collection=s.default_collection,
             default_top_k=s.default_top_k,
@@ -165,16 +190,21 @@ class GatewayApp:
             version_ttl=s.collection_version_ttl_seconds,
             cache_store_budget=s.hop_cache_store_seconds,
         )
-        self.gateway = Gateway(self.peers, config, self.window, list(models), default_model)
-        api_keys = ApiKeys.parse(s.api_keys)
-        self.servicer = GatewayServicer(self.gateway, s.default_deadline_seconds, api_keys)
+        try:
+            self.gateway = Gateway(self.peers, config, self.window, list(models), default_model, s.model_aliases, usage)
+        except ValueError as exc:
+            raise SettingsError(f"invalid settings: LLMESH_MODEL_ALIASES: {exc}") from None
+        self.servicer = GatewayServicer(self.gateway, s.default_deadline_seconds, self.api_keys)
         # The OpenAI-compatible HTTP API: another adapter over the same Gateway.
-        self.http = http_api(self.gateway, api_keys, s)
+        self.http = http_api(self.gateway, self.api_keys, s)
 
     def register(self, server: grpc.aio.Server) -> None:
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, server)
 
     async def start(self) -> None:
+        if self.api_keys.path is not None:
+            self._watch = asyncio.get_running_loop().create_task(self.api_keys.watch())
+        self.limiter.start()
         announce(await self.http.start() if self.http is not None else 0)
 
     async def drain(self, grace: float) -> None:
@@ -185,11 +215,18 @@ class GatewayApp:
         """`llmesh.v1.Gateway/redis` when replicas share an admission window: NOT_SERVING while Redis
         is down and this replica admits on its local fallback budget (it keeps serving)."""
         if isinstance(self.window, RedisWeightWindow):
-            return {"redis": self.window.redis_ok}
+            return {"redis": self.window.redis_ok and self.limiter.redis_ok}
         return {}
 
     async def stop(self) -> None:
         await self.gateway.settle()
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        await self.limiter.close()
+        if self.limiter.redis is not None:
+            await self.limiter.redis.aclose()
         await self.peers.close()
         if isinstance(self.window, RedisWeightWindow):
             await self.window.settle()

@@ -73,10 +73,12 @@ def test_embedded_redis_gives_a_cache_hit_and_stops_with_the_mesh(
         assert answer.cache.hit and answer.cache.tier == common_pb2.CACHE_TIER_EXACT
         assert not answer.degradations
 
-        # The answer lives in the embedded server, not in the machine's Redis.
-        with redis.Redis(port=port) as embedded:
+        # The answer lives in the embedded server, not in the machine's Redis, behind its password.
+        with redis.Redis.from_url(mesh.redis.url) as embedded:
             assert embedded.dbsize() > 0
             assert any(b"cache" in key for key in embedded.scan_iter(count=100))
+        with redis.Redis(port=port) as anonymous, pytest.raises(redis.AuthenticationError):
+            anonymous.dbsize()
 
     assert mesh.redis is None
     assert not any(psutil.pid_exists(pid) for pid in pids), "a process of the mesh outlived it"

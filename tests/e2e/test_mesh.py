@@ -32,21 +32,19 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 
 @pytest.fixture(scope="module")
-def mesh(models_dir: Path, tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver) -> Iterator[Processes]:
+def mesh(
+    models_dir: Path, tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver, module_redis_url: str
+) -> Iterator[Processes]:
     data = tmp_path_factory.mktemp("mesh-data")
-    redis_db = "7"  # no other test file uses (or flushes) this database
     env = {
         "LLMESH_DATA_DIR": str(data),
         "LLMESH_MODELS_DIR": str(models_dir),
-        "LLMESH_REDIS_URL": f"redis://127.0.0.1:6379/{redis_db}",
+        "LLMESH_REDIS_URL": module_redis_url,
         "LLMESH_MAX_BATCH_SIZE": "8",
         "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
         "OTEL_EXPORTER_OTLP_INSECURE": "true",
         "OTEL_BSP_SCHEDULE_DELAY": "200",
     }
-    import redis
-
-    redis.Redis.from_url(env["LLMESH_REDIS_URL"]).flushdb()
     with Processes(env=env) as procs:
         yield procs
 

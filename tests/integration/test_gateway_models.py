@@ -30,7 +30,6 @@ from services.gateway.servicer import GatewayApp
 from services.inference.servicer import InferenceApp
 from services.tokenizer.servicer import TokenizerApp
 
-REDIS_URL = "redis://127.0.0.1:6379/6"  # this file's Redis DB
 SMALL, OTHER = "tiny", "tiny-seed1"
 
 
@@ -54,13 +53,13 @@ def ask(prompt: str, model: str = "", **kw: object) -> gateway_pb2.GenerateReque
 
 @contextlib.asynccontextmanager
 async def two_model_mesh(
-    models_dir: Path, data_dir: Path, prefix: str
+    models_dir: Path, data_dir: Path, prefix: str, redis_url: str
 ) -> AsyncIterator[tuple[ServiceHost, ServiceHost, ServiceHost, ServiceHost]]:
     """(tokenizer, inference of SMALL, inference of OTHER, gateway routing to both)."""
     env = {
         "LLMESH_MODELS_DIR": str(models_dir),
         "LLMESH_DATA_DIR": str(data_dir),
-        "LLMESH_REDIS_URL": REDIS_URL,
+        "LLMESH_REDIS_URL": redis_url,
         "QDRANT_URL": "",
         "LLMESH_TOKENIZER_MODELS": f"{SMALL},{OTHER}",
     }
@@ -86,19 +85,19 @@ async def two_model_mesh(
 
 
 @pytest.fixture
-def prefix() -> AsyncIterator[str]:  # type: ignore[misc]
+def prefix(redis_url: str) -> AsyncIterator[str]:  # type: ignore[misc]
     prefix = f"llmesh-models:{uuid.uuid4().hex[:8]}:"
     yield prefix
-    client = redis.Redis.from_url(REDIS_URL)
+    client = redis.Redis.from_url(redis_url)
     keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
     if keys:
         client.delete(*keys)
 
 
 async def test_two_models_answer_by_name_with_their_own_cache_and_breaker(
-    models_dir: Path, two_models: tuple[str, str], tmp_path: Path, prefix: str
+    models_dir: Path, two_models: tuple[str, str], tmp_path: Path, prefix: str, redis_url: str
 ) -> None:
-    async with two_model_mesh(models_dir, tmp_path, prefix) as (_, _, other, gw):
+    async with two_model_mesh(models_dir, tmp_path, prefix, redis_url) as (_, _, other, gw):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
             question = "Name a colour of the sky."
@@ -166,9 +165,9 @@ async def test_two_models_answer_by_name_with_their_own_cache_and_breaker(
 
 
 async def test_http_sdk_and_cli_take_a_model(
-    models_dir: Path, two_models: tuple[str, str], tmp_path: Path, prefix: str
+    models_dir: Path, two_models: tuple[str, str], tmp_path: Path, prefix: str, redis_url: str
 ) -> None:
-    async with two_model_mesh(models_dir, tmp_path, prefix) as (tok, _, _, gw):
+    async with two_model_mesh(models_dir, tmp_path, prefix, redis_url) as (tok, _, _, gw):
         # The tokenizer serves each model's tokenizer by name; an unknown one is NOT_FOUND.
         async with grpc.aio.insecure_channel(f"127.0.0.1:{tok.port}") as channel:
             tokenizer = tokenizer_pb2_grpc.TokenizerStub(channel)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmesh.errors import status_details, unpack_details
@@ -23,7 +22,6 @@ from services.inference.servicer import InferenceApp
 from services.tokenizer.servicer import TokenizerApp
 
 CLOSED = "127.0.0.1:1"  # nothing listens there
-SHARED_REDIS = "redis://127.0.0.1:6379/13"
 
 
 @contextlib.asynccontextmanager
@@ -163,8 +161,9 @@ async def test_cancelled_stream_frees_the_inference_slot(models_dir: Path, tiny_
             assert engine.running_count == 0
 
 
-async def test_two_gateways_sharing_redis_enforce_one_budget(models_dir: Path, tiny_model: Path) -> None:
-    redis.Redis.from_url(SHARED_REDIS).flushdb()
+async def test_two_gateways_sharing_redis_enforce_one_budget(
+    models_dir: Path, tiny_model: Path, redis_url: str
+) -> None:
     async with backends(models_dir) as (tok, inf):
         weight = await weight_of(tok, "Hello there", 16)
         env = gateway_env(
@@ -173,7 +172,7 @@ async def test_two_gateways_sharing_redis_enforce_one_budget(models_dir: Path, t
             LLMESH_ADMISSION_BUDGET=str(3 * weight + weight // 2),
             LLMESH_ADMISSION_TENANT_SHARE="1",
             LLMESH_ADMISSION_DEGRADE="false",
-            LLMESH_ADMISSION_REDIS_URL=SHARED_REDIS,
+            LLMESH_ADMISSION_REDIS_URL=redis_url,
         )
         async with hosted("gateway", GatewayApp, env) as a, hosted("gateway", GatewayApp, env) as b:
             outcomes = []
@@ -190,7 +189,6 @@ async def test_two_gateways_sharing_redis_enforce_one_budget(models_dir: Path, t
                         outcomes.append(err.code().name)
     # Three requests fit a 3.5-request budget whichever gateway takes them; the fourth does not.
     assert outcomes == ["ok", "ok", "ok", "RESOURCE_EXHAUSTED"]
-    redis.Redis.from_url(SHARED_REDIS).flushdb()
 
 
 async def test_shared_window_redis_down_is_reported_and_requests_still_admitted(

@@ -14,7 +14,6 @@ from typing import Any
 
 import grpc
 import pytest
-import redis
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -27,7 +26,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 COMPOSE = REPO_ROOT / "docker-compose.yml"
 CERTS_MOUNT = "/certs"
-REDIS_URL = "redis://127.0.0.1:6379/14"
 INTERNAL = tuple(s for s in settings.SERVICES if s != "gateway")
 # The compose file's two models, as tiny models here: the supervisor runs one inference process
 # per model (`inference/NAME`) with the environment of the compose service serving it.
@@ -89,7 +87,11 @@ def foreign_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def mesh(
-    models_dir: Path, tiny_model: Path, mesh_certs: Path, tmp_path_factory: pytest.TempPathFactory
+    models_dir: Path,
+    tiny_model: Path,
+    mesh_certs: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    module_redis_url: str,
 ) -> Iterator[Mesh]:
     build_tiny_model(models_dir, name="tiny-seed1", seed=1)
     service_env = {name: compose_environment(name, mesh_certs) for name in settings.SERVICES}
@@ -99,17 +101,15 @@ def mesh(
         assert Path(env["LLMESH_TLS_CERT"]).is_file() and Path(env["LLMESH_TLS_KEY"]).is_file(), name
         assert Path(env["LLMESH_TLS_CA"]).is_file(), name
         assert ("LLMESH_TLS_CLIENT_CA" in env) == (name in INTERNAL or name in INTERNAL_PROCESSES), name
-    redis.Redis.from_url(REDIS_URL).flushdb()
     base = {
         "LLMESH_MODELS_DIR": str(models_dir),
         "LLMESH_DATA_DIR": str(tmp_path_factory.mktemp("mesh-tls-data")),
         "LLMESH_MODELS": ",".join(f"{model}=127.0.0.1:0" for model in MODELS),
-        "LLMESH_REDIS_URL": REDIS_URL,
+        "LLMESH_REDIS_URL": module_redis_url,
         "QDRANT_URL": "",
     }
     with Mesh(env=base, service_env=service_env) as procs:
         yield procs
-    redis.Redis.from_url(REDIS_URL).flushdb()
 
 
 def credentials(certs: Path, identity: str | None) -> grpc.ChannelCredentials:

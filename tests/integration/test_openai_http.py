@@ -25,7 +25,6 @@ from services.gateway.servicer import GatewayApp
 from services.inference.servicer import InferenceApp
 from services.tokenizer.servicer import TokenizerApp
 
-REDIS_URL = "redis://127.0.0.1:6379/8"
 KEY = "test-key-all-tenants-0123456789"
 ACME_KEY = "test-key-acme-only-0123456789ab"
 NO_RETRIEVAL = {"llmesh": {"use_retrieval": False}}
@@ -33,13 +32,15 @@ MODEL = "tiny-random-llama-0"
 
 
 @pytest.fixture(scope="module")
-async def backends(models_dir: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[dict]:
+async def backends(
+    models_dir: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, module_redis_url: str
+) -> AsyncIterator[dict]:
     prefix = f"llmesh-http:{uuid.uuid4().hex[:8]}:"
     env = {
         "LLMESH_MODELS_DIR": str(models_dir),
         "LLMESH_DATA_DIR": str(tmp_path_factory.mktemp("http-data")),
         "LLMESH_INFERENCE_MODEL": "tiny",
-        "LLMESH_REDIS_URL": REDIS_URL,
+        "LLMESH_REDIS_URL": module_redis_url,
         "QDRANT_URL": "",
     }
     try:
@@ -56,7 +57,7 @@ async def backends(models_dir: Path, tiny_model: Path, tmp_path_factory: pytest.
                 "LLMESH_RETRIEVAL_TARGET": "127.0.0.1:1",
             }
     finally:
-        client = redis.Redis.from_url(REDIS_URL)
+        client = redis.Redis.from_url(module_redis_url)
         keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
         if keys:
             client.delete(*keys)

@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
 
 from llmesh.errors import ResourceExhausted
 from services.gateway.admission import _LUA, AdmissionConfig, CapacityLimit, RedisWeightWindow, WeightWindow
@@ -272,19 +271,10 @@ def test_limits_are_learned_per_model() -> None:
 
 # --- the Redis-shared window --------------------------------------------------------------------------
 
-REDIS_DB = 6
-
 
 @pytest_asyncio.fixture
-async def clients() -> AsyncIterator[list[aioredis.Redis]]:
-    made = [
-        aioredis.Redis(host="127.0.0.1", port=6379, db=REDIS_DB, socket_timeout=1, socket_connect_timeout=1)
-        for _ in range(4)
-    ]
-    try:
-        await made[0].ping()
-    except (RedisConnectionError, OSError) as exc:
-        pytest.skip(f"no redis on 127.0.0.1:6379: {exc}")
+async def clients(redis_url: str) -> AsyncIterator[list[aioredis.Redis]]:
+    made = [aioredis.Redis.from_url(redis_url, socket_timeout=1, socket_connect_timeout=1) for _ in range(4)]
     yield made
     for c in made:
         await c.aclose()

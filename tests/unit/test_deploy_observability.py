@@ -157,3 +157,17 @@ def test_dashboard_metrics_exist_in_the_code(dashboard: dict[str, Any]) -> None:
     assert {"grpc_server_handled", "grpc_server_handling_seconds"} <= checked
     missing = sorted(m for m in checked if m not in registered)
     assert not missing, f"the dashboard queries metrics that no code registers: {missing}"
+
+
+def test_dashboard_has_a_panel_per_tenant(dashboard: dict[str, Any]) -> None:
+    """A shared service: a Tenant variable over the usage counters, and a panel repeated for each
+    tenant with the tokens it used and the tokens the cache saved it."""
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert "llmesh_gateway_tenant_requests_total, tenant" in variables["tenant"]["definition"]
+    repeated = [p for p in panels(dashboard) if p.get("repeat") == "tenant"]
+    assert len(repeated) == 1
+    exprs = " ".join(t["expr"] for t in repeated[0]["targets"])
+    for metric in ("input_tokens", "output_tokens", "saved_tokens"):
+        assert f'llmesh_gateway_tenant_{metric}_total{{tenant=~"$tenant"}}' in exprs, metric
+    limited = "\n".join(expressions(dashboard))
+    assert "llmesh_gateway_tenant_key_limited_total" in limited and "llmesh_gateway_tenant_shed_total" in limited
