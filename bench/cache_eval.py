@@ -2,8 +2,10 @@
 
     python -m bench.cache_eval [--pairs bench/data/cache_pairs.jsonl] [--min-precision 0.97]
 
-Each pair is embedded exactly as the cache does (MiniLM on the normalized prompt); a pair is a
-predicted hit when its cosine similarity reaches the threshold and the near-hit guard passes.
+Each pair is looked up exactly as the cache does: an exact hit when both questions normalize to
+the same key text (services.cache.keys.normalize_prompt), else embedded (MiniLM on the embedding
+text) and a predicted semantic hit when the cosine similarity reaches the threshold and the
+near-hit guard passes. Precision and recall count both tiers.
 The default threshold is the one with the highest recall whose precision is at least
 --min-precision (ties: the stricter threshold). Writes bench/results/cache_eval.json.
 
@@ -25,10 +27,15 @@ import numpy as np
 
 from bench.common import machine, print_table, write_result
 from services.cache import guard
-from services.cache.keys import normalize_prompt
+from services.cache.keys import embedding_text, normalize_prompt
 
 ROOT = Path(__file__).resolve().parent
 PAIRS = ROOT / "data" / "cache_pairs.jsonl"
+# Near-misses of a literal kind (brackets, braces, quotes, operators, code layout) and spellings
+# that mean the same (case, a final mark): evaluated beside the held pairs, at their threshold.
+LITERAL_PAIRS = ROOT / "data" / "cache_literal_pairs.jsonl"
+# Kinds of the held pairs that are near-misses built to fool an embedding (not the same-topic ones).
+ADVERSARIAL = ("negation", "number", "entity", "antonym", "order", "literal")
 RESULT = ROOT / "results" / "cache_eval.json"
 THRESHOLDS = tuple(round(0.70 + 0.01 * i, 2) for i in range(30))  # 0.70 .. 0.99
 MIN_PRECISION = 0.97
@@ -53,9 +60,14 @@ def load_pairs(path: Path = PAIRS) -> list[Pair]:
 
 def similarities(encode: Any, pairs: Sequence[Pair]) -> np.ndarray:
     """Cosine similarity of each pair; `encode(texts) -> normalized rows` (Embedder.encode)."""
-    va = encode([normalize_prompt(p.a) for p in pairs])
-    vb = encode([normalize_prompt(p.b) for p in pairs])
+    va = encode([embedding_text(p.a) for p in pairs])
+    vb = encode([embedding_text(p.b) for p in pairs])
     return np.clip(np.sum(va * vb, axis=1), 0.0, 1.0)
+
+
+def exact_matches(pairs: Sequence[Pair]) -> np.ndarray:
+    """Pairs the exact tier answers: the same normalized question."""
+    return np.array([normalize_prompt(p.a) == normalize_prompt(p.b) for p in pairs], dtype=bool)
 
 
 def guard_reasons(pairs: Sequence[Pair]) -> list[str | None]:
@@ -68,15 +80,17 @@ def evaluate(
     sims: np.ndarray,
     thresholds: Sequence[float] = THRESHOLDS,
     reasons: Sequence[str | None] | None = None,
+    exact: np.ndarray | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per threshold: precision/recall with the guard and without it."""
+    """One row per threshold: precision/recall (exact and semantic tiers) with the guard and without it."""
     labels = np.array([p.same for p in pairs])
     passes = np.array([r is None for r in (reasons if reasons is not None else guard_reasons(pairs))])
+    exact = exact if exact is not None else exact_matches(pairs)
     rows = []
     for t in thresholds:
-        above = sims >= t - 1e-9
+        above = exact | (sims >= t - 1e-9)
         row: dict[str, Any] = {"threshold": round(float(t), 2)}
-        for name, predicted in (("", above & passes), ("_no_guard", above)):
+        for name, predicted in (("", exact | (above & passes)), ("_no_guard", above)):
             tp = int(np.sum(predicted & labels))
             fp = int(np.sum(predicted & ~labels))
             fn = int(np.sum(~predicted & labels))
@@ -121,10 +135,15 @@ def run(pairs_path: Path = PAIRS, min_precision: float = MIN_PRECISION) -> dict[
     started = time.perf_counter()
     sims = similarities(embedder.encode, pairs)
     reasons = guard_reasons(pairs)
-    curve = evaluate(pairs, sims, THRESHOLDS, reasons)
+    exact = exact_matches(pairs)
+    curve = evaluate(pairs, sims, THRESHOLDS, reasons, exact)
     best = pick_threshold(curve, min_precision)
     t = best["threshold"]
     above = [(p, r) for p, s, r in zip(pairs, sims, reasons, strict=True) if s >= t]
+    literal = load_pairs(LITERAL_PAIRS)
+    literal_row = evaluate(literal, similarities(embedder.encode, literal), [t])[0]
+    hits = [p for p, s, r, e in zip(pairs, sims, reasons, exact, strict=True) if e or (s >= t and r is None)]
+    adversarial = [p for p in pairs if p.kind in ADVERSARIAL and not p.same]
     return {
         "threshold": t,
         "semantic_precision": best["precision"],
@@ -133,12 +152,21 @@ def run(pairs_path: Path = PAIRS, min_precision: float = MIN_PRECISION) -> dict[
         "pairs": len(pairs),
         "same_pairs": sum(p.same for p in pairs),
         "different_pairs": sum(not p.same for p in pairs),
+        # Pairs the exact tier answers (the same normalized question), and of those the different ones.
+        "exact_pairs": int(exact.sum()),
+        "exact_pairs_different": int(sum(e and not p.same for e, p in zip(exact, pairs, strict=True))),
         "pairs_by_kind": dict(Counter(p.kind for p in pairs)),
         "guard_rejections_at_threshold": {
             "of_different": dict(Counter(r for p, r in above if r and not p.same)),
             "of_same": dict(Counter(r for p, r in above if r and p.same)),
         },
         "false_hits_at_threshold": false_hits(pairs, sims, reasons, t),
+        # The near-misses built to fool the embedding: never a hit.
+        "adversarial_pairs": len(adversarial),
+        "adversarial_false_hits": sum(p.kind in ADVERSARIAL and not p.same for p in hits),
+        "literal_pairs": len(literal),
+        "literal_false_hits": literal_row["fp"],
+        "literal_same_recall": literal_row["recall"],
         "embedding_model": embedder.model_id,
         "embedding_dtype": embedder.dtype,
         "embed_seconds": round(time.perf_counter() - started, 3),

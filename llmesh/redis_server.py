@@ -116,7 +116,7 @@ def resolve_url(configured: str, settings: Settings) -> str:
 def wanted_roles(env: Mapping[str, str], services: tuple[str, ...]) -> tuple[str, ...]:
     """The embedded servers a mesh of these services started with this environment uses."""
     roles: list[str] = []
-    if "cache" in services and not env.get("LLMESH_REDIS_URL"):
+    if ("cache" in services or "retrieval" in services) and not env.get("LLMESH_REDIS_URL"):
         roles.append(CACHE)
     if "gateway" in services and env.get("LLMESH_ADMISSION_REDIS_URL") == EMBEDDED:
         roles.append(STATE)

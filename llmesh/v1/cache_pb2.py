@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from llmesh.v1 import common_pb2 as llmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15llmesh/v1/cache.proto\x12\tllmesh.v1\x1a\x16llmesh/v1/common.proto\"\x88\x01\n\nCacheScope\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x12\n\ncollection\x18\x03 \x01(\t\x12\x1a\n\x12\x63ollection_version\x18\x04 \x01(\x04\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.llmesh.v1.SamplingParams\"b\n\x12\x43\x61\x63heLookupRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12$\n\x05scope\x18\x02 \x01(\x0b\x32\x15.llmesh.v1.CacheScope\x12\x16\n\x0e\x61llow_semantic\x18\x03 \x01(\x08\"\x96\x01\n\x0c\x43\x61\x63hedAnswer\x12\x0c\n\x04text\x18\x01 \x01(\t\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.llmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.llmesh.v1.Usage\x12\'\n\x07sources\x18\x04 \x03(\x0b\x32\x16.llmesh.v1.ScoredChunk\"\xa2\x01\n\x13\x43\x61\x63heLookupResponse\x12\x0b\n\x03hit\x18\x01 \x01(\x08\x12\"\n\x04tier\x18\x02 \x01(\x0e\x32\x14.llmesh.v1.CacheTier\x12\x12\n\nsimilarity\x18\x03 \x01(\x02\x12\'\n\x06\x61nswer\x18\x04 \x01(\x0b\x32\x17.llmesh.v1.CachedAnswer\x12\x0b\n\x03key\x18\x05 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x06 \x01(\x08\"J\n\x17\x43\x61\x63heLookupBatchRequest\x12/\n\x08requests\x18\x01 \x03(\x0b\x32\x1d.llmesh.v1.CacheLookupRequest\"K\n\x18\x43\x61\x63heLookupBatchResponse\x12/\n\x07results\x18\x01 \x03(\x0b\x32\x1e.llmesh.v1.CacheLookupResponse\"\x87\x01\n\x11\x43\x61\x63heStoreRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12$\n\x05scope\x18\x02 \x01(\x0b\x32\x15.llmesh.v1.CacheScope\x12\'\n\x06\x61nswer\x18\x03 \x01(\x0b\x32\x17.llmesh.v1.CachedAnswer\x12\x13\n\x0bttl_seconds\x18\x04 \x01(\r\"1\n\x12\x43\x61\x63heStoreResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06stored\x18\x02 \x01(\x08\"T\n\x11InvalidateRequest\x12\r\n\x03key\x18\x01 \x01(\tH\x00\x12\x10\n\x06tenant\x18\x02 \x01(\tH\x00\x12\x14\n\ncollection\x18\x03 \x01(\tH\x00\x42\x08\n\x06target\"%\n\x12InvalidateResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x04\"\x13\n\x11\x43\x61\x63heStatsRequest\"\x86\x01\n\x12\x43\x61\x63heStatsResponse\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x04\x12\x12\n\nexact_hits\x18\x02 \x01(\x04\x12\x15\n\rsemantic_hits\x18\x03 \x01(\x04\x12\x0e\n\x06misses\x18\x04 \x01(\x04\x12\x12\n\nrejections\x18\x05 \x01(\x04\x12\x10\n\x08\x64\x65graded\x18\x06 \x01(\x08\x32\xff\x02\n\x05\x43\x61\x63he\x12G\n\x06Lookup\x12\x1d.llmesh.v1.CacheLookupRequest\x1a\x1e.llmesh.v1.CacheLookupResponse\x12V\n\x0bLookupBatch\x12\".llmesh.v1.CacheLookupBatchRequest\x1a#.llmesh.v1.CacheLookupBatchResponse\x12\x44\n\x05Store\x12\x1c.llmesh.v1.CacheStoreRequest\x1a\x1d.llmesh.v1.CacheStoreResponse\x12I\n\nInvalidate\x12\x1c.llmesh.v1.InvalidateRequest\x1a\x1d.llmesh.v1.InvalidateResponse\x12\x44\n\x05Stats\x12\x1c.llmesh.v1.CacheStatsRequest\x1a\x1d.llmesh.v1.CacheStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15llmesh/v1/cache.proto\x12\tllmesh.v1\x1a\x16llmesh/v1/common.proto\"\xcd\x01\n\nCacheScope\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x12\n\ncollection\x18\x03 \x01(\t\x12\x1a\n\x12\x63ollection_version\x18\x04 \x01(\x04\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.llmesh.v1.SamplingParams\x12\r\n\x05shape\x18\x06 \x01(\x0c\x12\x17\n\x0fretrieval_top_k\x18\x07 \x01(\r\x12\x1b\n\x13retrieval_min_score\x18\x08 \x01(\x02\"b\n\x12\x43\x61\x63heLookupRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12$\n\x05scope\x18\x02 \x01(\x0b\x32\x15.llmesh.v1.CacheScope\x12\x16\n\x0e\x61llow_semantic\x18\x03 \x01(\x08\"\x96\x01\n\x0c\x43\x61\x63hedAnswer\x12\x0c\n\x04text\x18\x01 \x01(\t\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.llmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.llmesh.v1.Usage\x12\'\n\x07sources\x18\x04 \x03(\x0b\x32\x16.llmesh.v1.ScoredChunk\"\xbe\x01\n\x13\x43\x61\x63heLookupResponse\x12\x0b\n\x03hit\x18\x01 \x01(\x08\x12\"\n\x04tier\x18\x02 \x01(\x0e\x32\x14.llmesh.v1.CacheTier\x12\x12\n\nsimilarity\x18\x03 \x01(\x02\x12\'\n\x06\x61nswer\x18\x04 \x01(\x0b\x32\x17.llmesh.v1.CachedAnswer\x12\x0b\n\x03key\x18\x05 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x06 \x01(\x08\x12\x1a\n\x12\x63ollection_version\x18\x07 \x01(\x04\"J\n\x17\x43\x61\x63heLookupBatchRequest\x12/\n\x08requests\x18\x01 \x03(\x0b\x32\x1d.llmesh.v1.CacheLookupRequest\"K\n\x18\x43\x61\x63heLookupBatchResponse\x12/\n\x07results\x18\x01 \x03(\x0b\x32\x1e.llmesh.v1.CacheLookupResponse\"\x87\x01\n\x11\x43\x61\x63heStoreRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12$\n\x05scope\x18\x02 \x01(\x0b\x32\x15.llmesh.v1.CacheScope\x12\'\n\x06\x61nswer\x18\x03 \x01(\x0b\x32\x17.llmesh.v1.CachedAnswer\x12\x13\n\x0bttl_seconds\x18\x04 \x01(\r\"1\n\x12\x43\x61\x63heStoreResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06stored\x18\x02 \x01(\x08\"r\n\x11InvalidateRequest\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\r\n\x03key\x18\x01 \x01(\tH\x00\x12\x14\n\ncollection\x18\x03 \x01(\tH\x00\x12\x0f\n\x05model\x18\x04 \x01(\tH\x00\x12\r\n\x03\x61ll\x18\x05 \x01(\x08H\x00\x42\x08\n\x06target\"%\n\x12InvalidateResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x04\"\x13\n\x11\x43\x61\x63heStatsRequest\"\x86\x01\n\x12\x43\x61\x63heStatsResponse\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x04\x12\x12\n\nexact_hits\x18\x02 \x01(\x04\x12\x15\n\rsemantic_hits\x18\x03 \x01(\x04\x12\x0e\n\x06misses\x18\x04 \x01(\x04\x12\x12\n\nrejections\x18\x05 \x01(\x04\x12\x10\n\x08\x64\x65graded\x18\x06 \x01(\x08\x32\xff\x02\n\x05\x43\x61\x63he\x12G\n\x06Lookup\x12\x1d.llmesh.v1.CacheLookupRequest\x1a\x1e.llmesh.v1.CacheLookupResponse\x12V\n\x0bLookupBatch\x12\".llmesh.v1.CacheLookupBatchRequest\x1a#.llmesh.v1.CacheLookupBatchResponse\x12\x44\n\x05Store\x12\x1c.llmesh.v1.CacheStoreRequest\x1a\x1d.llmesh.v1.CacheStoreResponse\x12I\n\nInvalidate\x12\x1c.llmesh.v1.InvalidateRequest\x1a\x1d.llmesh.v1.InvalidateResponse\x12\x44\n\x05Stats\x12\x1c.llmesh.v1.CacheStatsRequest\x1a\x1d.llmesh.v1.CacheStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,29 +33,29 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmesh.v1.cache_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CACHESCOPE']._serialized_start=61
-  _globals['_CACHESCOPE']._serialized_end=197
-  _globals['_CACHELOOKUPREQUEST']._serialized_start=199
-  _globals['_CACHELOOKUPREQUEST']._serialized_end=297
-  _globals['_CACHEDANSWER']._serialized_start=300
-  _globals['_CACHEDANSWER']._serialized_end=450
-  _globals['_CACHELOOKUPRESPONSE']._serialized_start=453
-  _globals['_CACHELOOKUPRESPONSE']._serialized_end=615
-  _globals['_CACHELOOKUPBATCHREQUEST']._serialized_start=617
-  _globals['_CACHELOOKUPBATCHREQUEST']._serialized_end=691
-  _globals['_CACHELOOKUPBATCHRESPONSE']._serialized_start=693
-  _globals['_CACHELOOKUPBATCHRESPONSE']._serialized_end=768
-  _globals['_CACHESTOREREQUEST']._serialized_start=771
-  _globals['_CACHESTOREREQUEST']._serialized_end=906
-  _globals['_CACHESTORERESPONSE']._serialized_start=908
-  _globals['_CACHESTORERESPONSE']._serialized_end=957
-  _globals['_INVALIDATEREQUEST']._serialized_start=959
-  _globals['_INVALIDATEREQUEST']._serialized_end=1043
-  _globals['_INVALIDATERESPONSE']._serialized_start=1045
-  _globals['_INVALIDATERESPONSE']._serialized_end=1082
-  _globals['_CACHESTATSREQUEST']._serialized_start=1084
-  _globals['_CACHESTATSREQUEST']._serialized_end=1103
-  _globals['_CACHESTATSRESPONSE']._serialized_start=1106
-  _globals['_CACHESTATSRESPONSE']._serialized_end=1240
-  _globals['_CACHE']._serialized_start=1243
-  _globals['_CACHE']._serialized_end=1626
+  _globals['_CACHESCOPE']._serialized_end=266
+  _globals['_CACHELOOKUPREQUEST']._serialized_start=268
+  _globals['_CACHELOOKUPREQUEST']._serialized_end=366
+  _globals['_CACHEDANSWER']._serialized_start=369
+  _globals['_CACHEDANSWER']._serialized_end=519
+  _globals['_CACHELOOKUPRESPONSE']._serialized_start=522
+  _globals['_CACHELOOKUPRESPONSE']._serialized_end=712
+  _globals['_CACHELOOKUPBATCHREQUEST']._serialized_start=714
+  _globals['_CACHELOOKUPBATCHREQUEST']._serialized_end=788
+  _globals['_CACHELOOKUPBATCHRESPONSE']._serialized_start=790
+  _globals['_CACHELOOKUPBATCHRESPONSE']._serialized_end=865
+  _globals['_CACHESTOREREQUEST']._serialized_start=868
+  _globals['_CACHESTOREREQUEST']._serialized_end=1003
+  _globals['_CACHESTORERESPONSE']._serialized_start=1005
+  _globals['_CACHESTORERESPONSE']._serialized_end=1054
+  _globals['_INVALIDATEREQUEST']._serialized_start=1056
+  _globals['_INVALIDATEREQUEST']._serialized_end=1170
+  _globals['_INVALIDATERESPONSE']._serialized_start=1172
+  _globals['_INVALIDATERESPONSE']._serialized_end=1209
+  _globals['_CACHESTATSREQUEST']._serialized_start=1211
+  _globals['_CACHESTATSREQUEST']._serialized_end=1230
+  _globals['_CACHESTATSRESPONSE']._serialized_start=1233
+  _globals['_CACHESTATSRESPONSE']._serialized_end=1367
+  _globals['_CACHE']._serialized_start=1370
+  _globals['_CACHE']._serialized_end=1753
 # @@protoc_insertion_point(module_scope)

@@ -8,18 +8,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CacheScope(_message.Message):
-    __slots__ = ("model", "tenant", "collection", "collection_version", "sampling")
+    __slots__ = ("model", "tenant", "collection", "collection_version", "sampling", "shape", "retrieval_top_k", "retrieval_min_score")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     COLLECTION_FIELD_NUMBER: _ClassVar[int]
     COLLECTION_VERSION_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    RETRIEVAL_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    RETRIEVAL_MIN_SCORE_FIELD_NUMBER: _ClassVar[int]
     model: str
     tenant: str
     collection: str
     collection_version: int
     sampling: _common_pb2.SamplingParams
-    def __init__(self, model: _Optional[str] = ..., tenant: _Optional[str] = ..., collection: _Optional[str] = ..., collection_version: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    shape: bytes
+    retrieval_top_k: int
+    retrieval_min_score: float
+    def __init__(self, model: _Optional[str] = ..., tenant: _Optional[str] = ..., collection: _Optional[str] = ..., collection_version: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., shape: _Optional[bytes] = ..., retrieval_top_k: _Optional[int] = ..., retrieval_min_score: _Optional[float] = ...) -> None: ...
 
 class CacheLookupRequest(_message.Message):
     __slots__ = ("prompt", "scope", "allow_semantic")
@@ -44,20 +50,22 @@ class CachedAnswer(_message.Message):
     def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., sources: _Optional[_Iterable[_Union[_common_pb2.ScoredChunk, _Mapping]]] = ...) -> None: ...
 
 class CacheLookupResponse(_message.Message):
-    __slots__ = ("hit", "tier", "similarity", "answer", "key", "degraded")
+    __slots__ = ("hit", "tier", "similarity", "answer", "key", "degraded", "collection_version")
     HIT_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     SIMILARITY_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    COLLECTION_VERSION_FIELD_NUMBER: _ClassVar[int]
     hit: bool
     tier: _common_pb2.CacheTier
     similarity: float
     answer: CachedAnswer
     key: str
     degraded: bool
-    def __init__(self, hit: _Optional[bool] = ..., tier: _Optional[_Union[_common_pb2.CacheTier, str]] = ..., similarity: _Optional[float] = ..., answer: _Optional[_Union[CachedAnswer, _Mapping]] = ..., key: _Optional[str] = ..., degraded: _Optional[bool] = ...) -> None: ...
+    collection_version: int
+    def __init__(self, hit: _Optional[bool] = ..., tier: _Optional[_Union[_common_pb2.CacheTier, str]] = ..., similarity: _Optional[float] = ..., answer: _Optional[_Union[CachedAnswer, _Mapping]] = ..., key: _Optional[str] = ..., degraded: _Optional[bool] = ..., collection_version: _Optional[int] = ...) -> None: ...
 
 class CacheLookupBatchRequest(_message.Message):
     __slots__ = ("requests",)
@@ -92,14 +100,18 @@ class CacheStoreResponse(_message.Message):
     def __init__(self, key: _Optional[str] = ..., stored: _Optional[bool] = ...) -> None: ...
 
 class InvalidateRequest(_message.Message):
-    __slots__ = ("key", "tenant", "collection")
-    KEY_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("tenant", "key", "collection", "model", "all")
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
     COLLECTION_FIELD_NUMBER: _ClassVar[int]
-    key: str
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
     tenant: str
+    key: str
     collection: str
-    def __init__(self, key: _Optional[str] = ..., tenant: _Optional[str] = ..., collection: _Optional[str] = ...) -> None: ...
+    model: str
+    all: bool
+    def __init__(self, tenant: _Optional[str] = ..., key: _Optional[str] = ..., collection: _Optional[str] = ..., model: _Optional[str] = ..., all: _Optional[bool] = ...) -> None: ...
 
 class InvalidateResponse(_message.Message):
     __slots__ = ("removed",)

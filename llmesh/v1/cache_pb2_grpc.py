@@ -87,7 +87,9 @@ class CacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Invalidate(self, request, context):
-        """Removes entries by key, by tenant or by collection.
+        """Removes one tenant's entries: one by key, those of a collection or of a model, or all of them.
+        Only the mesh identity may call it (the gateway's certificate, LLMESH_CACHE_INVALIDATORS);
+        PERMISSION_DENIED for any other caller, and for every caller without mutual TLS.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

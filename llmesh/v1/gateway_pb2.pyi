@@ -151,3 +151,21 @@ class ListModelsResponse(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelEntry]
     def __init__(self, models: _Optional[_Iterable[_Union[ModelEntry, _Mapping]]] = ...) -> None: ...
+
+class PurgeCacheRequest(_message.Message):
+    __slots__ = ("tenant", "collection", "model")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    COLLECTION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    collection: str
+    model: str
+    def __init__(self, tenant: _Optional[str] = ..., collection: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class PurgeCacheResponse(_message.Message):
+    __slots__ = ("removed", "trace_id")
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    removed: int
+    trace_id: str
+    def __init__(self, removed: _Optional[int] = ..., trace_id: _Optional[str] = ...) -> None: ...

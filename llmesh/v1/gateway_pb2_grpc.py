@@ -60,6 +60,11 @@ class GatewayStub:
                 request_serializer=llmesh_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=llmesh_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.PurgeCache = channel.unary_unary(
+                '/llmesh.v1.Gateway/PurgeCache',
+                request_serializer=llmesh_dot_v1_dot_gateway__pb2.PurgeCacheRequest.SerializeToString,
+                response_deserializer=llmesh_dot_v1_dot_gateway__pb2.PurgeCacheResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -101,6 +106,14 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PurgeCache(self, request, context):
+        """Removes cached answers of one tenant: all of them, a collection's or a model's. Needs an
+        admin key (LLMESH_ADMIN_KEYS); PERMISSION_DENIED while none is configured.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +141,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=llmesh_dot_v1_dot_gateway__pb2.ListModelsRequest.FromString,
                     response_serializer=llmesh_dot_v1_dot_gateway__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'PurgeCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.PurgeCache,
+                    request_deserializer=llmesh_dot_v1_dot_gateway__pb2.PurgeCacheRequest.FromString,
+                    response_serializer=llmesh_dot_v1_dot_gateway__pb2.PurgeCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +284,33 @@ class Gateway:
             '/llmesh.v1.Gateway/ListModels',
             llmesh_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
             llmesh_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PurgeCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmesh.v1.Gateway/PurgeCache',
+            llmesh_dot_v1_dot_gateway__pb2.PurgeCacheRequest.SerializeToString,
+            llmesh_dot_v1_dot_gateway__pb2.PurgeCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,13 +2,18 @@
 near-hit guard, invalidation, and degraded mode when Redis is unreachable.
 
 Redis layout under the key prefix (default "llmesh:cache:"):
-  e:<key>           HASH {a: serialized answer, p: prompt as asked, t: tenant, c: collection}, TTL'd
+  e:<key>           STRING: the serialized answer, TTL'd (all of a batch's exact tier, and the
+                    collection versions it needs, in one MGET)
+  m:<key>           HASH {p: prompt as asked, t: tenant, c: collection, m: model}, same TTL
   tenant:<sha>      SET of entry keys of one tenant (expires with its longest-lived entry)
-  coll:<sha>        SET of entry keys grounded in one collection name
+  coll:<sha>        SET of entry keys of one tenant grounded in one collection
+  model:<sha>       SET of entry keys of one tenant made by one model key
   live              ZSET entry key -> expiry time (entry count for Stats)
+Collection versions are retrieval's (llmesh.collection_versions), read in the same round trip
+as the exact tier: an entry under any other version than the current one is a miss.
 The semantic index is one Qdrant collection per embedding dimension; a point carries the entry
-key and every scope field, and the answer body stays in Redis, so the Redis TTL governs both: a
-point whose entry expired is a miss and is deleted when met.
+key, the scope's digest and the fields invalidation filters on, and the answer body stays in
+Redis, so the Redis TTL governs both: a point whose entry expired is a miss and is deleted when met.
 """
 
 from __future__ import annotations
@@ -31,12 +36,13 @@ from redis import exceptions as redis_errors
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from llmesh import collection_versions
 from llmesh.embeddings import Embedder
 from llmesh.errors import InvalidArgument, Unavailable
 from llmesh.metrics import LATENCY_BUCKETS, trace_exemplar
 from llmesh.qdrant import QdrantHandle
 from services.cache import guard
-from services.cache.keys import Scope, entry_key, name_digest, normalize_prompt
+from services.cache.keys import Scope, embedding_text, entry_key, name_digest, normalize_prompt
 
 log = logging.getLogger("llmesh.cache")
 tracer = trace.get_tracer("llmesh.cache")
@@ -46,7 +52,11 @@ DEFAULT_PREFIX = "llmesh:cache:"
 MAX_PROMPT_BYTES = 64 * 1024
 # Candidates in scope above the threshold handed to the near-hit guard, best first.
 CANDIDATES = 4
-SCOPE_FIELDS = ("scope", "model", "tenant", "collection", "collection_version", "sampling")
+# Payload fields of a semantic point (all indexed): the scope digest the search filters on, and
+# what invalidation deletes by.
+SCOPE_FIELDS = ("scope", "model", "tenant", "collection", "collection_version")
+# The semantic tier answers only among entries of an identical scope: the digest covers all of it.
+FILTER_FIELDS = ("scope", "tenant")
 INVALIDATE_BATCH = 500
 PROBE_MIN_S, PROBE_MAX_S = 0.5, 1.0
 SWEEP_INTERVAL_S = 300.0
@@ -80,6 +90,8 @@ class LookupResult:
     answer: bytes = b""
     key: str = ""
     degraded: bool = False
+    # The scope's collection's current version (0 without a collection).
+    collection_version: int = 0
 
 
 @dataclass(frozen=True)
@@ -146,6 +158,7 @@ class CacheCore:
         timeout: float,
         default_collection: str = "docs",
         prefix: str = DEFAULT_PREFIX,
+        version_prefix: str = collection_versions.PREFIX,
     ) -> None:
         self.redis = redis
         self.embedder = embedder
@@ -155,6 +168,7 @@ class CacheCore:
         self.timeout = timeout
         self.default_collection = default_collection
         self.prefix = prefix
+        self.version_prefix = version_prefix
         self.collection = f"llmesh_cache_d{embedder.dimension}" if embedder is not None else ""
         self.degraded = False
         self._probe: asyncio.Task[None] | None = None
@@ -300,24 +314,31 @@ class CacheCore:
                 self.counts.semantic_hits += 1
         return results
 
-    async def _hget_many(self, keys: list[str]) -> list[Any]:
-        if len(keys) == 1:
-            return [await self.redis.hget(self._k("e", keys[0]), "a")]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for key in keys:
-                pipe.hget(self._k("e", key), "a")
-            return list(await pipe.execute())
+    async def _hget_many(self, keys: list[str], versions: list[str]) -> list[Any]:
+        """The answers under `keys`, then the values of the version keys `versions`: one command
+        (a pipeline of one command per key costs the client several times more)."""
+        if len(keys) == 1 and not versions:
+            return [await self.redis.get(self._k("e", keys[0]))]
+        return list(await self.redis.mget([self._k("e", key) for key in keys] + versions))
 
     async def _lookup_many(self, queries: Sequence[LookupQuery]) -> list[LookupResult]:
         normalized = [normalize_prompt(q.prompt) for q in queries]
         keys = [entry_key(n, q.scope) for n, q in zip(normalized, queries, strict=True)]
+        # The current version of each collection asked about, read with the answers.
+        version_keys = list(
+            dict.fromkeys(
+                collection_versions.version_key(q.scope.tenant, q.scope.collection, self.version_prefix)
+                for q in queries
+                if q.scope.collection
+            )
+        )
         # Not made current: nothing runs inside it, and every exact hit pays for this span.
         span = tracer.start_span("cache.redis.get", attributes={"llmesh.cache.tier": "exact"})
         try:
             if len(queries) > 1:
                 span.set_attribute("llmesh.cache.batch_size", len(queries))
             try:
-                answers = await self._redis(lambda: self._hget_many(keys))
+                replies = await self._redis(lambda: self._hget_many(keys, version_keys))
             except RedisDown:
                 span.set_attribute("llmesh.cache.degraded", True)
                 LOOKUPS.labels("exact", "miss").inc(len(queries))
@@ -327,6 +348,18 @@ class CacheCore:
                 span.set_status(StatusCode.ERROR, type(exc).__name__)
                 LOOKUPS.labels("exact", "miss").inc(len(queries))
                 return [LookupResult() for _ in queries]
+            answers = replies[: len(keys)]
+            current = dict(zip(version_keys, collection_versions.parse(replies[len(keys) :]), strict=True))
+            versions = [
+                current[collection_versions.version_key(q.scope.tenant, q.scope.collection, self.version_prefix)]
+                if q.scope.collection
+                else 0
+                for q in queries
+            ]
+            # An entry under another version than the collection's current one is stale (or ahead
+            # of a Redis that lost its data): a miss, in both tiers.
+            fresh = [v == q.scope.collection_version for v, q in zip(versions, queries, strict=True)]
+            answers = [a if ok else None for a, ok in zip(answers, fresh, strict=True)]
             hits = sum(answer is not None for answer in answers)
             if hits == len(queries):
                 span.set_attribute("llmesh.cache.similarity", 1.0)
@@ -337,17 +370,18 @@ class CacheCore:
         if hits < len(queries):
             LOOKUPS.labels("exact", "miss").inc(len(queries) - hits)
         results = [
-            LookupResult(True, "exact", 1.0, _as_bytes(answer), key) if answer is not None else LookupResult()
-            for answer, key in zip(answers, keys, strict=True)
+            LookupResult(True, "exact", 1.0, _as_bytes(answer), key, collection_version=version)
+            if answer is not None
+            else LookupResult(collection_version=version)
+            for answer, key, version in zip(answers, keys, versions, strict=True)
         ]
         if self.embedder is None or self.qdrant is None:
             return results
-        semantic = [i for i, q in enumerate(queries) if q.allow_semantic and not results[i].hit]
-        found = await asyncio.gather(
-            *(self._semantic(queries[i].prompt, normalized[i], queries[i].scope) for i in semantic)
-        )
+        semantic = [i for i, q in enumerate(queries) if q.allow_semantic and fresh[i] and not results[i].hit]
+        found = await asyncio.gather(*(self._semantic(queries[i].prompt, queries[i].scope) for i in semantic))
         for i, result in zip(semantic, found, strict=True):
             LOOKUPS.labels("semantic", "hit" if result.hit else "miss").inc()
+            result.collection_version = versions[i]
             results[i] = result
         return results
 
@@ -358,16 +392,15 @@ class CacheCore:
             "model": scope.model,
             "tenant": scope.tenant,
             "collection": scope.collection,
-            "collection_version": int(scope.collection_version),
-            "sampling": scope.sampling.digest(),
+            "collection_version": scope.collection_version,
         }
 
-    async def _semantic(self, prompt: str, normalized: str, scope: Scope) -> LookupResult:
+    async def _semantic(self, prompt: str, scope: Scope) -> LookupResult:
         assert self.embedder is not None and self.qdrant is not None
         with tracer.start_as_current_span("cache.embed") as span:
             span.set_attribute("llmesh.cache.tier", "semantic")
             try:
-                vector = (await self.embedder.aencode([normalized]))[0]
+                vector = (await self.embedder.aencode([embedding_text(prompt)]))[0]
             except Exception as exc:  # the semantic tier is best effort: a miss, never an error
                 log.warning("embedding failed: %s", exc)
                 return LookupResult()
@@ -390,8 +423,10 @@ class CacheCore:
             async def fetch() -> list[Any]:
                 pipe = self.redis.pipeline(transaction=False)
                 for key, _ in candidates:
-                    pipe.hmget(self._k("e", key), "a", "p")
-                return await pipe.execute()
+                    pipe.get(self._k("e", key))
+                    pipe.hget(self._k("m", key), "p")
+                replies = await pipe.execute()
+                return list(zip(replies[::2], replies[1::2], strict=True))
 
             try:
                 rows = await self._redis(fetch)
@@ -425,7 +460,7 @@ class CacheCore:
         """(entry key, similarity) of the points in scope above the threshold, best first."""
         assert self.qdrant is not None
         client = self.qdrant.client
-        flt = qm.Filter(must=[qm.FieldCondition(key=f, match=qm.MatchValue(value=want[f])) for f in SCOPE_FIELDS])
+        flt = qm.Filter(must=[qm.FieldCondition(key=f, match=qm.MatchValue(value=want[f])) for f in FILTER_FIELDS])
         found = client.query_points(
             self.collection,
             query=vector.tolist(),
@@ -441,9 +476,9 @@ class CacheCore:
         selector = qm.PointIdsList(points=list[qm.ExtendedPointId](ids))
         self.qdrant.client.delete(self.collection, points_selector=selector)
 
-    def _delete_where(self, name: str, value: str) -> None:
+    def _delete_where(self, match: dict[str, str]) -> None:
         assert self.qdrant is not None
-        flt = qm.Filter(must=[qm.FieldCondition(key=name, match=qm.MatchValue(value=value))])
+        flt = qm.Filter(must=[qm.FieldCondition(key=k, match=qm.MatchValue(value=v)) for k, v in match.items()])
         self.qdrant.client.delete(self.collection, points_selector=qm.FilterSelector(filter=flt))
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
@@ -461,16 +496,20 @@ class CacheCore:
         key = entry_key(normalized, scope)
         ttl = int(ttl_seconds) or self.default_ttl
         expires_at = time.time() + ttl
-        ekey = self._k("e", key)
+        ekey, mkey = self._k("e", key), self._k("m", key)
 
         async def write() -> list[Any]:
             pipe = self.redis.pipeline(transaction=True)
-            pipe.delete(ekey)
-            pipe.hset(ekey, mapping={"a": answer, "p": prompt, "t": scope.tenant, "c": scope.collection})
-            pipe.expire(ekey, ttl)
-            sets = [self._k("tenant", name_digest(scope.tenant))]
+            pipe.set(ekey, answer, ex=ttl)
+            pipe.delete(mkey)
+            pipe.hset(mkey, mapping={"p": prompt, "t": scope.tenant, "c": scope.collection, "m": scope.model})
+            pipe.expire(mkey, ttl)
+            sets = [
+                self._k("tenant", name_digest(scope.tenant)),
+                self._k("model", name_digest(scope.tenant, scope.model)),
+            ]
             if scope.collection:
-                sets.append(self._k("coll", name_digest(scope.collection)))
+                sets.append(self._k("coll", name_digest(scope.tenant, scope.collection)))
             for set_key in sets:
                 pipe.sadd(set_key, key)
                 pipe.expire(set_key, ttl, nx=True)
@@ -493,53 +532,64 @@ class CacheCore:
         STORES.inc()
         if self.embedder is not None and self.qdrant is not None:
             try:
-                await self._index(normalized, scope, key, expires_at)
+                await self._index(prompt, scope, key, expires_at)
             except Exception as exc:  # the exact tier has the entry; the semantic index is best effort
                 log.warning("semantic index write failed: %s", exc)
         return StoreResult(key, True)
 
-    async def _index(self, normalized: str, scope: Scope, key: str, expires_at: float) -> None:
+    async def _index(self, prompt: str, scope: Scope, key: str, expires_at: float) -> None:
         assert self.embedder is not None and self.qdrant is not None
         with tracer.start_as_current_span("cache.embed") as span:
             span.set_attribute("llmesh.cache.tier", "semantic")
-            vector = (await self.embedder.aencode([normalized]))[0]
+            vector = (await self.embedder.aencode([embedding_text(prompt)]))[0]
         payload = {**self._scope_payload(scope), "key": key, "expires_at": expires_at}
         point = qm.PointStruct(id=point_id(key), vector=vector.tolist(), payload=payload)
         with tracer.start_as_current_span("cache.qdrant.upsert"):
             await self.qdrant.run(self.qdrant.client.upsert, self.collection, points=[point])
 
-    # ----- invalidation
+    # ----- invalidation (always within one tenant)
 
-    async def invalidate_key(self, key: str) -> int:
+    async def invalidate_key(self, tenant: str, key: str) -> int:
+        """Removes one entry, if it is the tenant's."""
         key = key.strip().lower()
         if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
             raise InvalidArgument([("key", "must be a cache key as returned by Lookup or Store (64 hex digits)")])
-        ekey = self._k("e", key)
+        ekey, mkey = self._k("e", key), self._k("m", key)
 
         async def remove() -> int:
-            tenant, collection = await self.redis.hmget(ekey, "t", "c")
+            owner, collection, model = await self.redis.hmget(mkey, "t", "c", "m")
+            if owner is None or _as_bytes(owner).decode() != tenant:
+                return 0  # none, or another tenant's: never removed across tenants
             pipe = self.redis.pipeline(transaction=True)
             pipe.delete(ekey)
+            pipe.delete(mkey)
             pipe.zrem(self._k("live"), key)
-            if tenant is not None:
-                pipe.srem(self._k("tenant", name_digest(_as_bytes(tenant).decode())), key)
+            pipe.srem(self._k("tenant", name_digest(tenant)), key)
             if collection:
-                pipe.srem(self._k("coll", name_digest(_as_bytes(collection).decode())), key)
+                pipe.srem(self._k("coll", name_digest(tenant, _as_bytes(collection).decode())), key)
+            if model:
+                pipe.srem(self._k("model", name_digest(tenant, _as_bytes(model).decode())), key)
             return int((await pipe.execute())[0])
 
         removed = await self._must(remove)
-        await self._qdrant_cleanup(self._delete_points, [point_id(key)])
+        if removed:
+            await self._qdrant_cleanup(self._delete_points, [point_id(key)])
         return removed
 
     async def invalidate_tenant(self, tenant: str) -> int:
         removed = await self._must(lambda: self._drop_set(self._k("tenant", name_digest(tenant))))
-        await self._qdrant_cleanup(self._delete_where, "tenant", tenant)
+        await self._qdrant_cleanup(self._delete_where, {"tenant": tenant})
         return removed
 
-    async def invalidate_collection(self, collection: str) -> int:
+    async def invalidate_collection(self, tenant: str, collection: str) -> int:
         collection = collection or self.default_collection
-        removed = await self._must(lambda: self._drop_set(self._k("coll", name_digest(collection))))
-        await self._qdrant_cleanup(self._delete_where, "collection", collection)
+        removed = await self._must(lambda: self._drop_set(self._k("coll", name_digest(tenant, collection))))
+        await self._qdrant_cleanup(self._delete_where, {"tenant": tenant, "collection": collection})
+        return removed
+
+    async def invalidate_model(self, tenant: str, model: str) -> int:
+        removed = await self._must(lambda: self._drop_set(self._k("model", name_digest(tenant, model))))
+        await self._qdrant_cleanup(self._delete_where, {"tenant": tenant, "model": model})
         return removed
 
     async def _drop_set(self, set_key: str) -> int:
@@ -554,6 +604,7 @@ class CacheCore:
             chunk = keys[i : i + INVALIDATE_BATCH]
             pipe = self.redis.pipeline(transaction=False)
             pipe.delete(*[self._k("e", k) for k in chunk])
+            pipe.delete(*[self._k("m", k) for k in chunk])
             pipe.zrem(self._k("live"), *chunk)
             removed += int((await pipe.execute())[0])
         return removed

@@ -2,8 +2,10 @@
 
 Sentence embeddings put "how do I enable X" and "how do I disable X", or "flights to Paris in
 2023" and "... in 2024", very close together. The guard refuses a candidate whose question
-differs from the asked one in negation, numbers, named entities or a known antonym; the caller
-counts each refusal by reason. It only ever turns hits into misses.
+differs from the asked one in negation, numbers, named entities, a known antonym, word order
+around a direction word, or in its literal structure (brackets, braces, quotes, operators, and the
+layout of text that has lines: code, data); the caller counts each refusal by reason. It only
+ever turns hits into misses.
 """
 
 from __future__ import annotations
@@ -13,7 +15,12 @@ import unicodedata
 from collections import Counter
 from dataclasses import dataclass
 
-REASONS = ("negation", "number", "entity", "antonym", "order")
+REASONS = ("negation", "number", "entity", "antonym", "order", "literal")
+
+# Characters that give text a structure its words do not: `(()` and `(())`, JSON with and without
+# its closing brace, a quoted and an unquoted string, `a = b` and `a == b`, `C` and `C++`.
+LITERAL_CHARS = frozenset('()[]{}<>"\u201c\u201d\u201e\u00ab\u00bb`=+*^|&\\~#@;')
+_WHITESPACE_RUN = re.compile(r"\s+")
 
 NEGATIONS = frozenset(
     """not no never none nobody nothing nowhere neither nor without cannot cant dont doesnt didnt isnt
@@ -256,6 +263,9 @@ class Features:
     negations: int
     numbers: Counter[str]
     entities: frozenset[str]
+    # The structural characters in order, and for text with lines (code, data) its whitespace.
+    literal: tuple[str, ...] = ()
+    layout: tuple[str, ...] | None = None
 
 
 def _number(raw: str) -> str:
@@ -268,7 +278,10 @@ def _number(raw: str) -> str:
 
 
 def features(text: str) -> Features:
-    text = unicodedata.normalize("NFKC", text).translate(_APOSTROPHES)
+    raw = unicodedata.normalize("NFKC", text)
+    # Before backticks become apostrophes: `ls -a` and ls -a differ.
+    literal = tuple(c for c in raw if c in LITERAL_CHARS)
+    text = raw.translate(_APOSTROPHES)
     words: list[str] = []
     negations = 0
     numbers: Counter[str] = Counter(_number(m) for m in _NUMBER_RE.findall(text))
@@ -289,7 +302,10 @@ def features(text: str) -> Features:
         if _is_entity(token, sentence_start):
             entities.add(low)
     sequence = tuple(w for w in words if w not in STOPWORDS)
-    return Features(sequence, frozenset(words), Counter(words), negations, numbers, frozenset(entities))
+    layout = tuple(_WHITESPACE_RUN.findall(text.strip())) if ("\n" in text.strip() or "\t" in text) else None
+    return Features(
+        sequence, frozenset(words), Counter(words), negations, numbers, frozenset(entities), literal, layout
+    )
 
 
 def _is_entity(token: str, sentence_start: bool) -> bool:
@@ -319,6 +335,8 @@ def check(asked: str | Features, cached: str | Features) -> str | None:
     """None when the cached question may answer the asked one; otherwise the refusal reason."""
     a = asked if isinstance(asked, Features) else features(asked)
     b = cached if isinstance(cached, Features) else features(cached)
+    if a.literal != b.literal or a.layout != b.layout:
+        return "literal"
     if a.negations != b.negations:
         return "negation"
     if a.numbers != b.numbers:

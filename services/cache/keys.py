@@ -1,23 +1,39 @@
-"""Prompt normalization and cache keys: what makes two requests "the same" for the cache.
+"""Cache keys: what makes two requests "the same" for the cache.
 
-The key covers the model, the normalized prompt, every decoding parameter that changes the
-answer, the tenant, and the retrieval collection with its version. Greedy and sampled decoding
-never share a key: greedy ignores top_p and the seed, so those are left out of greedy keys.
+The exact key is the question, normalized only in ways that provably keep its meaning, with the
+whole scope (`CacheScope`: model key, tenant, the retrieval used, sampling and the rest of the
+request that shapes the answer), keyed on the scope's deterministic serialization: every field,
+present and future, unknown ones included, counts. Only equivalences the cache knows to hold are
+folded first (`canonical_scope`): greedy decoding ignores top_p and the seed, top_p 0 and 1 are
+both "off", stop sequences are a set, and an answer without context has no retrieval settings.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import unicodedata
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-KEY_VERSION = 1
+from llmesh.v1 import cache_pb2
+
+KEY_VERSION = 2
+_KEY_PREFIX = f"llmesh-cache-v{KEY_VERSION}\0".encode()
 
 
 def normalize_prompt(prompt: str) -> str:
-    """NFKC, casefold, whitespace collapsed, trailing punctuation removed."""
+    """The question as the exact tier compares it: canonically equivalent code points composed
+    (NFC), surrounding whitespace removed and one final `?` or `.` dropped. Nothing else:
+    case, inner whitespace (indentation), brackets, braces, quotes and every other mark count."""
+    text = unicodedata.normalize("NFC", prompt).strip()
+    if text.endswith(("?", ".")):
+        text = text[:-1].rstrip()
+    return text
+
+
+def embedding_text(prompt: str) -> str:
+    """What the semantic tier embeds: compatibility-folded, casefolded, whitespace collapsed,
+    trailing punctuation removed (the embedding model is uncased; the near-hit guard compares
+    the questions as asked, so nothing this folds away can merge two different questions)."""
     text = unicodedata.normalize("NFKC", prompt)
     text = unicodedata.normalize("NFKC", text.casefold())
     text = " ".join(text.split())
@@ -27,79 +43,79 @@ def normalize_prompt(prompt: str) -> str:
     return text[:end]
 
 
-def _f32(value: float) -> float:
-    # Values arrive as protobuf float32: round so 0.7 and 0.699999988 give one key.
-    return round(float(value), 5)
-
-
-@dataclass(frozen=True)
-class Sampling:
-    max_new_tokens: int = 0
-    temperature: float = 0.0
-    top_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    def canonical(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "max_new_tokens": int(self.max_new_tokens),
-            "stop": sorted(set(self.stop)),
-            "ignore_eos": bool(self.ignore_eos),
-        }
-        if self.greedy:
-            out["mode"] = "greedy"
-        else:
-            top_p = _f32(self.top_p)
-            out.update(
-                mode="sample",
-                temperature=_f32(self.temperature),
-                top_p=top_p if 0.0 < top_p < 1.0 else 1.0,
-                seed=self.seed,
-            )
-        return out
-
-    def digest(self) -> str:
-        return _sha(self.canonical())
+def canonical_scope(scope: cache_pb2.CacheScope) -> cache_pb2.CacheScope:
+    """A copy of the scope with the known equivalences folded (see the module doc)."""
+    out = cache_pb2.CacheScope()
+    out.CopyFrom(scope)
+    s = out.sampling
+    if not s.temperature > 0.0:  # greedy (NaN never passes the gateway; here it is greedy too)
+        s.temperature = 0.0
+        s.top_p = 0.0
+        s.ClearField("seed")
+    elif s.top_p >= 1.0:
+        s.top_p = 0.0  # 0 means 1.0
+    if len(s.stop) > 1:
+        stop = sorted(set(s.stop))
+        del s.stop[:]
+        s.stop.extend(stop)
+    if not out.collection:
+        out.collection_version = 0
+        out.retrieval_top_k = 0
+        out.retrieval_min_score = 0.0
+    return out
 
 
 @dataclass(frozen=True)
 class Scope:
-    model: str
-    tenant: str = ""
-    collection: str = ""
-    collection_version: int = 0
-    sampling: Sampling = field(default_factory=Sampling)
+    """A canonical scope and its serialization (computed once per lookup)."""
 
-    def canonical(self) -> dict[str, Any]:
-        return {
-            "v": KEY_VERSION,
-            "model": self.model,
-            "tenant": self.tenant,
-            "collection": self.collection,
-            "collection_version": int(self.collection_version),
-            "sampling": self.sampling.canonical(),
-        }
+    msg: cache_pb2.CacheScope
+    raw: bytes
+
+    @classmethod
+    def of(cls, scope: cache_pb2.CacheScope) -> Scope:
+        canonical = canonical_scope(scope)
+        return cls(canonical, canonical.SerializeToString(deterministic=True))
+
+    @classmethod
+    def make(cls, model: str, tenant: str = "", collection: str = "", collection_version: int = 0) -> Scope:
+        """A scope from its main fields (tests and benchmarks)."""
+        return cls.of(
+            cache_pb2.CacheScope(
+                model=model, tenant=tenant, collection=collection, collection_version=collection_version
+            )
+        )
+
+    @property
+    def model(self) -> str:
+        return self.msg.model
+
+    @property
+    def tenant(self) -> str:
+        return self.msg.tenant
+
+    @property
+    def collection(self) -> str:
+        return self.msg.collection
+
+    @property
+    def collection_version(self) -> int:
+        return int(self.msg.collection_version)
 
     def digest(self) -> str:
-        """Identifies the scope (everything but the prompt)."""
-        return _sha(self.canonical())
+        """Identifies the scope (everything but the question): what the semantic tier filters on."""
+        return hashlib.sha256(_KEY_PREFIX + self.raw).hexdigest()
 
 
 def entry_key(normalized_prompt: str, scope: Scope) -> str:
-    """sha256 hex of the normalized prompt and the whole scope: the exact-tier key."""
-    return _sha({**scope.canonical(), "prompt": normalized_prompt})
+    """sha256 hex of the normalized question and the whole scope: the exact-tier key."""
+    digest = hashlib.sha256(_KEY_PREFIX)
+    digest.update(len(scope.raw).to_bytes(8, "big"))
+    digest.update(scope.raw)
+    digest.update(normalized_prompt.encode("utf-8", "surrogatepass"))
+    return digest.hexdigest()
 
 
-def _sha(obj: Any) -> str:
-    raw = json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(raw.encode("utf-8")).hexdigest()
-
-
-def name_digest(name: str) -> str:
-    """Short stable id of a tenant or collection name for Redis set keys."""
-    return hashlib.sha256(name.encode("utf-8")).hexdigest()[:32]
+def name_digest(*names: str) -> str:
+    """Short stable id of a tenant, or of a tenant's collection or model, for Redis set keys."""
+    return hashlib.sha256("\0".join(names).encode("utf-8", "surrogatepass")).hexdigest()[:32]

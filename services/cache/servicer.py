@@ -8,15 +8,15 @@ from collections.abc import Sequence
 
 import grpc
 
+from llmesh import collection_versions, redis_server
 from llmesh import qdrant as qdrant_mod
-from llmesh import redis_server
 from llmesh.embeddings import Embedder
-from llmesh.errors import InvalidArgument
+from llmesh.errors import InvalidArgument, PermissionDenied
 from llmesh.server import Readiness
 from llmesh.settings import Settings
 from llmesh.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 from services.cache.core import DEFAULT_PREFIX, CacheCore, LookupQuery, LookupResult, redis_client
-from services.cache.keys import Sampling, Scope
+from services.cache.keys import Scope
 
 log = logging.getLogger("llmesh.cache")
 
@@ -25,26 +25,27 @@ TIERS = {"exact": common_pb2.CACHE_TIER_EXACT, "semantic": common_pb2.CACHE_TIER
 
 
 def scope_of(msg: cache_pb2.CacheScope) -> Scope:
-    s = msg.sampling
-    return Scope(
-        model=msg.model,
-        tenant=msg.tenant,
-        collection=msg.collection,
-        collection_version=msg.collection_version,
-        sampling=Sampling(
-            max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            seed=s.seed if s.HasField("seed") else None,
-            stop=tuple(s.stop),
-            ignore_eos=s.ignore_eos,
-        ),
-    )
+    return Scope.of(msg)
+
+
+ANY_CALLER = "*"
+
+
+def caller_identities(context: grpc.aio.ServicerContext) -> list[str]:
+    """The names the caller's client certificate was verified for (its common name and DNS
+    names); empty without mutual TLS."""
+    if not context.peer_identities():
+        return []
+    auth = context.auth_context()
+    names = [*auth.get("x509_common_name", []), *auth.get("x509_subject_alternative_name", [])]
+    return [n.decode() if isinstance(n, bytes) else str(n) for n in names]
 
 
 class CacheServicer(cache_pb2_grpc.CacheServicer):
-    def __init__(self, core: Readiness[CacheCore]) -> None:
+    def __init__(self, core: Readiness[CacheCore], invalidators: Sequence[str] = ("gateway",)) -> None:
         self._core = core
+        # Mesh identities (certificate names) allowed to call Invalidate; "*": any caller.
+        self.invalidators = frozenset(invalidators)
 
     @property
     def core(self) -> CacheCore:
@@ -70,6 +71,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             similarity=result.similarity,
             key=result.key,
             degraded=result.degraded or self.core.degraded,
+            collection_version=result.collection_version,
         )
         if result.hit:
             response.answer.ParseFromString(result.answer)
@@ -89,16 +91,40 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         )
         return cache_pb2.CacheStoreResponse(key=result.key, stored=result.stored)
 
+    def _authorize_invalidate(self, context: grpc.aio.ServicerContext) -> None:
+        if ANY_CALLER in self.invalidators:
+            return
+        names = caller_identities(context)
+        if not names:
+            raise PermissionDenied(
+                "Invalidate needs the mesh identity: call it over mutual TLS with the gateway's certificate "
+                "(a mesh without TLS allows it only with LLMESH_CACHE_INVALIDATORS=*)",
+                reason="MESH_IDENTITY_REQUIRED",
+            )
+        if not self.invalidators.intersection(names):
+            raise PermissionDenied(
+                f"certificate {names[0]!r} may not invalidate cached answers "
+                f"(LLMESH_CACHE_INVALIDATORS: {', '.join(sorted(self.invalidators))})",
+                reason="MESH_IDENTITY_NOT_ALLOWED",
+            )
+
     async def Invalidate(self, request, context):  # type: ignore[no-untyped-def]
+        self._authorize_invalidate(context)
+        if not request.tenant:
+            raise InvalidArgument([("tenant", "required: entries are removed one tenant at a time")])
         target = request.WhichOneof("target")
         if target == "key":
-            removed = await self.core.invalidate_key(request.key)
-        elif target == "tenant":
-            removed = await self.core.invalidate_tenant(request.tenant)
+            removed = await self.core.invalidate_key(request.tenant, request.key)
         elif target == "collection":
-            removed = await self.core.invalidate_collection(request.collection)
+            removed = await self.core.invalidate_collection(request.tenant, request.collection)
+        elif target == "model":
+            if not request.model:
+                raise InvalidArgument([("model", "must not be empty")])
+            removed = await self.core.invalidate_model(request.tenant, request.model)
+        elif target == "all" and request.all:
+            removed = await self.core.invalidate_tenant(request.tenant)
         else:
-            raise InvalidArgument([("target", "set one of key, tenant or collection")])
+            raise InvalidArgument([("target", "set one of key, collection, model or all")])
         return cache_pb2.InvalidateResponse(removed=removed)
 
     async def Stats(self, request, context):  # type: ignore[no-untyped-def]
@@ -116,16 +142,27 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
 class CacheApp:
     service_names: Sequence[str] = (cache_pb2.DESCRIPTOR.services_by_name["Cache"].full_name,)
 
-    def __init__(self, settings: Settings, *, key_prefix: str = DEFAULT_PREFIX, semantic: bool = True) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        key_prefix: str = DEFAULT_PREFIX,
+        semantic: bool = True,
+        version_prefix: str = collection_versions.PREFIX,
+    ) -> None:
+        """`key_prefix`, `version_prefix`: where entries and collection versions live in Redis
+        (tests keep theirs apart)."""
         self.settings = settings
         self.key_prefix = key_prefix
+        self.version_prefix = version_prefix
         self.semantic = semantic
         self.core: Readiness[CacheCore] = Readiness()
         self._embedder: Embedder | None = None
         self._qdrant: qdrant_mod.QdrantHandle | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
-        cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(self.core), server)
+        invalidators = [name.strip() for name in self.settings.cache_invalidators.split(",") if name.strip()]
+        cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(self.core, invalidators), server)
 
     async def start(self) -> None:
         s = self.settings
@@ -147,6 +184,7 @@ class CacheApp:
             timeout=s.redis_timeout_seconds,
             default_collection=s.default_collection,
             prefix=self.key_prefix,
+            version_prefix=self.version_prefix,
         )
         await core.start()
         self.core.set(core)

@@ -39,8 +39,16 @@ from services.gateway.admission import (
 from services.gateway.auth import Caller
 from services.gateway.breaker import BreakerOpen, State
 from services.gateway.limits import KeyLimitExceeded
-from services.gateway.peers import BREAKER_FAILURE_CODES, Deadline, PeerCallError, Peers, inference_peer
+from services.gateway.peers import (
+    BREAKER_FAILURE_CODES,
+    CallerDeadline,
+    Deadline,
+    PeerCallError,
+    Peers,
+    inference_peer,
+)
 from services.gateway.recent_hits import RecentHits, request_key
+from services.gateway.shape import answer_shape, cache_scope, semantic_allowed
 from services.gateway.usage import UsageMeter
 
 # A downstream that failed, or whose breaker is open: optional hops degrade on these.
@@ -59,6 +67,9 @@ CONTEXT_INSTRUCTION = (
     "answer from general knowledge.\n\nContext:\n"
 )
 MODEL_INFO_TTL_S = 30.0
+# Retrieval searches with at most this much question (RetrievalSearchRequest.query); a longer one
+# is answered without context.
+RETRIEVAL_MAX_QUERY_BYTES = 16 * 1024
 # Cache stores run after the final message, in the background; past this many the rest are skipped.
 MAX_BACKGROUND_STORES = 64
 # A request that would be shed on a miss waits for the cache only this long: a refusal is fast
@@ -121,6 +132,10 @@ class Plan:
     timings: dict[str, float] = field(default_factory=dict)
     # issue 29: tokens spent so far, counted for a request that ends without its final message.
     spent: common_pb2.Usage = field(default_factory=common_pb2.Usage)
+    # What shapes the answer besides the scope's own fields (services/gateway/shape.py), and
+    # whether a similar earlier question may answer it (the cache's semantic tier).
+    shape: bytes = b""
+    semantic: bool = True
 
     @contextlib.contextmanager
     def timed(self, hop: str) -> Iterator[None]:
@@ -195,6 +210,8 @@ def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Pla
     return Plan(
         prompt=prompt,
         system_prompt=request.system_prompt,
+        shape=answer_shape(request, request.system_prompt or DEFAULT_SYSTEM_PROMPT),
+        semantic=semantic_allowed(request),
         sampling=sampling,
         use_cache=request.use_cache if request.HasField("use_cache") else True,
         use_retrieval=request.use_retrieval if request.HasField("use_retrieval") else True,
@@ -203,6 +220,35 @@ def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Pla
         tenant=request.tenant or "default",
         lane=request.lane or INTERACTIVE,
         model=request.model,
+    )
+
+
+def from_cache(
+    plan: Plan, hit: cache_pb2.CacheLookupResponse, model: str, answered_by: str = ""
+) -> tuple[Delta, Final]:
+    """The events of a cache hit; it carries what this request degraded (how it reached the
+    scope it was answered under, e.g. without retrieval). Its usage bills nothing processed or
+    generated: the cached answer's tokens were saved (issue 29)."""
+    if plan.hold is not None:
+        plan.hold.release()
+    answer = hit.answer
+    saved = common_pb2.Usage(
+        cached_input_tokens=answer.usage.input_tokens + answer.usage.cached_input_tokens,
+        cached_output_tokens=answer.usage.output_tokens + answer.usage.cached_output_tokens,
+    )
+    return Delta(answer.text), Final(
+        gateway_pb2.GenerateResponse(
+            text=answer.text,
+            finish_reason=answer.finish_reason,
+            usage=saved,
+            cache=gateway_pb2.CacheInfo(hit=True, tier=hit.tier, similarity=hit.similarity),
+            sources=answer.sources,
+            trace_id=current_trace_id(),
+            model=model,
+            degradations=plan.degradations,
+            answered_by=answered_by,
+        ),
+        plan.timings,
     )
 
 
@@ -376,6 +422,15 @@ class CollectionVersions:
     def forget(self, collection: str, tenant: str) -> None:
         self.known.pop((tenant, collection), None)
 
+    def observe(self, collection: str, tenant: str, version: int) -> None:
+        """A newer version seen elsewhere (the cache's lookup, a search): trusted from now on."""
+        known = self.known.get((tenant, collection))
+        if known is not None and version > known.info.version:
+            info = retrieval_pb2.CollectionInfo()
+            info.CopyFrom(known.info)
+            info.version = version
+            known.info, known.learned_at, known.unconfirmed = info, time.monotonic(), False
+
 
 def model_key_of(info: inference_pb2.ModelInfo) -> str:
     """`model_id@sha256[:16]/dtype` ("SmolLM2-135M-Instruct@0123456789abcdef/bfloat16"); the
@@ -547,6 +602,11 @@ class Gateway:
         While retrieval is down, the last known version: a cached answer for it still serves."""
         if not plan.use_retrieval:
             return "", 0
+        if len(plan.prompt.encode("utf-8", "surrogatepass")) > RETRIEVAL_MAX_QUERY_BYTES:
+            # Retrieval cannot search with it: answered (and cached) without context, and says so.
+            plan.degrade("retrieval_query_too_long")
+            plan.use_retrieval = False
+            return "", 0
         try:
             known = await self.versions.get(plan.collection, plan.tenant, deadline)
         except DOWNSTREAM_ERRORS as exc:
@@ -563,8 +623,16 @@ class Gateway:
         return plan.collection, info.version
 
     def _scope(self, plan: Plan, model: str, collection: str, version: int) -> cache_pb2.CacheScope:
-        return cache_pb2.CacheScope(
-            model=model, tenant=plan.tenant, collection=collection, collection_version=version, sampling=plan.sampling
+        """The cache scope of the plan as it stands, with the retrieval it uses (services/gateway/shape.py)."""
+        return cache_scope(
+            model=model,
+            tenant=plan.tenant,
+            sampling=plan.sampling,
+            shape=plan.shape,
+            collection=collection,
+            version=version,
+            top_k=plan.top_k,
+            min_score=self.config.min_context_score,
         )
 
     async def _lookup(
@@ -591,7 +659,7 @@ class Gateway:
         asked_at = time.monotonic()
         lookup = asyncio.ensure_future(
             self.peers.cache_lookup(
-                cache_pb2.CacheLookupRequest(prompt=plan.prompt, scope=scope, allow_semantic=True), deadline
+                cache_pb2.CacheLookupRequest(prompt=plan.prompt, scope=scope, allow_semantic=plan.semantic), deadline
             )
         )
         lookup.add_done_callback(_consume)
@@ -615,9 +683,17 @@ class Gateway:
             log.warning("cache unavailable: %s", exc.message)
             plan.degrade("cache_unavailable")
             return None
+        except CallerDeadline:
+            if deadline.remaining() <= 0:
+                raise
+            # Not this request's deadline (the cache hop can never cost a caller its own): no cache.
+            plan.degrade("cache_unavailable")
+            return None
         if found.degraded:
             self._cache_slow_until = time.monotonic() + CACHE_SUSPECT_S
             plan.degrade("cache_unavailable")
+        if scope.collection and found.collection_version:
+            self.versions.observe(scope.collection, scope.tenant, found.collection_version)
         if key is not None:
             if found.hit:
                 self.recent_hits.hit(key)
@@ -629,9 +705,13 @@ class Gateway:
             span.set_attribute("llmesh.cache.similarity", found.similarity)
         return found if found.hit else None
 
-    async def _retrieve(self, plan: Plan, collection: str, deadline: Deadline) -> list[common_pb2.ScoredChunk]:
+    async def _retrieve(
+        self, plan: Plan, collection: str, deadline: Deadline
+    ) -> tuple[list[common_pb2.ScoredChunk], int] | None:
+        """The context and the collection version the search read it at ([], 0 without a
+        collection); None when the search failed or ran out of its budget (degraded)."""
         if not collection:
-            return []
+            return [], 0
         span = trace.get_current_span()
         try:
             found = await self.peers.search(
@@ -647,10 +727,12 @@ class Gateway:
         except DOWNSTREAM_ERRORS as exc:
             log.warning("retrieval search failed, answering without context: %s", exc.message)
             plan.degrade("retrieval_unavailable")
-            return []
+            return None
         span.set_attribute("llmesh.retrieval.document_ids", [c.document_id for c in found.results])
         span.set_attribute("llmesh.retrieval.scores", [round(c.score, 4) for c in found.results])
-        return list(found.results)
+        if found.collection_version:
+            self.versions.observe(collection, plan.tenant, found.collection_version)
+        return list(found.results), found.collection_version
 
     async def generate(
         self, request: gateway_pb2.GenerateRequest, deadline: Deadline, caller: Caller | None = None
@@ -794,43 +876,37 @@ class Gateway:
             with plan.timed("cache"):
                 hit = await self._lookup(plan, scope, deadline, wait, request_key(plan.prompt, scope))
             if hit is not None:
-                if plan.hold is not None:
-                    plan.hold.release()
-                answer = hit.answer
-                yield Delta(answer.text)
-                # issue 29: nothing processed or generated; the cached answer's tokens were saved.
-                saved = common_pb2.Usage(
-                    cached_input_tokens=answer.usage.input_tokens + answer.usage.cached_input_tokens,
-                    cached_output_tokens=answer.usage.output_tokens + answer.usage.cached_output_tokens,
-                )
-                yield Final(
-                    gateway_pb2.GenerateResponse(
-                        text=answer.text,
-                        finish_reason=answer.finish_reason,
-                        usage=saved,
-                        cache=gateway_pb2.CacheInfo(hit=True, tier=hit.tier, similarity=hit.similarity),
-                        sources=answer.sources,
-                        trace_id=current_trace_id(),
-                        model=model,
-                        degradations=plan.degradations,
-                        answered_by=route.public_name() or "",
-                    ),
-                    plan.timings,
-                )
+                for event in from_cache(plan, hit, model, route.public_name() or ""):
+                    yield event
                 return
             # Missed, and it did not fit before the lookup: shed before the expensive hops
             # (retrieval search, tokenizer) unless room opened meanwhile.
             if refusal is not None:
                 with plan.timed("admission"):
                     self._precheck(plan, model, deadline)
+        # --- cache scope: the answer is stored under the retrieval it really had -----------------
         if "retrieval_unavailable" in plan.degradations and collection:
-            # Only a cached answer could use the last known version: generate without context,
-            # and store the answer under the scope it really has.
+            # Only a cached answer could use the last known version: generate without context.
+            sources: list[common_pb2.ScoredChunk] = []
+            collection, version = "", 0
+        else:
+            with plan.timed("retrieval"):
+                retrieved = await self._retrieve(plan, collection, deadline)
+            # A failed or timed-out search: no context, so the RAG scope is not this answer's.
+            sources, version = retrieved if retrieved is not None else ([], 0)
+            collection = collection if retrieved is not None else ""
+        if not collection and scope.collection:
             plan.use_retrieval = False
-            collection = ""
             scope = self._scope(plan, model, "", 0)
-        with plan.timed("retrieval"):
-            sources = await self._retrieve(plan, collection, deadline)
+            if plan.use_cache:
+                # An answer made without context earlier serves, and says what it lacks.
+                with plan.timed("cache"):
+                    hit = await self._lookup(plan, scope, deadline)
+                if hit is not None:
+                    for event in from_cache(plan, hit, model):
+                        yield event
+                    return
+        # --- end of the cache scope ------------------------------------------------------------
         with plan.timed("tokenizer"):
             prompt, input_tokens = await self._render(plan, sources, deadline, route.tokenizer)
         if "tokenizer_estimate" not in plan.degradations:
@@ -884,10 +960,12 @@ class Gateway:
         )
         if plan.ticket is not None:
             plan.ticket.finish()  # the weight not generated goes back before the caller hears
-        # A capped answer is not the answer to the request as asked: do not cache it. The store
-        # runs after, in the background: the caller's answer never waits for it.
-        if plan.use_cache and not admission.degraded and finish in CACHEABLE_FINISH and text:
-            self._store_later(plan, scope, response)
+        # Stored under the scope the answer really had: the version its context was read at, and
+        # a capped max_new_tokens (the answer of a request that asks for that many). Not stored:
+        # a prompt rendered by the fallback template (the tokenizer was away). The store runs
+        # after, in the background: the caller's answer never waits for it.
+        if plan.use_cache and finish in CACHEABLE_FINISH and text and "tokenizer_estimate" not in plan.degradations:
+            self._store_later(plan, self._scope(plan, model, collection, version or scope.collection_version), response)
         yield Final(response, plan.timings)
 
     async def _render(
@@ -1085,6 +1163,36 @@ class Gateway:
             collection_version=last.collection_version,
             trace_id=current_trace_id(),
         )
+
+    async def purge_cache(
+        self, request: gateway_pb2.PurgeCacheRequest, deadline: Deadline
+    ) -> gateway_pb2.PurgeCacheResponse:
+        """Removes one tenant's cached answers: all, a collection's, or a model's (the answers of the
+        model key the name serves now; entries of earlier weights can never serve again anyway)."""
+        bad = []
+        if not request.tenant:
+            bad.append(("tenant", "required"))
+        elif not NAME_RE.match(request.tenant):
+            bad.append(("tenant", "letters, digits, '_', '.', '-' only, at most 64 characters"))
+        if request.collection and request.model:
+            bad.append(("model", "set collection or model, not both"))
+        if request.collection and not NAME_RE.match(request.collection):
+            bad.append(("collection", "letters, digits, '_', '.', '-' only, at most 64 characters"))
+        if bad:
+            raise InvalidArgument(bad)
+        invalidate = cache_pb2.InvalidateRequest(tenant=request.tenant)
+        if request.collection:
+            invalidate.collection = request.collection
+        elif request.model:
+            route = await self.route(request.model, deadline)
+            invalidate.model = await self.model_key(deadline, route.name)
+        else:
+            invalidate.all = True
+        try:
+            done = await self.peers.cache_invalidate(invalidate, deadline)
+        except PeerCallError as exc:
+            raise exc.cause from exc
+        return gateway_pb2.PurgeCacheResponse(removed=done.removed, trace_id=current_trace_id())
 
     async def search(self, request: gateway_pb2.SearchRequest, deadline: Deadline) -> gateway_pb2.SearchResponse:
         if not request.query.strip():

@@ -14,6 +14,7 @@ from llmesh.channels import peer_credentials, remaining_seconds
 from llmesh.settings import Settings, SettingsError, model_routes
 from llmesh.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway import metrics
+from services.gateway.admin import AdminKeys
 from services.gateway.admission import AdmissionConfig, RedisWeightWindow, WeightWindow, connect_redis
 from services.gateway.auth import Caller, KeyRing
 from services.gateway.breaker import BreakerConfig, State, TransitionListener
@@ -64,10 +65,13 @@ def breaker_listener(peer: str) -> TransitionListener:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, gateway: Gateway, default_deadline: float, api_keys: KeyRing) -> None:
+    def __init__(
+        self, gateway: Gateway, default_deadline: float, api_keys: KeyRing, admin_keys: AdminKeys | None = None
+    ) -> None:
         self.gateway = gateway
         self.default_deadline = default_deadline
         self.api_keys = api_keys
+        self.admin_keys = admin_keys or AdminKeys(frozenset())
 
     def _caller(self, context: grpc.aio.ServicerContext, tenant: str) -> Caller:
         """The caller's key, authorized for the tenant the request names ("default" when none)."""
@@ -107,6 +111,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Search(self, request, context):  # type: ignore[no-untyped-def]
         return await self.gateway.search(request, self._begin(context, request.tenant))
+
+    async def PurgeCache(self, request, context):  # type: ignore[no-untyped-def]
+        authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+        self.admin_keys.authorize(authorization if isinstance(authorization, str) else None)
+        deadline = Deadline.after(remaining_seconds(context, self.default_deadline))
+        return await self.gateway.purge_cache(request, deadline)
 
     async def ListModels(self, request, context):  # type: ignore[no-untyped-def]
         authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
@@ -194,7 +204,9 @@ class GatewayApp:
             self.gateway = Gateway(self.peers, config, self.window, list(models), default_model, s.model_aliases, usage)
         except ValueError as exc:
             raise SettingsError(f"invalid settings: LLMESH_MODEL_ALIASES: {exc}") from None
-        self.servicer = GatewayServicer(self.gateway, s.default_deadline_seconds, self.api_keys)
+        self.servicer = GatewayServicer(
+            self.gateway, s.default_deadline_seconds, self.api_keys, AdminKeys.parse(s.admin_keys)
+        )
         # The OpenAI-compatible HTTP API: another adapter over the same Gateway.
         self.http = http_api(self.gateway, self.api_keys, s)
 

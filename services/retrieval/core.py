@@ -4,8 +4,14 @@ Qdrant storage and search, collection versions.
 Each (tenant, collection) is its own Qdrant collection. A chunk's point id is uuid5 of
 (physical collection, document id, chunk index), so re-ingesting overwrites in place; chunks a
 shorter new version no longer has are deleted right after (no window where the document is
-missing from search). Collection versions live in the `llmesh_meta` collection, one point per
-collection, and go up by one on every upsert and delete.
+missing from search).
+
+Collection versions live in Redis (llmesh.collection_versions: one atomic counter per collection
+that every replica bumps and the answer cache reads). An upsert or delete bumps it before its
+first write and again after its last, both before it is acknowledged, so a crash in between
+still leaves a new version, and answers cached before never serve after. The `llmesh_meta`
+collection keeps the last version written, as the floor of the next bump (a Redis that lost its
+data resumes above it) and the version searches report while Redis is unreachable.
 """
 
 from __future__ import annotations
@@ -18,15 +24,17 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 from qdrant_client import models as qm
+from redis import exceptions as redis_errors
 
+from llmesh import collection_versions
 from llmesh.embeddings import Embedder
-from llmesh.errors import FailedPrecondition, InvalidArgument
+from llmesh.errors import FailedPrecondition, InvalidArgument, Unavailable
 from llmesh.metrics import LATENCY_BUCKETS, trace_exemplar
 from llmesh.qdrant import QdrantHandle
 
@@ -141,8 +149,13 @@ class RetrievalCore:
         chunk_overlap: int = 32,
         default_collection: str = "docs",
         max_document_bytes: int = 1024 * 1024,
+        versions: Any = None,
+        version_prefix: str = collection_versions.PREFIX,
     ) -> None:
+        """`versions`: the Redis (redis.asyncio) holding collection versions."""
         self.embedder = embedder
+        self.versions = versions
+        self.version_prefix = version_prefix
         self.qdrant = qdrant
         self.chunker = chunker
         self.chunk_tokens = chunk_tokens
@@ -232,6 +245,9 @@ class RetrievalCore:
         physical, logical = self._physical(tenant, collection)
         chunk, overlap = self.validate_upsert(documents, chunk_tokens, overlap_tokens)
         await self.qdrant.run(self._ensure_collection, physical)
+        # Before anything is written: answers cached under the old version are stale from here on,
+        # even if this process dies before the end.
+        await self._bump(physical, tenant, logical)
         ingest = uuid.uuid4().hex
         total = len(documents)
         batches = [list(documents[i : i + DOCS_PER_BATCH]) for i in range(0, total, DOCS_PER_BATCH)]
@@ -372,20 +388,57 @@ class RetrievalCore:
     # ----- versions
 
     def _read_version(self, physical: str) -> int:
+        """The last version this store recorded (the floor of the next bump)."""
         found = self.qdrant.client.retrieve(META_COLLECTION, ids=[_meta_id(physical)], with_payload=True)
         return int(found[0].payload.get("version", 0)) if found and found[0].payload else 0
 
-    def _write_version(self, physical: str, tenant: str, collection: str) -> int:
-        version = self._read_version(physical) + 1
+    def _record_version(self, physical: str, tenant: str, collection: str, version: int) -> None:
+        if self._read_version(physical) >= version:
+            return
         payload = {"physical": physical, "tenant": tenant, "collection": collection, "version": version}
         self.qdrant.client.upsert(
             META_COLLECTION, points=[qm.PointStruct(id=_meta_id(physical), vector=[1.0], payload=payload)], wait=True
         )
-        return version
 
     async def _bump(self, physical: str, tenant: str, collection: str) -> int:
+        """The next version, from the shared counter (distinct on every replica), also recorded here."""
+        floor = await self.qdrant.run(self._read_version, physical)
+        if self.versions is None:  # no shared counter (unit tests): this process alone
+            async with self._version_lock:
+                version = await self.qdrant.run(self._read_version, physical) + 1
+                await self.qdrant.run(self._record_version, physical, tenant, collection, version)
+            return version
+        try:
+            version = await collection_versions.bump(self.versions, tenant, collection, floor, self.version_prefix)
+        except (OSError, TimeoutError, redis_errors.RedisError) as exc:
+            raise Unavailable(
+                f"the collection version store (Redis) is unreachable: {exc}",
+                reason="VERSIONS_UNAVAILABLE",
+                retry_after=1.0,
+            ) from exc
         async with self._version_lock:
-            return await self.qdrant.run(self._write_version, physical, tenant, collection)
+            await self.qdrant.run(self._record_version, physical, tenant, collection, version)
+        return version
+
+    async def _current_version(self, physical: str, tenant: str, collection: str) -> int:
+        """The collection's version now: the shared counter's, or while it is unreachable the last
+        recorded here."""
+        if self.versions is not None:
+            try:
+                version = await collection_versions.read(self.versions, tenant, collection, self.version_prefix)
+                if version:
+                    return version
+                # None there: never written, or a Redis that lost its data, which resumes at the
+                # version recorded here (so retrieval and the cache agree on it).
+                recorded = await self.qdrant.run(self._read_version, physical)
+                if not recorded:
+                    return 0
+                return await collection_versions.restore(
+                    self.versions, tenant, collection, recorded, self.version_prefix
+                )
+            except (OSError, TimeoutError, redis_errors.RedisError) as exc:
+                log.warning("collection version store unreachable, reporting the recorded version: %s", exc)
+        return await self.qdrant.run(self._read_version, physical)
 
     async def _update_points_gauge(self, physical: str) -> int:
         points = await self.qdrant.run(self._count, physical)
@@ -423,12 +476,14 @@ class RetrievalCore:
                 violations.append(("filter", f"invalid metadata key {key!r}"))
         if violations:
             raise InvalidArgument(violations)
-        physical, _ = self._physical(tenant, collection)
+        physical, logical = self._physical(tenant, collection)
         limit = top_k or DEFAULT_TOP_K
+        # Read before the points: an ingest landing during the search makes what it found stale.
+        version = await self._current_version(physical, tenant, logical)
         with tracer.start_as_current_span("retrieval.embed"):
             vector = (await self.embedder.aencode([query]))[0]
         with tracer.start_as_current_span("retrieval.qdrant.search") as span:
-            hits, version = await self.qdrant.run(
+            hits = await self.qdrant.run(
                 self._search, physical, vector, limit, score_threshold or None, dict(filters or {})
             )
             span.set_attribute("llmesh.retrieval.document_ids", [h.document_id for h in hits])
@@ -438,11 +493,10 @@ class RetrievalCore:
 
     def _search(
         self, physical: str, vector: np.ndarray, limit: int, threshold: float | None, filters: dict[str, str]
-    ) -> tuple[list[Hit], int]:
+    ) -> list[Hit]:
         client = self.qdrant.client
-        version = self._read_version(physical)
         if not client.collection_exists(physical):
-            return [], version
+            return []
         flt = None
         if filters:
             flt = qm.Filter(
@@ -462,7 +516,7 @@ class RetrievalCore:
             for p in found
             if p.payload
         ]
-        return hits, version
+        return hits
 
     # ----- delete and info
 
@@ -476,11 +530,12 @@ class RetrievalCore:
         if violations:
             raise InvalidArgument(violations)
         physical, logical = self._physical(tenant, collection)
+        if not await self.qdrant.run(self.qdrant.client.collection_exists, physical):
+            return 0, await self._current_version(physical, tenant, logical)
+        await self._bump(physical, tenant, logical)  # before the delete, as for an upsert
         with tracer.start_as_current_span("retrieval.qdrant.delete") as span:
             span.set_attribute("llmesh.retrieval.document_ids", list(document_ids)[:64])
-            deleted, existed = await self.qdrant.run(self._delete_docs, physical, list(dict.fromkeys(document_ids)))
-        if not existed:
-            return 0, await self.qdrant.run(self._read_version, physical)
+            deleted, _ = await self.qdrant.run(self._delete_docs, physical, list(dict.fromkeys(document_ids)))
         version = await self._bump(physical, tenant, logical)
         await self._update_points_gauge(physical)
         return deleted, version
@@ -496,14 +551,14 @@ class RetrievalCore:
         return deleted, True
 
     async def info(self, collection: str, tenant: str) -> Info:
-        physical, _ = self._physical(tenant, collection)
-        info = await self.qdrant.run(self._info, physical)
+        physical, logical = self._physical(tenant, collection)
+        version = await self._current_version(physical, tenant, logical)
+        info = await self.qdrant.run(self._info, physical, version)
         if info.exists:
             POINTS.labels(physical).set(info.points)
         return info
 
-    def _info(self, physical: str) -> Info:
-        version = self._read_version(physical)
+    def _info(self, physical: str, version: int) -> Info:
         if not self.qdrant.client.collection_exists(physical):
             return Info(False, 0, version, 0)
         indexed, indexing = self.qdrant.index_state(physical)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
-from llmesh import errors
+from llmesh import collection_versions, errors, redis_server
 from llmesh import qdrant as qdrant_mod
 from llmesh.channels import peer_channel, peer_credentials, remaining_seconds
 from llmesh.embeddings import Embedder
@@ -106,12 +107,15 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServicer):
 class RetrievalApp:
     service_names: Sequence[str] = (retrieval_pb2.DESCRIPTOR.services_by_name["Retrieval"].full_name,)
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, version_prefix: str = collection_versions.PREFIX) -> None:
+        """`version_prefix`: where collection versions live in Redis (tests keep theirs apart)."""
         self.settings = settings
+        self.version_prefix = version_prefix
         self.core: Readiness[RetrievalCore] = Readiness()
         self._embedder: Embedder | None = None
         self._qdrant: qdrant_mod.QdrantHandle | None = None
         self._chunker: TokenizerChunker | None = None
+        self._versions: Any = None
 
     def register(self, server: grpc.aio.Server) -> None:
         retrieval_pb2_grpc.add_RetrievalServicer_to_server(RetrievalServicer(self.core), server)
@@ -124,6 +128,8 @@ class RetrievalApp:
         await self._embedder.aencode(["warm up"])
         self._qdrant = await asyncio.to_thread(qdrant_mod.open_client, s, "retrieval")
         self._chunker = TokenizerChunker(s.tokenizer_target, s.max_message_bytes, peer_credentials(s))
+        # Collection versions: the mesh's Redis (the cache's), shared by every replica.
+        self._versions = collection_versions.connect(redis_server.resolve_url(s.redis_url, s), s.redis_timeout_seconds)
         core = RetrievalCore(
             self._embedder,
             self._qdrant,
@@ -132,6 +138,8 @@ class RetrievalApp:
             chunk_overlap=s.chunk_overlap,
             default_collection=s.default_collection,
             max_document_bytes=s.max_document_bytes,
+            versions=self._versions,
+            version_prefix=self.version_prefix,
         )
         await core.start()
         self.core.set(core)
@@ -145,6 +153,8 @@ class RetrievalApp:
         self.core.clear()
         if self._chunker is not None:
             await self._chunker.close()
+        if self._versions is not None:
+            await self._versions.aclose()
         if self._qdrant is not None:
             await asyncio.to_thread(self._qdrant.close)
         if self._embedder is not None:

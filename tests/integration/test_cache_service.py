@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import REGISTRY
 from qdrant_client import models as qm
 
-from llmesh import telemetry
+from llmesh import collection_versions, telemetry
 from llmesh.errors import status_details, unpack_details
 from llmesh.redis_server import EmbeddedRedis
 from llmesh.testing import free_port, hosted
@@ -40,6 +40,9 @@ def _env(models_dir: Path, data_dir: Path, redis_url: str, **extra: str) -> dict
         "LLMESH_SEMANTIC_THRESHOLD": THRESHOLD,
         "LLMESH_REDIS_TIMEOUT_SECONDS": "0.25",
         "QDRANT_URL": "",
+        # Plaintext here: no mesh identity, so Invalidate is opened to any caller (the identity
+        # check has its own test, over mutual TLS).
+        "LLMESH_CACHE_INVALIDATORS": "*",
         **extra,
     }
 
@@ -78,6 +81,15 @@ def _tenant() -> str:
     return f"t-{uuid.uuid4().hex[:8]}"
 
 
+async def set_version(redis_url: str, tenant: str, collection: str, version: int) -> None:
+    """What retrieval does on an ingest: the collection's current version (llmesh.collection_versions)."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await client.set(collection_versions.version_key(tenant, collection), version, ex=600)
+    finally:
+        await client.aclose()
+
+
 def scope(tenant: str, sampling: common_pb2.SamplingParams = GREEDY, **kw: object) -> cache_pb2.CacheScope:
     return cache_pb2.CacheScope(model="smollm2", tenant=tenant, sampling=sampling, **kw)  # type: ignore[arg-type]
 
@@ -105,7 +117,7 @@ def _metric(name: str, **labels: str) -> float:
 async def test_exact_hit_after_normalization(cache: cache_pb2_grpc.CacheStub) -> None:
     sc = scope(_tenant())
     stored = await store(cache, "What is the capital of France?", sc, "Paris.")
-    reply = await lookup(cache, "  what is the   CAPITAL of france ", sc, semantic=False)
+    reply = await lookup(cache, "  What is the capital of France ", sc, semantic=False)
     assert reply.hit and reply.tier == common_pb2.CACHE_TIER_EXACT and reply.similarity == 1.0
     assert reply.key == stored.key and reply.answer.text == "Paris." and reply.answer.usage.output_tokens == 3
     assert not reply.degraded
@@ -115,7 +127,7 @@ async def test_lookup_batch_answers_in_order_with_one_round_trip(cache: cache_pb
     sc = scope(_tenant())
     await store(cache, "What is the capital of France?", sc, "Paris.")
     await store(cache, "What is the capital of Italy?", sc, "Rome.")
-    asks = ["What is the capital of Italy?", "What is the capital of Spain?", "what is the capital of france"]
+    asks = ["What is the capital of Italy?", "What is the capital of Spain?", "What is the capital of France."]
     reply = await cache.LookupBatch(
         cache_pb2.CacheLookupBatchRequest(
             requests=[cache_pb2.CacheLookupRequest(prompt=p, scope=sc, allow_semantic=False) for p in asks]
@@ -238,16 +250,36 @@ async def test_expired_questions_are_deleted_from_the_index_not_only_skipped(
         await _drop_prefix(redis_url, prefix)
 
 
-async def test_rag_answer_is_stale_for_a_newer_collection_version(cache: cache_pb2_grpc.CacheStub) -> None:
+async def test_rag_answer_is_stale_for_a_newer_collection_version(
+    cache: cache_pb2_grpc.CacheStub, module_redis_url: str
+) -> None:
     tenant = _tenant()
+    await set_version(module_redis_url, tenant, "handbook", 3)
+    await set_version(module_redis_url, tenant, "wiki", 3)
     v3 = scope(tenant, collection="handbook", collection_version=3)
     v4 = scope(tenant, collection="handbook", collection_version=4)
     await store(cache, "What is the vacation policy?", v3, "25 days.")
     assert not (await lookup(cache, "What is the vacation policy?", v4)).hit
     assert not (await lookup(cache, "What's the vacation policy", v4)).hit
-    assert (await lookup(cache, "What is the vacation policy?", v3)).hit
+    found = await lookup(cache, "What is the vacation policy?", v3)
+    assert found.hit and found.collection_version == 3
     other = scope(tenant, collection="wiki", collection_version=3)
     assert not (await lookup(cache, "What is the vacation policy?", other)).hit
+
+
+async def test_an_entry_under_an_older_version_never_serves_once_the_version_moved(
+    cache: cache_pb2_grpc.CacheStub, module_redis_url: str
+) -> None:
+    # Whatever version a gateway still believes: the cache reads the current one itself.
+    tenant = _tenant()
+    await set_version(module_redis_url, tenant, "handbook", 3)
+    v3 = scope(tenant, collection="handbook", collection_version=3)
+    await store(cache, "What is the vacation policy?", v3, "25 days.")
+    assert (await lookup(cache, "What is the vacation policy?", v3)).hit
+    await set_version(module_redis_url, tenant, "handbook", 4)  # an ingest returned
+    for question in ("What is the vacation policy?", "What's the vacation policy"):
+        found = await lookup(cache, question, v3)
+        assert not found.hit and found.collection_version == 4
 
 
 async def test_entries_never_cross_tenants_or_models(cache: cache_pb2_grpc.CacheStub) -> None:
@@ -259,27 +291,51 @@ async def test_entries_never_cross_tenants_or_models(cache: cache_pb2_grpc.Cache
     assert not (await lookup(cache, "How do I cancel my subscription?", other_model)).hit
 
 
-async def test_invalidate_by_key_tenant_and_collection(cache: cache_pb2_grpc.CacheStub) -> None:
-    tenant = _tenant()
+async def test_invalidate_within_one_tenant_by_key_collection_model_or_all(
+    cache: cache_pb2_grpc.CacheStub, module_redis_url: str
+) -> None:
+    tenant, other = _tenant(), _tenant()
+    collection = f"kb-{uuid.uuid4().hex[:6]}"
+    for t in (tenant, other):
+        await set_version(module_redis_url, t, collection, 1)
     first = await store(cache, "How do I undo the last git commit?", scope(tenant), "git reset")
     await store(cache, "How do I delete a branch in git?", scope(tenant), "git branch -d")
-    collection = f"kb-{uuid.uuid4().hex[:6]}"
-    other = _tenant()
+    other_first = await store(cache, "How do I undo the last git commit?", scope(other), "other: git reset")
     await store(cache, "What is the refund window?", scope(other, collection=collection, collection_version=1), "30d")
     await store(cache, "Who approves refunds?", scope(tenant, collection=collection, collection_version=1), "support")
+    tiny = cache_pb2.CacheScope(model="tiny", tenant=tenant, sampling=GREEDY)
+    await store(cache, "How do I undo the last git commit?", tiny, "tiny: git reset")
 
-    assert (await cache.Invalidate(cache_pb2.InvalidateRequest(key=first.key))).removed == 1
+    def invalidate(**kw: object) -> cache_pb2.InvalidateRequest:
+        return cache_pb2.InvalidateRequest(**kw)  # type: ignore[arg-type]
+
+    # A key of another tenant's entry removes nothing.
+    assert (await cache.Invalidate(invalidate(tenant=tenant, key=other_first.key))).removed == 0
+    assert (await lookup(cache, "How do I undo the last git commit?", scope(other))).hit
+    assert (await cache.Invalidate(invalidate(tenant=tenant, key=first.key))).removed == 1
     assert not (await lookup(cache, "How can I revert my most recent commit in git?", scope(tenant))).hit
-    assert (await cache.Invalidate(cache_pb2.InvalidateRequest(key=first.key))).removed == 0
+    assert (await cache.Invalidate(invalidate(tenant=tenant, key=first.key))).removed == 0
 
-    removed = await cache.Invalidate(cache_pb2.InvalidateRequest(collection=collection))
-    assert removed.removed == 2
+    # A collection: this tenant's answers grounded in it, not the other tenant's.
+    assert (await cache.Invalidate(invalidate(tenant=tenant, collection=collection))).removed == 1
     rag = scope(other, collection=collection, collection_version=1)
-    assert not (await lookup(cache, "What is the refund window?", rag)).hit
+    assert (await lookup(cache, "What is the refund window?", rag)).hit
+    mine = scope(tenant, collection=collection, collection_version=1)
+    assert not (await lookup(cache, "Who approves refunds?", mine)).hit
 
-    assert (await cache.Invalidate(cache_pb2.InvalidateRequest(tenant=tenant))).removed == 1
+    # A model's answers.
+    assert (await cache.Invalidate(invalidate(tenant=tenant, model="tiny"))).removed == 1
+    assert not (await lookup(cache, "How do I undo the last git commit?", tiny)).hit
+
+    # Everything of the tenant, and nothing of the other.
+    assert (await cache.Invalidate(invalidate(tenant=tenant, all=True))).removed == 1
     assert not (await lookup(cache, "How do I delete a branch in git?", scope(tenant))).hit
     assert not (await lookup(cache, "How can I remove a git branch?", scope(tenant))).hit
+    assert (await lookup(cache, "How do I undo the last git commit?", scope(other))).hit
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await cache.Invalidate(invalidate(collection=collection))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tenant" in (err.value.details() or "")
 
 
 async def test_stats_count_entries_and_hits(cache: cache_pb2_grpc.CacheStub) -> None:
@@ -302,8 +358,9 @@ async def test_bad_requests_name_the_field(cache: cache_pb2_grpc.CacheStub) -> N
         (cache.Lookup(cache_pb2.CacheLookupRequest(prompt=" ", scope=scope("t"))), "prompt"),
         (cache.Lookup(cache_pb2.CacheLookupRequest(prompt="hi", scope=cache_pb2.CacheScope())), "scope.model"),
         (cache.Store(cache_pb2.CacheStoreRequest(prompt="hi", scope=scope("t"))), "answer.text"),
-        (cache.Invalidate(cache_pb2.InvalidateRequest()), "target"),
-        (cache.Invalidate(cache_pb2.InvalidateRequest(key="nope")), "key"),
+        (cache.Invalidate(cache_pb2.InvalidateRequest()), "tenant"),
+        (cache.Invalidate(cache_pb2.InvalidateRequest(tenant="t")), "target"),
+        (cache.Invalidate(cache_pb2.InvalidateRequest(tenant="t", key="nope")), "key"),
     ]
     for call, field in cases:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -341,7 +398,7 @@ async def test_unreachable_redis_answers_miss_fast_and_degraded(models_dir: Path
         assert stats.degraded
         assert _metric("llmesh_cache_degraded") == 1.0
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await stub.Invalidate(cache_pb2.InvalidateRequest(tenant="t"), timeout=2)
+            await stub.Invalidate(cache_pb2.InvalidateRequest(tenant="t", all=True), timeout=2)
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
@@ -463,3 +520,84 @@ async def test_health_shows_redis_degradation_while_the_cache_keeps_serving(mode
             assert redis_health.status == health_pb2.HealthCheckResponse.NOT_SERVING
             overall = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
             assert overall.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_normalisation_never_merges_questions_whose_answers_differ(cache: cache_pb2_grpc.CacheStub) -> None:
+    # Neither tier: the exact key keeps every mark, the semantic tier's guard refuses what differs
+    # in brackets, braces, quotes, operators or the layout of code.
+    pairs = [
+        ("Is this balanced: (()", "Is this balanced: (())"),
+        ('Is this valid JSON: {"a": [1, 2]}', 'Is this valid JSON: {"a": [1, 2]'),
+        (
+            "What does this print?\nfor i in range(3):\n    print(i)\nprint(i)",
+            "What does this print?\nfor i in range(3):\n    print(i)\n    print(i)",
+        ),
+        ('What is the length of the string "abc "', "What is the length of the string abc"),
+    ]
+    for cached, asked in pairs:
+        sc = scope(_tenant())
+        await store(cache, cached, sc, f"the answer to {cached!r}")
+        assert (await lookup(cache, cached, sc)).hit
+        found = await lookup(cache, asked, sc)
+        assert not found.hit, (cached, asked, found.tier)
+    # What provably changes nothing still hits exactly; a change of case, by the semantic tier.
+    sc = scope(_tenant())
+    await store(cache, "What is the capital of France?", sc, "Paris.")
+    for same in ("  What is the capital of France  ", "What is the capital of France."):
+        found = await lookup(cache, same, sc)
+        assert found.hit and found.tier == common_pb2.CACHE_TIER_EXACT
+    found = await lookup(cache, "what is the capital of france", sc)
+    assert found.hit and found.tier == common_pb2.CACHE_TIER_SEMANTIC and found.answer.text == "Paris."
+
+
+async def test_invalidate_takes_only_the_mesh_identity(
+    models_dir: Path, tmp_path: Path, mesh_certs: Path, redis_url: str
+) -> None:
+    prefix = f"llmesh-test:{uuid.uuid4().hex[:12]}:"
+    env = {
+        **_env(models_dir, tmp_path, redis_url),
+        "LLMESH_CACHE_INVALIDATORS": "gateway",
+        "LLMESH_TLS_CERT": str(mesh_certs / "cache" / "tls.crt"),
+        "LLMESH_TLS_KEY": str(mesh_certs / "cache" / "tls.key"),
+        "LLMESH_TLS_CLIENT_CA": str(mesh_certs / "cache" / "ca.crt"),
+    }
+
+    def credentials(name: str) -> grpc.ChannelCredentials:
+        folder = mesh_certs / name
+        return grpc.ssl_channel_credentials(
+            (folder / "ca.crt").read_bytes(), (folder / "tls.key").read_bytes(), (folder / "tls.crt").read_bytes()
+        )
+
+    tenant, other = _tenant(), _tenant()
+    try:
+        async with hosted("cache", lambda s: CacheApp(s, semantic=False, key_prefix=prefix), env) as host:
+            target = f"localhost:{host.port}"
+            async with (
+                grpc.aio.secure_channel(target, credentials("gateway")) as gateway_channel,
+                grpc.aio.secure_channel(target, credentials("client")) as client_channel,
+                grpc.aio.secure_channel(target, credentials("retrieval")) as retrieval_channel,
+            ):
+                gateway = cache_pb2_grpc.CacheStub(gateway_channel)
+                for t in (tenant, other):
+                    await store(gateway, "How do I undo the last git commit?", scope(t), f"{t}: git reset")
+                purge = cache_pb2.InvalidateRequest(tenant=tenant, all=True)
+                # Another mesh certificate (an operator's, a peer service's) is refused...
+                for channel in (client_channel, retrieval_channel):
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await cache_pb2_grpc.CacheStub(channel).Invalidate(purge, timeout=5)
+                    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert (await lookup(gateway, "How do I undo the last git commit?", scope(tenant))).hit
+                # ...the gateway's is taken, and clears only the tenant it names.
+                assert (await gateway.Invalidate(purge, timeout=5)).removed == 1
+                assert not (await lookup(gateway, "How do I undo the last git commit?", scope(tenant))).hit
+                assert (await lookup(gateway, "How do I undo the last git commit?", scope(other))).hit
+        # Without TLS nobody has the identity: refused, and the default allows only the gateway.
+        plain = {**_env(models_dir, tmp_path / "plain", redis_url), "LLMESH_CACHE_INVALIDATORS": "gateway"}
+        async with hosted("cache", lambda s: CacheApp(s, semantic=False, key_prefix=prefix), plain) as host:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{host.port}") as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await cache_pb2_grpc.CacheStub(channel).Invalidate(purge, timeout=5)
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "mutual TLS" in (err.value.details() or "")
+    finally:
+        await _drop_prefix(redis_url, prefix)

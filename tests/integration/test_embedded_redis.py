@@ -147,7 +147,8 @@ def test_which_redis_each_part_uses(tmp_path: Path) -> None:
     assert redis_server.wanted(
         {"LLMESH_REDIS_URL": "redis://127.0.0.1:6379/0", "LLMESH_ADMISSION_REDIS_URL": "embedded"}, every
     )
-    assert not redis_server.wanted({}, ("tokenizer", "retrieval"))
+    assert not redis_server.wanted({}, ("tokenizer", "inference"))
+    assert redis_server.wanted({}, ("tokenizer", "retrieval"))  # retrieval keeps collection versions there
 
 
 async def test_gateway_shared_window_finds_the_embedded_server(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ Qdrant in a temp folder."""
 from __future__ import annotations
 
 import contextlib
+import os
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,6 +19,9 @@ from services.retrieval.servicer import RetrievalApp
 from services.tokenizer.servicer import TokenizerApp
 
 MAX_DOC_BYTES = 8192
+REDIS_URL = os.environ.get("LLMESH_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+# Collection versions of this run, apart from every other run's.
+VERSIONS = f"llmesh-test-versions:{uuid.uuid4().hex[:12]}:"
 
 HANDBOOK = {
     "vacation": (
@@ -42,16 +46,22 @@ HANDBOOK = {
 
 @contextlib.asynccontextmanager
 async def retrieval_service(
-    models_dir: Path, data_dir: Path, qdrant: dict[str, str] | None = None
+    models_dir: Path, data_dir: Path, qdrant: dict[str, str] | None = None, versions: str = VERSIONS
 ) -> AsyncIterator[retrieval_pb2_grpc.RetrievalStub]:
-    env = {"LLMESH_MODELS_DIR": str(models_dir), "LLMESH_DATA_DIR": str(data_dir), "QDRANT_URL": "", **(qdrant or {})}
+    env = {
+        "LLMESH_MODELS_DIR": str(models_dir),
+        "LLMESH_DATA_DIR": str(data_dir),
+        "LLMESH_REDIS_URL": REDIS_URL,
+        "QDRANT_URL": "",
+        **(qdrant or {}),
+    }
     async with hosted("tokenizer", TokenizerApp, env) as tok:
         env = {
             **env,
             "LLMESH_TOKENIZER_TARGET": f"127.0.0.1:{tok.port}",
             "LLMESH_MAX_DOCUMENT_BYTES": str(MAX_DOC_BYTES),
         }
-        async with hosted("retrieval", RetrievalApp, env) as host:
+        async with hosted("retrieval", lambda s: RetrievalApp(s, version_prefix=versions), env) as host:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{host.port}") as channel:
                 yield retrieval_pb2_grpc.RetrievalStub(channel)
 
@@ -90,17 +100,17 @@ def _violations(err: grpc.aio.AioRpcError) -> list[str]:
 async def test_upsert_streams_progress_and_search_finds_the_right_chunk(rag) -> None:  # type: ignore[no-untyped-def]
     coll = f"handbook-{uuid.uuid4().hex[:6]}"
     progress = await upsert(rag, coll, _docs())
-    assert progress[-1].done and progress[-1].collection_version == 1
+    assert progress[-1].done and progress[-1].collection_version == 2
     assert all(not p.done for p in progress[:-1]) and progress[-1].documents_done == progress[-1].documents_total == 4
     chunks = progress[-1].chunks_done
     assert chunks > 4  # 24-token windows split every document
     about = await info(rag, coll)
-    assert about.exists and about.points == chunks and about.version == 1 and about.dimension == 384
+    assert about.exists and about.points == chunks and about.version == 2 and about.dimension == 384
 
     reply = await rag.Search(
         retrieval_pb2.RetrievalSearchRequest(query="How many vacation days do I get?", collection=coll, tenant="acme")
     )
-    assert len(reply.results) == 4 and reply.collection_version == 1
+    assert len(reply.results) == 4 and reply.collection_version == 2
     top = reply.results[0]
     assert top.document_id == "vacation" and "vacation" in top.text.lower()
     assert top.metadata["topic"] == "vacation" and 0.3 < top.score <= 1.0
@@ -142,7 +152,7 @@ async def test_reingesting_replaces_chunks_without_leftovers(rag) -> None:  # ty
     again = await upsert(rag, coll, _docs())
     assert again[-1].chunks_done == first[-1].chunks_done
     after = await info(rag, coll)
-    assert after.points == points and after.version == 2
+    assert after.points == points and after.version == 4
     old_vacation = await rag.Search(
         retrieval_pb2.RetrievalSearchRequest(
             query="vacation days", collection=coll, tenant="acme", top_k=50, filter={"topic": "vacation"}
@@ -150,7 +160,7 @@ async def test_reingesting_replaces_chunks_without_leftovers(rag) -> None:  # ty
     )
     assert len(old_vacation.results) > 1
     shorter = await upsert(rag, coll, [common_pb2.Document(id="vacation", text="Vacation is twenty-five days a year.")])
-    assert shorter[-1].chunks_done == 1 and shorter[-1].collection_version == 3
+    assert shorter[-1].chunks_done == 1 and shorter[-1].collection_version == 6
     assert (await info(rag, coll)).points == points - len(old_vacation.results) + 1
     hits = await rag.Search(
         retrieval_pb2.RetrievalSearchRequest(
@@ -214,9 +224,9 @@ async def test_delete_documents_bumps_the_version(rag) -> None:  # type: ignore[
     reply = await rag.Delete(
         retrieval_pb2.DeleteRequest(collection=coll, tenant="acme", document_ids=["security", "missing"])
     )
-    assert reply.deleted_chunks > 0 and reply.collection_version == 2
+    assert reply.deleted_chunks > 0 and reply.collection_version == 4
     after = await info(rag, coll)
-    assert after.points == before.points - reply.deleted_chunks and after.version == 2
+    assert after.points == before.points - reply.deleted_chunks and after.version == 4
     assert progress[-1].chunks_done == before.points
     hits = await rag.Search(
         retrieval_pb2.RetrievalSearchRequest(query="lost laptop", collection=coll, tenant="acme", top_k=50)
@@ -234,13 +244,19 @@ async def test_tenants_and_default_collection_are_separate(rag) -> None:  # type
 
 
 async def test_version_survives_a_restart(models_dir: Path, tmp_path: Path) -> None:
-    async with retrieval_service(models_dir, tmp_path) as stub:
+    versions = f"llmesh-test-versions:{uuid.uuid4().hex[:12]}:"
+    async with retrieval_service(models_dir, tmp_path, versions=versions) as stub:
         await upsert(stub, "kb", _docs())
         await upsert(stub, "kb", _docs())
         points = (await info(stub, "kb")).points
-    async with retrieval_service(models_dir, tmp_path) as stub:
+    async with retrieval_service(models_dir, tmp_path, versions=versions) as stub:
         about = await info(stub, "kb")
-        assert about.version == 2 and about.points == points
+        assert about.version == 4 and about.points == points
+    # A Redis that lost the versions resumes above every version handed out: the store's record is the floor.
+    async with retrieval_service(models_dir, tmp_path, versions=versions + "lost:") as stub:
+        assert (await info(stub, "kb")).version == 4
+        progress = await upsert(stub, "kb", _docs())
+        assert progress[-1].collection_version == 6
 
 
 async def test_search_spans_carry_document_ids_and_scores(rag) -> None:  # type: ignore[no-untyped-def]
@@ -259,3 +275,25 @@ async def test_search_spans_carry_document_ids_and_scores(rag) -> None:  # type:
     assert "vacation" in spans["retrieval.qdrant.upsert"].attributes["llmesh.retrieval.document_ids"]
     search = spans["retrieval.qdrant.search"].attributes
     assert search["llmesh.retrieval.document_ids"][0] == "vacation" and len(search["llmesh.retrieval.scores"]) == 4
+
+
+async def test_an_ingest_fails_before_writing_anything_while_versions_are_unreachable(
+    models_dir: Path, tmp_path: Path
+) -> None:
+    # No version, no acknowledged ingest: nothing is written that no version would cover.
+    async with hosted("tokenizer", TokenizerApp, {"LLMESH_MODELS_DIR": str(models_dir)}) as tok:
+        env = {
+            "LLMESH_MODELS_DIR": str(models_dir),
+            "LLMESH_DATA_DIR": str(tmp_path),
+            "LLMESH_REDIS_URL": "redis://127.0.0.1:1/0",
+            "LLMESH_REDIS_TIMEOUT_SECONDS": "0.2",
+            "LLMESH_TOKENIZER_TARGET": f"127.0.0.1:{tok.port}",
+            "QDRANT_URL": "",
+        }
+        async with hosted("retrieval", RetrievalApp, env) as host:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{host.port}") as channel:
+                stub = retrieval_pb2_grpc.RetrievalStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await upsert(stub, "kb", _docs())
+                assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert (await info(stub, "kb")).points == 0

@@ -52,3 +52,19 @@ def test_features_can_be_reused() -> None:
     asked = guard.features("Which foods are not safe for dogs?")
     assert guard.check(asked, "Which foods are safe for dogs?") == "negation"
     assert guard.check(asked, guard.features("Which foods aren't safe for dogs?")) is None
+
+
+def test_literal_structure_is_compared_as_asked() -> None:
+    refused = [
+        ("Is this balanced: (()", "Is this balanced: (())"),
+        ('Is this valid JSON: {"a": [1, 2]}', 'Is this valid JSON: {"a": [1, 2]'),
+        ("def f():\n    return 1", "def f():\n  return 1"),
+        ("What does `ls -a` do?", "What does ls -a do?"),
+        ("What is x = 3?", "What is x == 3?"),
+        ("Compare C and C++", "Compare C and C"),
+    ]
+    for cached, asked in refused:
+        assert guard.check(asked, cached) == "literal", (cached, asked)
+    # Case, a final mark and prose punctuation are not structure.
+    assert guard.check("what is the capital of france", "What is the capital of France?") is None
+    assert guard.check("What's 15% of 80, roughly?", "What's 15% of 80 roughly") is None

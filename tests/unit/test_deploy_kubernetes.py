@@ -504,7 +504,7 @@ ALLOWED_CALLERS = {
     "inference-assistant": {"gateway"},
     "cache": {"gateway"},
     "retrieval": {"gateway"},
-    "redis": {"cache", "gateway"},
+    "redis": {"cache", "gateway", "retrieval"},  # retrieval: collection versions
     "qdrant": {"cache", "retrieval"},
 }
 # Generation servers of the backend overlays (vllm, llamacpp): only the inference pods call
@@ -650,7 +650,7 @@ def test_gateway_admits_callers_by_the_documented_label(objects: tuple[Obj, ...]
 def test_egress_is_dns_otlp_and_the_peers(objects: tuple[Obj, ...]) -> None:
     expected_peers = {
         "gateway": {"tokenizer", "inference", *SECOND_MODELS, "cache", "retrieval", "redis"},
-        "retrieval": {"tokenizer", "qdrant"},
+        "retrieval": {"tokenizer", "qdrant", "redis"},
         "cache": {"redis", "qdrant"},
     }
     backends = {b for b in BACKEND_PORTS if b in workloads(objects)}

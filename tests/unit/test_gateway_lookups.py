@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from llmesh.v1 import cache_pb2
-from services.gateway.peers import Deadline, LookupCoalescer
+from services.gateway.peers import CallerDeadline, Deadline, LookupCoalescer
 
 
 class Cache:
@@ -18,6 +18,7 @@ class Cache:
         self.singles: list[str] = []
         self.batches: list[list[str]] = []
         self.fail = False
+        self.single_called = asyncio.Event()
 
     def answer(self, request: cache_pb2.CacheLookupRequest) -> cache_pb2.CacheLookupResponse:
         return cache_pb2.CacheLookupResponse(hit=True, answer=cache_pb2.CachedAnswer(text=request.prompt))
@@ -25,6 +26,7 @@ class Cache:
     async def lookup(self, request: cache_pb2.CacheLookupRequest, deadline: Deadline) -> cache_pb2.CacheLookupResponse:
         assert 0 < deadline.remaining() <= 5.0  # the caller's deadline (the hop budget is Peers')
         self.singles.append(request.prompt)
+        self.single_called.set()
         await self.release.wait()
         if self.fail:
             raise RuntimeError("cache down")
@@ -45,18 +47,21 @@ async def ask(coalescer: LookupCoalescer, prompt: str) -> str:
     return reply.answer.text
 
 
-async def test_lookups_go_alone_until_calls_are_in_flight_then_together() -> None:
+async def test_lookups_of_one_loop_turn_go_together_while_calls_are_in_flight_they_queue() -> None:
     cache = Cache()
     coalescer = LookupCoalescer(cache.lookup, cache.lookup_batch, in_flight=2, max_batch=3)
+    cache.release.set()
+    assert await ask(coalescer, "q") == "q"
+    assert cache.singles == ["q"] and cache.batches == []  # one caller: a plain Lookup
+    cache.release.clear()
     tasks = [asyncio.create_task(ask(coalescer, f"q{i}")) for i in range(7)]
     await asyncio.sleep(0.01)
-    assert cache.singles == ["q0", "q1"] and cache.batches == []  # two out, five queued
+    # The seven came in one loop turn: two calls of up to three went out, one lookup waits.
+    assert cache.batches == [["q0", "q1", "q2"], ["q3", "q4", "q5"]] and cache.singles == ["q"]
     cache.release.set()
     answers = await asyncio.gather(*tasks)
     assert answers == [f"q{i}" for i in range(7)]  # every caller gets its own answer
-    # Each returning call sent up to max_batch of the queue as one LookupBatch.
-    assert cache.batches == [["q2", "q3", "q4"], ["q5", "q6"]]
-    assert cache.singles == ["q0", "q1"]
+    assert cache.singles == ["q", "q6"]  # sent alone by the first call to return
     assert coalescer.in_flight == 0
 
 
@@ -64,7 +69,7 @@ async def test_a_failed_batch_fails_each_of_its_callers_and_a_cancelled_caller_i
     cache = Cache()
     coalescer = LookupCoalescer(cache.lookup, cache.lookup_batch, in_flight=1, max_batch=8)
     first = asyncio.create_task(ask(coalescer, "a"))
-    await asyncio.sleep(0)
+    await cache.single_called.wait()
     queued = [asyncio.create_task(ask(coalescer, p)) for p in ("b", "c", "d")]
     await asyncio.sleep(0.01)
     queued[1].cancel()  # "c" gives up while queued
@@ -77,3 +82,62 @@ async def test_a_failed_batch_fails_each_of_its_callers_and_a_cancelled_caller_i
             await task
     assert cache.batches == [["b", "d"]]
     assert coalescer.in_flight == 0
+
+
+class DeadlineCache(Cache):
+    """Like Cache, but a call runs only until its deadline, as `peers._unary` does: then it fails
+    with CallerDeadline. Batches wait for `batch_release`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_release = asyncio.Event()
+
+    async def lookup_batch(
+        self, request: cache_pb2.CacheLookupBatchRequest, deadline: Deadline
+    ) -> cache_pb2.CacheLookupBatchResponse:
+        self.batches.append([r.prompt for r in request.requests])
+        try:
+            await asyncio.wait_for(self.batch_release.wait(), deadline.check("cache"))
+        except TimeoutError:
+            raise CallerDeadline("cache: the request's deadline ran out") from None
+        return cache_pb2.CacheLookupBatchResponse(results=[self.answer(r) for r in request.requests])
+
+
+async def ask_within(coalescer: LookupCoalescer, prompt: str, seconds: float) -> str:
+    reply = await coalescer.lookup(cache_pb2.CacheLookupRequest(prompt=prompt), Deadline.after(seconds))
+    return reply.answer.text
+
+
+async def test_a_caller_near_its_deadline_fails_alone_while_queued() -> None:
+    cache = DeadlineCache()
+    coalescer = LookupCoalescer(cache.lookup, cache.lookup_batch, in_flight=1, max_batch=8)
+    first = asyncio.create_task(ask(coalescer, "a"))
+    await cache.single_called.wait()
+    short = asyncio.create_task(ask_within(coalescer, "short", 0.05))
+    longs = [asyncio.create_task(ask_within(coalescer, p, 30)) for p in ("b", "c")]
+    # Its own deadline ends its wait, though the call it queued behind is still out.
+    with pytest.raises(CallerDeadline):
+        await asyncio.wait_for(short, 10)
+    cache.release.set()
+    cache.batch_release.set()
+    assert await first == "a"
+    assert await asyncio.gather(*longs) == ["b", "c"]
+    assert cache.batches == [["b", "c"]]  # the caller that gave up is not sent
+
+
+async def test_a_batch_runs_to_its_latest_callers_deadline_and_each_caller_keeps_its_own() -> None:
+    cache = DeadlineCache()
+    coalescer = LookupCoalescer(cache.lookup, cache.lookup_batch, in_flight=1, max_batch=8)
+    first = asyncio.create_task(ask(coalescer, "a"))
+    await cache.single_called.wait()
+    short = asyncio.create_task(ask_within(coalescer, "short", 0.3))
+    long = asyncio.create_task(ask_within(coalescer, "long", 30))
+    await asyncio.sleep(0)  # both run up to their wait in the queue
+    assert len(coalescer._queue) == 2
+    cache.release.set()  # "a" returns; the queue goes out as one batch, which the cache holds
+    assert await first == "a"
+    with pytest.raises(CallerDeadline):
+        await asyncio.wait_for(short, 10)  # the short caller gives up at its own deadline...
+    assert cache.batches == [["short", "long"]]
+    cache.batch_release.set()
+    assert await asyncio.wait_for(long, 10) == "long"  # ...and the batch still answers the other

@@ -192,7 +192,7 @@ def test_cache_keys_differ_per_dtype() -> None:
         info.dtype = dtype
         keys[dtype] = model_key_of(info)
     assert keys["bfloat16"] == f"SmolLM2-135M-Instruct@{'ab' * 8}/bfloat16"
-    entries = {entry_key(normalize_prompt("What is a prime?"), Scope(model=key)) for key in keys.values()}
+    entries = {entry_key(normalize_prompt("What is a prime?"), Scope.make(model=key)) for key in keys.values()}
     assert len(entries) == 3
     info.dtype = ""  # a backend that reports no dtype (openai): the key it always had
     assert model_key_of(info) == f"SmolLM2-135M-Instruct@{'ab' * 8}"

@@ -1,0 +1,356 @@
+"""Property test of "what shapes an answer": random request pairs that differ in exactly one field
+that shapes the answer never share a cache entry (exact key, or the scope the semantic tier
+filters on), and pairs that differ only in what cannot change the answer always do.
+
+The fields are read from the contract (GenerateRequest and SamplingParams descriptors), so a field
+added to either is exercised without editing this file: as shaping, through the generic mutation
+(`generic_change`), unless it is listed in NOT_SHAPING. A new field whose generic change the
+gateway refuses needs an entry in CHANGES (how to change it validly) or, for a field with
+equivalent spellings, in SAME (spellings that must share an entry).
+
+Seed: LLMESH_TEST_SEED (default fixed); the seed is in every failure message.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import string
+from collections import Counter
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import pytest
+
+from llmesh.errors import InvalidArgument
+from llmesh.v1 import common_pb2, gateway_pb2
+from services.cache.keys import Scope, entry_key, normalize_prompt
+from services.gateway import core
+from services.gateway.core import DEFAULT_SYSTEM_PROMPT, GatewayConfig, validate
+
+SEED = int(os.environ.get("LLMESH_TEST_SEED", "20261201"))
+PAIRS = 400
+CONFIG = GatewayConfig(
+    default_collection="docs",
+    default_top_k=4,
+    min_context_score=0.2,
+    max_prompt_bytes=32 * 1024,
+    max_prompt_tokens=4096,
+    max_new_tokens=1024,
+    default_max_new_tokens=128,
+)
+# Collections that exist with chunks in them (others: no retrieval happens); their version.
+FILLED = {"docs": 7, "kb": 3, "manual": 12}
+MODELS = ("", "small", "large")
+
+# Fields that do not shape the answer: changing them never changes the entry.
+NOT_SHAPING = {"lane"}
+# Fields not compared at all here: whether the cache is used.
+NOT_COMPARED = {"use_cache"}
+
+Request = gateway_pb2.GenerateRequest
+
+
+def words(rng: random.Random, n: int = 4) -> str:
+    return " ".join("".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 7))) for _ in range(n))
+
+
+def random_sampling(rng: random.Random) -> common_pb2.SamplingParams:
+    s = common_pb2.SamplingParams(max_new_tokens=rng.choice([0, 8, 64, 128, 512]))
+    if rng.random() < 0.5:
+        s.temperature = rng.choice([0.3, 0.7, 1.0, 1.5])
+        s.top_p = rng.choice([0.0, 0.5, 0.9, 1.0])
+        if rng.random() < 0.5:
+            s.seed = rng.randint(0, 2**32)
+    s.stop.extend(rng.sample(["\n", "###", "END", "</s>"], rng.randint(0, 2)))
+    s.ignore_eos = rng.random() < 0.1
+    return s
+
+
+def random_request(rng: random.Random) -> Request:
+    request = Request(
+        prompt=words(rng, rng.randint(1, 8)) + rng.choice(["", "?", "."]),
+        system_prompt=rng.choice(["", "", "Answer in French.", "Answer with a number only.", words(rng)]),
+        top_k=rng.choice([0, 1, 4, 8]),
+        collection=rng.choice(["", "docs", "kb", "manual", "empty"]),
+        tenant=rng.choice(["", "acme", "beta"]),
+        lane=rng.choice(["", "interactive", "batch"]),
+        model=rng.choice(MODELS),
+    )
+    request.sampling.CopyFrom(random_sampling(rng))
+    if rng.random() < 0.5:
+        request.use_retrieval = rng.random() < 0.7
+    return request
+
+
+def key_of(request: Request) -> tuple[str, str]:
+    """(exact key, scope digest the semantic tier filters on) of a request, through the gateway's
+    validation and scope and the cache's own keys."""
+    plan = validate(request, CONFIG)
+    model = f"{plan.model}:fake@0123456789abcdef/bfloat16" if plan.model else "fake@0123456789abcdef/bfloat16"
+    retrieving = plan.use_retrieval and plan.collection in FILLED
+    collection, version = (plan.collection, FILLED[plan.collection]) if retrieving else ("", 0)
+    gateway = SimpleNamespace(config=CONFIG)
+    scope = Scope.of(core.Gateway._scope(gateway, plan, model, collection, version))  # type: ignore[arg-type]
+    return entry_key(normalize_prompt(plan.prompt), scope), scope.digest()
+
+
+def retrieving(request: Request) -> bool:
+    plan = validate(request, CONFIG)
+    return plan.use_retrieval and plan.collection in FILLED
+
+
+def sampled(request: Request) -> bool:
+    return request.sampling.temperature > 0
+
+
+# ----- changes that must give another entry: field -> (applies to this request?, change it)
+
+Change = tuple[Callable[[Request], bool], Callable[[Request, random.Random], None]]
+
+
+def _other(rng: random.Random, current: object, choices: list[object]) -> object:
+    return rng.choice([c for c in choices if c != current])
+
+
+def _set_system(r: Request, rng: random.Random) -> None:
+    effective = r.system_prompt or DEFAULT_SYSTEM_PROMPT
+    r.system_prompt = _other(rng, effective, ["Answer in French.", "Answer with a number only.", "Be terse."])  # type: ignore[assignment]
+
+
+def _set_max_new(r: Request, rng: random.Random) -> None:
+    effective = r.sampling.max_new_tokens or CONFIG.default_max_new_tokens
+    r.sampling.max_new_tokens = _other(rng, effective, [8, 64, 128, 512])  # type: ignore[assignment]
+
+
+def _set_temperature(r: Request, rng: random.Random) -> None:
+    r.sampling.temperature = _other(rng, round(r.sampling.temperature, 3), [0.0, 0.3, 0.7, 1.0, 1.5])  # type: ignore[assignment]
+
+
+def _set_top_p(r: Request, rng: random.Random) -> None:
+    effective = r.sampling.top_p if 0 < r.sampling.top_p < 1 else 1.0
+    new = _other(rng, round(effective, 3), [0.5, 0.9, 1.0])
+    r.sampling.top_p = new  # type: ignore[assignment]
+
+
+def _set_seed(r: Request, rng: random.Random) -> None:
+    if r.sampling.HasField("seed") and rng.random() < 0.3:
+        r.sampling.ClearField("seed")
+    else:
+        r.sampling.seed = r.sampling.seed + 1 if r.sampling.HasField("seed") else rng.randint(0, 99)
+
+
+def _set_stop(r: Request, rng: random.Random) -> None:
+    current = set(r.sampling.stop)
+    choices = [s for s in (["STOP"], ["\n"], [], ["\n", "STOP"]) if set(s) != current]
+    del r.sampling.stop[:]
+    r.sampling.stop.extend(rng.choice(choices))
+
+
+def _set_tenant(r: Request, rng: random.Random) -> None:
+    r.tenant = _other(rng, r.tenant or "default", ["default", "acme", "beta", "gamma"])  # type: ignore[assignment]
+
+
+def _set_collection(r: Request, rng: random.Random) -> None:
+    r.collection = _other(rng, r.collection or CONFIG.default_collection, list(FILLED))  # type: ignore[assignment]
+
+
+def _set_top_k(r: Request, rng: random.Random) -> None:
+    r.top_k = _other(rng, r.top_k or CONFIG.default_top_k, [1, 4, 8, 20])  # type: ignore[assignment]
+
+
+def _flip_retrieval(r: Request, rng: random.Random) -> None:
+    r.use_retrieval = not validate(r, CONFIG).use_retrieval
+
+
+always: Callable[[Request], bool] = lambda r: True  # noqa: E731
+
+CHANGES: dict[str, Change] = {
+    "prompt": (always, lambda r, rng: setattr(r, "prompt", r.prompt + " " + words(rng, 1))),
+    "system_prompt": (always, _set_system),
+    "model": (always, lambda r, rng: setattr(r, "model", _other(rng, r.model, list(MODELS)))),
+    "tenant": (always, _set_tenant),
+    "collection": (retrieving, _set_collection),
+    "use_retrieval": (retrieving, _flip_retrieval),
+    "top_k": (retrieving, _set_top_k),
+    "sampling.max_new_tokens": (always, _set_max_new),
+    "sampling.temperature": (always, _set_temperature),
+    "sampling.top_p": (sampled, _set_top_p),
+    "sampling.seed": (sampled, _set_seed),
+    "sampling.stop": (always, _set_stop),
+    "sampling.ignore_eos": (always, lambda r, rng: setattr(r.sampling, "ignore_eos", not r.sampling.ignore_eos)),
+}
+
+# ----- changes that must keep the entry: name -> (applies?, change)
+
+SAME: dict[str, Change] = {
+    "lane": (always, lambda r, rng: setattr(r, "lane", _other(rng, r.lane, ["", "interactive", "batch"]))),
+    "prompt whitespace and final mark": (
+        always,
+        lambda r, rng: setattr(r, "prompt", "  " + r.prompt.rstrip("?.") + rng.choice(["", "?", "."]) + " \n"),
+    ),
+    "system_prompt default spelled out": (
+        lambda r: r.system_prompt in ("", DEFAULT_SYSTEM_PROMPT),
+        lambda r, rng: setattr(r, "system_prompt", "" if r.system_prompt else DEFAULT_SYSTEM_PROMPT),
+    ),
+    "tenant default spelled out": (
+        lambda r: r.tenant in ("", "default"),
+        lambda r, rng: setattr(r, "tenant", "" if r.tenant else "default"),
+    ),
+    "max_new_tokens default spelled out": (
+        lambda r: r.sampling.max_new_tokens in (0, CONFIG.default_max_new_tokens),
+        lambda r, rng: setattr(
+            r.sampling, "max_new_tokens", 0 if r.sampling.max_new_tokens else CONFIG.default_max_new_tokens
+        ),
+    ),
+    "greedy top_p and seed": (
+        lambda r: not sampled(r),
+        lambda r, rng: (setattr(r.sampling, "top_p", rng.choice([0.1, 0.5, 1.0])), setattr(r.sampling, "seed", 5)),
+    ),
+    "top_p 0 or 1": (
+        lambda r: sampled(r) and r.sampling.top_p in (0.0, 1.0),
+        lambda r, rng: setattr(r.sampling, "top_p", 1.0 - r.sampling.top_p),
+    ),
+    "stop order and repeats": (
+        always,
+        lambda r, rng: (
+            r.sampling.stop.extend(list(r.sampling.stop)),
+            r.sampling.stop.reverse(),
+        ),
+    ),
+    "collection default spelled out": (
+        lambda r: r.collection in ("", CONFIG.default_collection),
+        lambda r, rng: setattr(r, "collection", "" if r.collection else CONFIG.default_collection),
+    ),
+    "top_k default spelled out": (
+        lambda r: r.top_k in (0, CONFIG.default_top_k),
+        lambda r, rng: setattr(r, "top_k", 0 if r.top_k else CONFIG.default_top_k),
+    ),
+    "retrieval settings without retrieval": (
+        lambda r: not retrieving(r),
+        lambda r, rng: (setattr(r, "top_k", rng.choice([1, 8])), setattr(r, "use_retrieval", False)),
+    ),
+}
+
+
+def generic_change(message: object, field: object, rng: random.Random) -> None:
+    """Some other valid-looking value for a field the tables above do not know (a new field)."""
+    fd = field  # a FieldDescriptor
+    name = fd.name  # type: ignore[attr-defined]
+    if fd.label == fd.LABEL_REPEATED:  # type: ignore[attr-defined]
+        target = getattr(message, name)
+        if fd.message_type is not None:  # type: ignore[attr-defined]
+            target.add()
+        else:
+            target.append(_scalar(fd, rng))
+        return
+    if fd.message_type is not None:  # type: ignore[attr-defined]
+        sub = getattr(message, name)
+        sub.SetInParent()
+        subfields = list(sub.DESCRIPTOR.fields)
+        if subfields:
+            generic_change(sub, rng.choice(subfields), rng)
+        return
+    current = getattr(message, name)
+    value = _scalar(fd, rng)
+    while value == current:
+        value = _scalar(fd, rng)
+    setattr(message, name, value)
+
+
+def _scalar(fd: object, rng: random.Random) -> object:
+    t = fd.type  # type: ignore[attr-defined]
+    if t == fd.TYPE_STRING:  # type: ignore[attr-defined]
+        return words(rng, 2)
+    if t == fd.TYPE_BOOL:  # type: ignore[attr-defined]
+        return rng.random() < 0.5
+    if t in (fd.TYPE_FLOAT, fd.TYPE_DOUBLE):  # type: ignore[attr-defined]
+        return rng.choice([0.25, 0.5, 0.75])
+    if t == fd.TYPE_ENUM:  # type: ignore[attr-defined]
+        return rng.choice([v.number for v in fd.enum_type.values])  # type: ignore[attr-defined]
+    if t == fd.TYPE_BYTES:  # type: ignore[attr-defined]
+        return rng.randbytes(4)
+    return rng.randint(1, 20)
+
+
+def shaping_fields() -> list[str]:
+    """Every field of the contract that shapes the answer: the request's and its sampling's."""
+    top = [f.name for f in Request.DESCRIPTOR.fields if f.name not in NOT_SHAPING | NOT_COMPARED | {"sampling"}]
+    sampling = [f"sampling.{f.name}" for f in common_pb2.SamplingParams.DESCRIPTOR.fields]
+    return top + sampling
+
+
+def apply_change(request: Request, field: str, rng: random.Random) -> Request | None:
+    """A copy of `request` with `field` changed, or None when the change does not apply to it."""
+    other = Request()
+    other.CopyFrom(request)
+    if field in CHANGES:
+        applies, change = CHANGES[field]
+        if not applies(request):
+            return None
+        change(other, rng)
+        return other
+    message: object = other.sampling if field.startswith("sampling.") else other
+    descriptor = message.DESCRIPTOR.fields_by_name[field.removeprefix("sampling.")]  # type: ignore[attr-defined]
+    generic_change(message, descriptor, rng)
+    return other
+
+
+def test_every_shaping_field_of_the_contract_is_exercised() -> None:
+    fields = shaping_fields()
+    # The ones this file knows by name, and the ones it changes generically (a new field).
+    assert {"prompt", "system_prompt", "sampling.temperature", "top_k"} <= set(fields)
+    unknown_to_the_gateway = set(fields) - set(CHANGES)
+    rng = random.Random(SEED)
+    for field in sorted(unknown_to_the_gateway):
+        base = random_request(rng)
+        changed = apply_change(base, field, rng)
+        assert changed is not None
+        try:
+            validate(changed, CONFIG)
+        except InvalidArgument as exc:  # pragma: no cover - only for a newly added field
+            pytest.fail(f"{field}: its generic change is refused ({exc.violations}); add an entry to CHANGES")
+
+
+def test_requests_differing_in_one_shaping_field_never_share_an_entry() -> None:
+    rng = random.Random(SEED)
+    fields = shaping_fields()
+    tried: Counter[str] = Counter()
+    while sum(tried.values()) < PAIRS:
+        base = random_request(rng)
+        field = rng.choice(fields)
+        other = apply_change(base, field, rng)
+        if other is None:
+            continue
+        tried[field] += 1
+        (key_a, scope_a), (key_b, scope_b) = key_of(base), key_of(other)
+        where = f"seed {SEED}, field {field}:\n{base}\n---\n{other}"
+        assert key_a != key_b, f"one exact entry for two different requests ({where})"
+        if field != "prompt":  # the semantic tier compares questions only within one identical scope
+            assert scope_a != scope_b, f"one semantic scope for two different requests ({where})"
+    assert set(tried) == set(fields), f"never exercised: {set(fields) - set(tried)} (seed {SEED})"
+
+
+def test_requests_differing_only_in_what_cannot_change_the_answer_share_their_entry() -> None:
+    rng = random.Random(SEED + 1)
+    tried: Counter[str] = Counter()
+    while sum(tried.values()) < PAIRS:
+        base = random_request(rng)
+        name = rng.choice(list(SAME))
+        applies, change = SAME[name]
+        if not applies(base):
+            continue
+        other = Request()
+        other.CopyFrom(base)
+        change(other, rng)
+        tried[name] += 1
+        assert key_of(base) == key_of(other), f"seed {SEED + 1}, {name}:\n{base}\n---\n{other}"
+    assert set(tried) == set(SAME), f"never exercised: {set(SAME) - set(tried)}"
+
+
+def test_the_system_prompt_is_part_of_the_entry() -> None:
+    # The case a user hit through the OpenAI front door.
+    french = Request(prompt="What is 2 + 2?", system_prompt="Answer in French.")
+    number = Request(prompt="What is 2 + 2?", system_prompt="Answer with a number only.")
+    assert key_of(french)[0] != key_of(number)[0]
+    assert key_of(french)[1] != key_of(number)[1]
