@@ -324,6 +324,10 @@ class Mesh:
                 for model in reversed(self.models):
                     self.stop_one(f"inference/{model}")
             self.stop_one(name)
+        # Processes started under names of their own (`start_one("retrieval-a", module=...)`):
+        # newest first, so nothing a caller started outlives the mesh.
+        for name in reversed(list(self.procs)):
+            self.stop_one(name)
         # After every service drained: the server writes its snapshot and exits.
         for server in (self.redis, self.redis_state):
             if server is not None:

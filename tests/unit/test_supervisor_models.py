@@ -55,3 +55,20 @@ def test_without_models_one_inference_as_before() -> None:
 def test_bad_models_setting_is_refused_before_anything_starts() -> None:
     with pytest.raises(RuntimeError, match="LLMESH_MODELS: model entry 'small' must look like name=host:port"):
         Recorder(env={"LLMESH_MODELS": "small"})
+
+
+def test_stop_stops_processes_started_under_names_of_their_own() -> None:
+    """A test's `start_one("retrieval-a", module="retrieval")` is stopped with the mesh (it once
+    outlived the test run: stop() knew only the standard names)."""
+    stopped: list[str] = []
+
+    class Stopper(Mesh):
+        def stop_one(self, name: str, timeout: float = 30.0, sig: int = 15) -> int | None:
+            if self.procs.pop(name, None) is not None:
+                stopped.append(name)
+            return 0
+
+    mesh = Stopper(env={"LLMESH_REDIS_URL": "redis://x:1/0"}, services=())
+    mesh.procs.update({"retrieval-a": object(), "retrieval-b": object(), "cache": object()})  # type: ignore[dict-item]
+    mesh.stop()
+    assert stopped == ["cache", "retrieval-b", "retrieval-a"] and not mesh.procs
