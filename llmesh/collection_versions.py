@@ -65,7 +65,8 @@ def parse(values: Sequence[Any]) -> list[int]:
 
 
 def connect(url: str, timeout: float) -> Any:
-    """A Redis client for versions that fails fast (socket and connect timeouts, no retries)."""
+    """A Redis client that fails fast (socket and connect timeouts, no retries): the versions' and
+    the answer cache's."""
     import redis.asyncio as aioredis
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff

@@ -33,8 +33,6 @@ from opentelemetry.trace import StatusCode
 from prometheus_client import Counter, Gauge, Histogram
 from qdrant_client import models as qm
 from redis import exceptions as redis_errors
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
 from llmesh import collection_versions
 from llmesh.embeddings import Embedder
@@ -122,15 +120,7 @@ class Stats:
 def redis_client(url: str, timeout: float) -> aioredis.Redis:
     """Client from the URL (user:password@ for ACL, rediss:// for TLS), failing fast: socket and
     connect timeouts of `timeout`, no retries (a miss is cheaper than waiting)."""
-    return aioredis.Redis.from_url(
-        url,
-        socket_timeout=timeout,
-        socket_connect_timeout=timeout,
-        retry=Retry(NoBackoff(), 0),
-        retry_on_timeout=False,
-        health_check_interval=0,
-        decode_responses=False,
-    )
+    return collection_versions.connect(url, timeout)
 
 
 def point_id(key: str) -> str:
