@@ -30,6 +30,7 @@ from services.inference.engine.config import (
     FINISH_STOP,
     FINISH_STOP_SEQUENCE,
 )
+from services.inference.engine.kv_manager import BlockTable
 
 if TYPE_CHECKING:
     from services.inference.engine.core import Engine
@@ -67,7 +68,7 @@ _seq_ids = itertools.count(1)
 
 @dataclass(eq=False)
 class SequenceState:
-    """One request inside the engine. The worker owns the batch fields (slot, generated...),
+    """One request inside the engine. The worker owns the batch fields (blocks, generated...),
     the emitter owns decoder/stopper/finished; `cancelled` (event loop) and `stop_hit` (emitter)
     are flags the worker reads."""
 
@@ -88,7 +89,7 @@ class SequenceState:
     generated: list[int] = field(default_factory=list)
     cancelled: bool = False
     stop_hit: bool = False
-    #: The worker is done with it (its slot is free; no more tokens will be sent).
+    #: The worker is done with it (its blocks are released; no more tokens will be sent).
     released: bool = False
     #: The emitter sent its last event.
     finished: bool = False
@@ -97,8 +98,9 @@ class SequenceState:
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     decode_span: trace.Span | None = None
-    #: Worker: the KV slot, tokens in the cache, and prompt tokens prefilled so far.
-    slot: int = -1
+    #: Worker: the KV blocks it holds (None while it holds none), tokens in the cache, and
+    #: prompt tokens in the cache so far (reused from the prefix cache or prefilled).
+    blocks: BlockTable | None = None
     length: int = 0
     prefilled: int = 0
     prefill_started_ns: int = 0
