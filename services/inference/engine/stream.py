@@ -252,23 +252,30 @@ class Emitter:
                     metrics.INTER_TOKEN_LATENCY.observe(now - seq.last_token_at)
             seq.last_token_at = now
             if reason == FINISH_STOP:
-                self._finish(seq, FINISH_STOP, text=self._tail(seq))
+                # The EOS token is counted in the usage, so it is sent too (no text of its own).
+                tail, _ = self._tail(seq)
+                self._finish(seq, FINISH_STOP, token_ids=[token], text=tail)
                 continue
             text, stopped = seq.stopper.push(seq.decoder.push(token))
             if stopped:
                 seq.stop_hit = True
                 self._finish(seq, FINISH_STOP_SEQUENCE, token_ids=[token], text=text)
             elif reason == FINISH_LENGTH:
-                self._finish(seq, FINISH_LENGTH, token_ids=[token], text=text + self._tail(seq))
+                # A stop string completed only by the held-back tail still is a stop string.
+                tail, stopped = self._tail(seq)
+                finish = FINISH_STOP_SEQUENCE if stopped else FINISH_LENGTH
+                self._finish(seq, finish, token_ids=[token], text=text + tail)
             else:
                 self._outbox.append((seq, GenerationEvent([token], text, seq.batch_id)))
         if produced:
             metrics.GENERATION_TOKENS.inc(produced)
 
     @staticmethod
-    def _tail(seq: SequenceState) -> str:
+    def _tail(seq: SequenceState) -> tuple[str, bool]:
+        """The text the decoder and the stop matcher still hold at the end, and whether a stop
+        string is in it (the text is cut before it)."""
         text, stopped = seq.stopper.push(seq.decoder.flush())
-        return text if stopped else text + seq.stopper.flush()
+        return (text, True) if stopped else (text + seq.stopper.flush(), False)
 
     def _finish(
         self,
