@@ -165,7 +165,8 @@ def run_engine(path: Path, args: argparse.Namespace, device: torch.device, resul
         no_sampling: tuple[list[int], list[float], list[float], list[int], list[int]] = ([], [], [], [], [])
         with torch.inference_mode():
             for rows in args.step_rows:
-                batch = [(slot, 5, 64) for slot in range(rows)]
+                tables = [list(range(1 + r * 4, 5 + r * 4)) for r in range(rows)]  # 4 blocks each
+                batch = [(5, 48, tables[r]) for r in range(rows)]
                 for _ in range(3):
                     runner.decode(batch, no_sampling)
                 times = []
@@ -178,11 +179,13 @@ def run_engine(path: Path, args: argparse.Namespace, device: torch.device, resul
                 # The same inputs through the captured graph and through the eager step over the
                 # same (full) width: the replay must give the eager step's tokens.
                 rows = args.step_rows[0]
-                batch = [(slot, 7, 70) for slot in range(rows)]
-                replayed = runner.decode(batch, no_sampling)
-                replay_logits = runner.logits[:rows].float().clone()
-                eager = runner.decode(batch, no_sampling, eager_width=runner.slot_length + 1)
-                eager_logits = runner.logits[:rows].float()
+                tables = [list(range(1 + r * 4, 5 + r * 4)) for r in range(rows)]
+                batch = [(7, 50, tables[r]) for r in range(rows)]
+                replay_logits = runner.step_logits(batch)[:rows].float().clone()
+                eager_logits = runner.step_logits(batch, eager_width=runner.max_blocks * runner.block_tokens)
+                eager_logits = eager_logits[:rows].float()
+                replayed = replay_logits.argmax(-1).tolist()
+                eager = eager_logits.argmax(-1).tolist()
                 result["graph_replay_matches_eager"] = replayed == eager
                 result["graph_replay_max_logit_diff"] = float((replay_logits - eager_logits).abs().max())
     finally:

@@ -1,7 +1,7 @@
 """A/B of the engine's forwards in one process: the own Llama forward (services/inference/
-engine/llama.py) against transformers' forward over the same KV slots, on the real SmolLM2.
+engine/llama.py) against transformers' forward over the same KV blocks, on the real SmolLM2.
 
-The 32 chat prompts of bench.batching are prefilled into 32 slots; then decode steps of all 32
+The 32 chat prompts of bench.batching are prefilled into 32 rows of blocks; then decode steps of all 32
 rows alternate between the two forwards (ABBA order, each step continuing the same sequences),
 and prefills of one and of two prompts (the closed loop's arrivals) alternate the same way.
 Ratios measured side by side are what this is for: the machine is shared and noisy, so the
@@ -44,7 +44,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     prompts = build_prompts(model_dir)
     loaded = LoadedModel(verify(model_dir), "cpu", args.dtype)
     rows_n = len(prompts)
-    runner = ModelRunner(loaded, rows_n, 2048, tuple(range(1, rows_n + 1)), cuda_graphs=False)
+    block = 16
+    per_row = 2048 // block
+    runner = ModelRunner(loaded, rows_n * per_row + 1, block, 2048, tuple(range(1, rows_n + 1)), cuda_graphs=False)
+    tables = [list(range(1 + r * per_row, 1 + (r + 1) * per_row)) for r in range(rows_n)]
     own = runner.fast
     if own is None:
         raise SystemExit("the own forward does not support this model here")
@@ -53,13 +56,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     times: dict[str, list[float]] = {name: [] for name in forwards}
 
     with torch.inference_mode():
-        tokens = runner.prefill_fresh(list(range(rows_n)), prompts, loaded.pad_id).argmax(-1).tolist()
+        tokens = runner.prefill([(p, 0, t) for p, t in zip(prompts, tables, strict=True)]).argmax(-1).tolist()
         lengths = [len(p) for p in prompts]
 
         def step(name: str) -> None:
             nonlocal tokens
             runner.fast = forwards[name]
-            rows = [(i, tokens[i], lengths[i]) for i in range(rows_n)]
+            rows = [(tokens[i], lengths[i], tables[i]) for i in range(rows_n)]
             started = time.perf_counter()
             tokens = runner.decode(rows, NO_SAMPLING)
             times[name].append(time.perf_counter() - started)
@@ -82,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             def prefill(name: str, group: int = group) -> None:
                 runner.fast = forwards[name]
                 started = time.perf_counter()
-                runner.prefill_fresh(list(range(group)), prompts[:group], loaded.pad_id)
+                runner.prefill([(p, 0, t) for p, t in zip(prompts[:group], tables, strict=False)])
                 times[name].append(time.perf_counter() - started)
 
             alternate(prefill, args.steps)

@@ -689,10 +689,19 @@ DECLARED: tuple[Setting, ...] = (
     Setting(
         "LLMESH_MAX_BATCH_TOTAL_TOKENS",
         "0",
-        "KV-cache tokens the engine preallocates (slots x (max prompt + max new tokens)); 0 derives it "
-        "(CUDA: 70% of the memory free after loading; CPU: one slot per batch row).",
+        "KV-cache tokens the engine preallocates, in blocks of 16 that sequences take as they grow; 0 "
+        "derives it (CUDA: 70% of the memory free after loading; CPU: max batch x (max prompt + max new "
+        "tokens)).",
         ("inference",),
         _non_negative_int,
+    ),
+    Setting(
+        "LLMESH_PREFIX_CACHING",
+        "1",
+        "Keep the KV of full prompt blocks after a request and reuse it for later prompts that start "
+        "with the same tokens (least recently used evicted first); 0 turns it off.",
+        ("inference",),
+        _bool,
     ),
     Setting(
         "LLMESH_MAX_PREFILL_TOKENS",

@@ -2,7 +2,7 @@
 """CUDA smoke test of the inference engine (services/inference/engine/), no gRPC.
 
 Builds a random-weight Llama on SmolLM2's real tokenizer (scripts/cuda_smoke_assets/), prepares
-it like a real model (safetensors + manifest), loads it through ModelManager/Engine.load exactly
+it like a real model (safetensors + manifest), loads it through ModelManager/Engine.boot exactly
 as the inference service does (LLMESH_DEVICE=cuda: bfloat16), and checks:
 
 * 32 concurrent greedy requests (different prompt lengths and max_new_tokens; most at once,
@@ -834,10 +834,10 @@ async def main_async(rep: Report, args: argparse.Namespace) -> None:
     spans = InMemorySpanExporter()
     provider = telemetry.setup_tracing("inference", exporter=spans)
 
-    at("KV slots as this transformers' attention uses them (SlotKVCache.update in each layer)")
+    at("KV blocks as this transformers' attention uses them (PagedKVCache.update in each layer)")
     from transformers import LlamaConfig
 
-    name = "kv api: a Llama forward writes SlotKVCache slots and attends over the returned views"
+    name = "kv api: a Llama forward writes PagedKVCache blocks and attends over the gathered rows"
     try:
         probe_cfg = LlamaConfig(
             vocab_size=64,
@@ -847,18 +847,19 @@ async def main_async(rep: Report, args: argparse.Namespace) -> None:
             num_attention_heads=2,
             num_key_value_heads=1,
         )
-        cache = engine_mod.SlotKVCache(probe_cfg, 2, 8, torch.float32, torch.device("cpu"))
+        # 4 blocks of 4 tokens: two rows of 3 tokens in blocks 2 and 1, then one decode token each.
+        cache = engine_mod.PagedKVCache(probe_cfg, 4, 4, torch.float32, torch.device("cpu"))
         k = torch.randn(2, 1, 3, 8)
-        cache.claim(0)
-        cache.claim(1)
-        cache.fresh(torch.tensor([1, 0]))
+        write = torch.tensor([8, 9, 10, 4, 5, 6])
+        gather = torch.tensor([[8, 9, 10], [4, 5, 6]])
+        cache.plan(write, gather)
         cache.update(k, k.clone(), 0)
-        cache.decode(torch.arange(2), torch.tensor([3, 3]), 4)
+        cache.plan(torch.tensor([11, 7]), torch.tensor([[8, 9, 10, 11], [4, 5, 6, 7]]))
         new = torch.randn(2, 1, 1, 8)
         keys, _ = cache.update(new, new.clone(), 0)
         kv_ok = (
             tuple(keys.shape) == (2, 1, 4, 8)
-            and torch.equal(cache.keys[0][1, :, :3], k[0])
+            and torch.equal(cache.keys[0][8:11, 0], k[0, 0])
             and torch.equal(keys[:, :, 3], new[:, :, 0])
         )
         rep.check(name, kv_ok, {"transformers": transformers.__version__})

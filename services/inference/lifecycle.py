@@ -47,7 +47,7 @@ class ModelManager:
         except ModelError as exc:
             raise errors.FailedPrecondition(f"inference: {exc}", reason="MODEL_INVALID") from exc
         self.root = verified.path.parent
-        self._engine = Engine.load(verified, self.config, self.device)
+        self._engine = Engine.boot(verified, self.config, self.device)
         log.info("serving %s %s (%s)", verified.model_id, verified.version, verified.digest[:12])
         return self._engine
 
@@ -95,7 +95,7 @@ class ModelManager:
                 log.error("refusing model version %s: %s", version, exc)
                 raise errors.FailedPrecondition(f"inference: {exc}", reason="MODEL_VERIFICATION_FAILED") from exc
             try:
-                new = await asyncio.to_thread(Engine.load, verified, self.config, self.device)
+                new = await asyncio.to_thread(Engine.boot, verified, self.config, self.device)
             except Exception as exc:
                 log.exception("loading model version %s failed", version)
                 raise errors.FailedPrecondition(

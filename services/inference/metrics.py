@@ -46,6 +46,20 @@ REQUESTS = Counter("llmesh_inference_requests", "Generation requests by outcome.
 OOM_RETRIES = Counter(
     "llmesh_inference_oom_retries", "Device out-of-memory errors answered by halving the batch and retrying."
 )
+KV_BLOCKS_FREE = Gauge(
+    "llmesh_inference_kv_blocks_free", "KV blocks an allocation can take (free, or cached and held by no sequence)."
+)
+PREFIX_CACHED_BLOCKS = Gauge("llmesh_inference_prefix_cached_blocks", "KV blocks registered in the prefix cache.")
+PREFIX_QUERY_TOKENS = Counter(
+    "llmesh_inference_prefix_query_tokens", "Prompt tokens looked up in the prefix cache (at admission)."
+)
+PREFIX_HIT_TOKENS = Counter(
+    "llmesh_inference_prefix_hit_tokens",
+    "Prompt tokens served from the prefix cache (hit rate: this over llmesh_inference_prefix_query_tokens).",
+)
+PREFIX_EVICTIONS = Counter(
+    "llmesh_inference_prefix_evictions", "Cached KV blocks evicted (least recently used) to make room."
+)
 
 for _outcome in OUTCOMES:
     REQUESTS.labels(_outcome)

@@ -244,14 +244,17 @@ async def test_queue_timeout(loaded: LoadedModel) -> None:
         eng.close()
 
 
-async def test_batch_token_budget_limits_admission(loaded: LoadedModel) -> None:
-    # The budget is the physical KV footprint: room for two slots of a maximal request
-    # (16 + 20 tokens) and not quite a third: the third request waits for a slot, then runs.
+async def test_kv_blocks_limit_admission(loaded: LoadedModel) -> None:
+    # 4 blocks of 16 tokens: a request (3 prompt + 20 new tokens) ends holding 2. Admission
+    # keeps a block per running row for it to grow into, so two run and the third waits for
+    # blocks (not for a row: there are 8), then runs.
     ids = [1, *loaded.encode("Hello there")]
-    budget = 3 * (16 + 20) - 1
-    eng = side_engine(loaded, max_batch_size=8, max_batch_total_tokens=budget, max_prompt_tokens=16, max_new_tokens=20)
+    assert len(ids) < 16
+    eng = side_engine(loaded, max_batch_size=8, max_batch_total_tokens=64, max_prompt_tokens=16, max_new_tokens=20)
     try:
-        assert eng.runner.slots == 2 and eng.max_total_tokens == 2 * (16 + 20)
+        assert eng.kv.usable_blocks == 4 and eng.max_total_tokens == 64
+        load = eng.load()
+        assert (load.kv_blocks_total, load.kv_blocks_free, load.block_tokens, load.max_running) == (4, 4, 16, 8)
         params = SamplingParams(max_new_tokens=20, ignore_eos=True)
         seen: list[int] = []
 
@@ -265,6 +268,26 @@ async def test_batch_token_budget_limits_admission(loaded: LoadedModel) -> None:
         watcher.cancel()
         assert max(seen) == 2
         assert all(r[2].finish_reason == "length" for r in results)
+        assert eng.preemptions == 0
+        assert eng.load().kv_blocks_free == 4
+    finally:
+        eng.close()
+
+
+async def test_a_row_preempted_for_blocks_resumes_with_the_same_tokens(loaded: LoadedModel) -> None:
+    # 3 blocks: two rows start (one block each, one kept free), both need a second block at
+    # their 16th token and only one is left: the newest row is requeued and resumes later,
+    # prefilled again with what it had generated.
+    ids = [1, *loaded.encode("Hello there")]
+    eng = side_engine(loaded, max_batch_size=8, max_batch_total_tokens=48, max_prompt_tokens=16, max_new_tokens=30)
+    try:
+        params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+        other = [1, *loaded.encode("Tell me")]
+        alone = [(await run(eng, p, params))[0] for p in (ids, other)]
+        together = await asyncio.gather(run(eng, ids, params), run(eng, other, params))
+        assert eng.preemptions >= 1
+        assert [t[0] for t in together] == alone
+        assert eng.load().kv_blocks_free == 3
     finally:
         eng.close()
 
@@ -428,10 +451,11 @@ def test_one_host_copy_per_decode_step(loaded: LoadedModel, monkeypatch: pytest.
     # Sampling rows included: the draws are hashed on the device, no CPU generator, no .item().
     from services.inference.engine.runner import ModelRunner
 
-    runner = ModelRunner(loaded, 4, 64, (1, 2, 4), cuda_graphs=False)
+    runner = ModelRunner(loaded, 16, 16, 64, (1, 2, 4), cuda_graphs=False)
     prompt = loaded.encode("Hello there")
+    tables = [[1], [2], [3]]
     with torch.inference_mode():
-        runner.prefill_fresh([0, 1, 3], [prompt] * 3, loaded.pad_id)
+        runner.prefill([(prompt, 0, t) for t in tables])
     copies: list[str] = []
     for name in ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__"):
         original = getattr(torch.Tensor, name)
@@ -441,17 +465,18 @@ def test_one_host_copy_per_decode_step(loaded: LoadedModel, monkeypatch: pytest.
             return _o(self, *a, **k)  # type: ignore[operator]
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    rows = [(0, 5, len(prompt)), (1, 6, len(prompt)), (3, 7, len(prompt))]
-    sampling = ([1, 3], [0.8, 1.2], [0.9, 1.0], [11, 12], [1, 1])
+    rows = [(5, len(prompt), tables[0]), (6, len(prompt), tables[1]), (7, len(prompt), tables[2])]
+    sampling = ([1, 2], [0.8, 1.2], [0.9, 1.0], [11, 12], [1, 1])
     with torch.inference_mode():
         tokens = runner.decode(rows, sampling)
     monkeypatch.undo()
     assert copies == ["tolist"]
-    assert len(tokens) == 4
+    assert len(tokens) == 3
 
 
 async def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(loaded: LoadedModel) -> None:
-    eng = side_engine(loaded, max_batch_size=4, max_prompt_tokens=512)
+    # No prefix cache: the long prompt ran alone first, and is to be prefilled again in chunks.
+    eng = side_engine(loaded, max_batch_size=4, max_prompt_tokens=512, prefix_caching=False)
     ps = prompts(eng)
     long_prompt = eng.encode("Tell me about the sea, the sky and everything in between. " * 36)
     assert len(long_prompt) > 3 * 128
@@ -489,7 +514,7 @@ async def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(loaded:
         eng.close()
 
 
-async def test_a_bf16_model_serves_through_the_same_slots_and_buckets(tiny_model: Path) -> None:
+async def test_a_bf16_model_serves_through_the_same_blocks_and_buckets(tiny_model: Path) -> None:
     model = LoadedModel(verify(tiny_model), "cpu")
     model.model.to(torch.bfloat16)
     model.dtype = torch.bfloat16
@@ -509,11 +534,11 @@ async def test_a_bf16_model_serves_through_the_same_slots_and_buckets(tiny_model
         eng.close()
 
 
-async def test_reused_slots_and_padded_buckets_keep_every_row_equal_to_its_solo_run(loaded: LoadedModel) -> None:
-    # 4 slots, decode buckets 2 and 4 (padding rows whenever 3 run, or a hole sits below a
-    # running row); 10 requests of different lengths arriving staggered, so rows leave and
-    # newcomers take the freed slots (stale columns from the last owner in them).
-    eng = side_engine(loaded, max_batch_size=4, decode_buckets=(2, 4))
+async def test_reused_blocks_and_padded_buckets_keep_every_row_equal_to_its_solo_run(loaded: LoadedModel) -> None:
+    # 4 rows, decode buckets 2 and 4 (padding rows whenever 3 run); 10 requests of different
+    # lengths arriving staggered, so rows leave and newcomers take the freed blocks (stale
+    # tokens of the last owner in them). No prefix cache: every block is written afresh.
+    eng = side_engine(loaded, max_batch_size=4, decode_buckets=(2, 4), prefix_caching=False)
     texts = [f"Request {i}: " + "tell me about the sea " * (i % 4) for i in range(10)]
     ps = [eng.encode(t) for t in texts]
     news = [6 + 5 * (i % 3) for i in range(10)]
@@ -523,8 +548,10 @@ async def test_reused_slots_and_padded_buckets_keep_every_row_equal_to_its_solo_
     def record(kind: str, batch: int) -> None:
         if kind == "decode":
             for seq in eng._running:
-                owners.setdefault(seq.slot, set()).add(seq.seq_id)
-            batches.add(eng.runner.bucket(max(s.slot for s in eng._running) + 1) - len(eng._running))
+                assert seq.blocks is not None
+                for block in seq.blocks.blocks:
+                    owners.setdefault(block, set()).add(seq.seq_id)
+            batches.add(eng.runner.bucket(len(eng._running)) - len(eng._running))
 
     try:
         alone = [
@@ -539,7 +566,7 @@ async def test_reused_slots_and_padded_buckets_keep_every_row_equal_to_its_solo_
 
         together = await asyncio.gather(*(later(i) for i in range(10)))
         assert together == alone
-        assert any(len(ids) >= 2 for ids in owners.values()), owners  # slots were reused
+        assert any(len(ids) >= 2 for ids in owners.values()), owners  # blocks were reused
         assert max(batches) >= 1  # some steps ran padding rows
     finally:
         eng.close()

@@ -1,5 +1,7 @@
-"""KV slots and the model runner on the tiny real model: chunked prefill, holes and bucket
-padding in the decode step give the same logits as the plain path, in fp32 and bf16."""
+"""KV blocks and the model runner on the tiny real model: rows whose blocks interleave in the
+pool, chunked prefill, a prefill continuing a cached prefix and bucket padding in the decode
+step give the same logits as the plain path, in fp32 and bf16; stale and NaN contents of
+reused blocks are never read."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import torch
 
 from llmesh.models import verify
 from services.inference.engine import LoadedModel
+from services.inference.engine.kv_manager import NULL_BLOCK, BlockManager
 from services.inference.engine.runner import ModelRunner
 
 NO_SAMPLING: tuple[list[int], list[float], list[float], list[int], list[int]] = ([], [], [], [], [])
+BLOCK = 4
 
 
 @pytest.fixture(scope="module")
@@ -46,29 +50,41 @@ def prompts(loaded: LoadedModel) -> list[list[int]]:
     return [loaded.encode(t) for t in texts]
 
 
+def interleaved_tables(runner: ModelRunner, rows: int, tokens: int) -> list[list[int]]:
+    kv = BlockManager(runner.kv.num_blocks, runner.block_tokens, prefix_caching=False)
+    tables = [kv.allocate([0]) for _ in range(rows)]
+    for _ in range(-(-tokens // runner.block_tokens) - 1):
+        for t in tables:
+            assert t is not None and kv.grow(t, len(t.blocks) * runner.block_tokens + 1)
+    return [t.blocks for t in tables if t is not None]
+
+
+def greedy_run(runner: ModelRunner, ps: list[list[int]], tables: list[list[int]], steps: int) -> list[list[int]]:
+    with torch.inference_mode():
+        first = runner.prefill([(p, 0, t) for p, t in zip(ps, tables, strict=True)]).argmax(-1).tolist()
+        got = [[t] for t in first]
+        lengths = [len(p) for p in ps]
+        for _ in range(steps - 1):
+            rows = [(g[-1], n, t) for g, n, t in zip(got, lengths, tables, strict=True)]
+            tokens = runner.decode(rows, NO_SAMPLING)
+            assert len(tokens) == len(rows)
+            for i, token in enumerate(tokens):
+                got[i].append(token)
+                lengths[i] += 1
+    return got
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_slots_with_holes_and_padding_follow_the_reference(
+def test_interleaved_blocks_and_padding_follow_the_reference(
     loaded: LoadedModel, loaded_bf16: LoadedModel, dtype: str
 ) -> None:
     model = loaded if dtype == "fp32" else loaded_bf16
     ps = prompts(model)
     steps = 8
     expected = [reference_greedy(model, p, steps) for p in ps]
-    # 8 slots, buckets 1/2/4/8; the prompts sit in slots 1, 3, 4, 6 (holes in between, so
-    # every step runs padding rows), prefilled together.
-    runner = ModelRunner(model, 8, 64, (1, 2, 4, 8), cuda_graphs=False)
-    slots = [1, 3, 4, 6]
-    with torch.inference_mode():
-        first = torch.argmax(runner.prefill_fresh(slots, ps, model.pad_id), dim=-1).tolist()
-        got = [[t] for t in first]
-        lengths = [len(p) for p in ps]
-        for _ in range(steps - 1):
-            rows = [(s, g[-1], n) for s, g, n in zip(slots, got, lengths, strict=True)]
-            tokens = runner.decode(rows, NO_SAMPLING)
-            assert len(tokens) == max(slots) + 1
-            for i, s in enumerate(slots):
-                got[i].append(tokens[s])
-                lengths[i] += 1
+    # Buckets 1/2/8: 4 rows run in a bucket of 8 (4 padding rows every step).
+    runner = ModelRunner(model, 64, BLOCK, 64, (1, 2, 8), cuda_graphs=False)
+    got = greedy_run(runner, ps, interleaved_tables(runner, 4, 48), steps)
     if dtype == "fp32":
         assert got == expected
     else:  # bf16 rounding differs between a cached and an uncached forward: the start must agree
@@ -76,28 +92,54 @@ def test_slots_with_holes_and_padding_follow_the_reference(
         assert all(0 <= t < model.vocab_size for g in got for t in g)
 
 
-def test_chunked_prefill_writes_the_same_cache_as_a_whole_prefill(loaded: LoadedModel) -> None:
+def test_chunked_and_cached_prefills_write_the_same_blocks_as_a_whole_prefill(loaded: LoadedModel) -> None:
     prompt = loaded.encode("Tell me about the sea, the sky and everything in between, " * 3)
     assert len(prompt) > 34
-    whole = ModelRunner(loaded, 2, 128, (1, 2), cuda_graphs=False)
-    chunked = ModelRunner(loaded, 2, 128, (1, 2), cuda_graphs=False)
+    whole = ModelRunner(loaded, 64, BLOCK, 128, (1, 2), cuda_graphs=False)
+    chunked = ModelRunner(loaded, 64, BLOCK, 128, (1, 2), cuda_graphs=False)
+    (table,) = interleaved_tables(whole, 1, len(prompt))
     with torch.inference_mode():
-        expected = whole.prefill_fresh([1], [prompt], loaded.pad_id)[0]
+        expected = whole.prefill([(prompt, 0, table)])[0]
         for start in range(0, len(prompt), 17):
-            logits = chunked.prefill_chunk(1, prompt[start : start + 17], start)[0]
+            logits = chunked.prefill([(prompt[start : start + 17], start, table)])[0]
+        # A prompt continuing a cached prefix of 5 blocks: only the rest is computed.
+        cached = 5 * BLOCK
+        continued = whole.prefill([(prompt[cached:], cached, table)])[0]
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(continued, expected, rtol=1e-4, atol=1e-4)
     n = len(prompt)
-    for a, b in zip(whole.kv.keys + whole.kv.values, chunked.kv.keys + chunked.kv.values, strict=True):
-        torch.testing.assert_close(a[1, :, :n], b[1, :, :n], rtol=1e-4, atol=1e-5)
+    for layer in range(len(whole.kv.keys)):
+        for i in range(-(-n // BLOCK)):
+            used = min(BLOCK, n - i * BLOCK)
+            for a, b in zip(whole.kv.block(layer, table[i]), chunked.kv.block(layer, table[i]), strict=True):
+                torch.testing.assert_close(a[:used], b[:used], rtol=1e-4, atol=1e-5)
 
 
-def test_padding_rows_never_write_a_column_a_sequence_reads(loaded: LoadedModel) -> None:
-    runner = ModelRunner(loaded, 4, 32, (4,), cuda_graphs=False)
+def test_padding_rows_write_only_the_scratch_token(loaded: LoadedModel) -> None:
+    runner = ModelRunner(loaded, 32, BLOCK, 32, (4,), cuda_graphs=False)
     prompt = loaded.encode("Hello there")
+    a, b = interleaved_tables(runner, 2, 16)
+    for buf in runner.kv.keys:
+        buf.zero_()  # the CPU pool starts uninitialised (NaN != NaN would read as a write)
     with torch.inference_mode():
-        runner.prefill_fresh([0, 2], [prompt, prompt], loaded.pad_id)
-        before = [k[2].clone() for k in runner.kv.keys]
-        # Slot 2 is still "prefilling" (not in the step): it is a padding row of bucket 4.
-        runner.decode([(0, 5, len(prompt))], NO_SAMPLING)
+        runner.prefill([(prompt, 0, a), (prompt, 0, b)])
+        before = [k.clone() for k in runner.kv.keys]
+        # One row in a bucket of 4: three padding rows.
+        runner.decode([(5, len(prompt), a)], NO_SAMPLING)
+    written = a[len(prompt) // BLOCK] * BLOCK + len(prompt) % BLOCK
     for k, old in zip(runner.kv.keys, before, strict=True):
-        torch.testing.assert_close(k[2, :, : runner.kv.scratch], old[:, : runner.kv.scratch])
+        changed = (k != old).any(dim=(1, 2)).nonzero().flatten().tolist()
+        assert set(changed) <= {written, runner.kv.scratch}
+        assert not k[NULL_BLOCK * BLOCK].any()  # what masked columns read stays zero
+
+
+def test_nan_left_in_reused_blocks_is_never_read(loaded: LoadedModel) -> None:
+    # A block's earlier owner may leave anything in it (NaN from an overflowing forward): a
+    # masked column multiplied by a zero weight is still NaN, so it must not be read at all.
+    ps = prompts(loaded)
+    runner = ModelRunner(loaded, 64, BLOCK, 64, (1, 2, 4), cuda_graphs=False)
+    tables = interleaved_tables(runner, 4, 48)
+    clean = greedy_run(runner, ps, tables, 6)
+    for buf in (*runner.kv.keys, *runner.kv.values):
+        buf[BLOCK:].fill_(float("nan"))  # every block but the null block
+    assert greedy_run(runner, ps, tables, 6) == clean

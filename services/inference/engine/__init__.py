@@ -1,5 +1,6 @@
 """The builtin inference engine (see core.py for the loop, and one module per concern:
-config, model, kv (slots), runner (decode step, CUDA graphs), llama (the own forward of Llama
+config, model, kv_manager (blocks, block tables, prefix cache), kv (the block tensors), runner
+(forwards over blocks, CUDA graphs), llama (the own forward of Llama
 models on CPU; transformers' forward otherwise), sampling, scheduler, stream)."""
 
 from services.inference.engine.config import (
@@ -10,7 +11,8 @@ from services.inference.engine.config import (
     EngineConfig,
 )
 from services.inference.engine.core import Engine
-from services.inference.engine.kv import SlotKVCache
+from services.inference.engine.kv import PagedKVCache
+from services.inference.engine.kv_manager import BlockManager, BlockTable
 from services.inference.engine.model import LoadedModel, ModelDescription, pick_device
 from services.inference.engine.stream import GenerationEvent, RequestStream, SequenceState
 
@@ -19,13 +21,15 @@ __all__ = [
     "FINISH_LENGTH",
     "FINISH_STOP",
     "FINISH_STOP_SEQUENCE",
+    "BlockManager",
+    "BlockTable",
     "Engine",
     "EngineConfig",
     "GenerationEvent",
     "LoadedModel",
     "ModelDescription",
+    "PagedKVCache",
     "RequestStream",
     "SequenceState",
-    "SlotKVCache",
     "pick_device",
 ]

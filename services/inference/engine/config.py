@@ -20,9 +20,12 @@ PREFILL_STALL_STEPS = 1.0
 #: a short prompt (a chat request) should be prefilled whole, together with the other arrivals.
 MIN_PREFILL_CHUNK = 128
 
-#: Share of the device memory free after loading that the KV slots may take (the rest is for
+#: Share of the device memory free after loading that the KV blocks may take (the rest is for
 #: activations, logits, CUDA graphs and allocator slack).
 CUDA_KV_MEMORY_FRACTION = 0.7
+#: Tokens per KV block (vLLM's default): small enough that a sequence wastes little of its last
+#: block, large enough that block tables and prefix hashes stay short.
+DEFAULT_BLOCK_TOKENS = 16
 
 
 def cuda_buckets(max_batch: int) -> tuple[int, ...]:
@@ -43,9 +46,12 @@ class EngineConfig:
     max_prompt_tokens: int = 1536
     max_new_tokens: int = 512
     default_max_new_tokens: int = 128
-    #: KV-cache tokens the engine preallocates (its physical footprint: slots x slot length);
-    #: None derives it.
+    #: KV-cache tokens the engine preallocates (its physical footprint, in blocks); None
+    #: derives it.
     max_batch_total_tokens: int | None = None
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    #: Reuse cached prefix blocks across requests (LLMESH_PREFIX_CACHING).
+    prefix_caching: bool = True
     #: Most prompt tokens prefilled in one iteration; None picks DEFAULT_MAX_PREFILL_TOKENS.
     max_prefill_tokens: int | None = None
     #: LLMESH_DTYPE and LLMESH_QUANTIZE (see LoadedModel).
@@ -72,29 +78,35 @@ class EngineConfig:
             max_batch_total_tokens=getattr(settings, "max_batch_total_tokens", 0) or None,
             max_prefill_tokens=getattr(settings, "max_prefill_tokens", 0) or None,
             dtype=getattr(settings, "dtype", "auto"),
+            prefix_caching=getattr(settings, "prefix_caching", True),
             quantize=getattr(settings, "quantize", "none"),
         )
         values.update(overrides)
         return cls(**values)
 
-    def slot_length(self, max_context_tokens: int) -> int:
-        """KV columns of one slot: room for a maximal request."""
+    def max_seq_tokens(self, max_context_tokens: int) -> int:
+        """The longest sequence (prompt + answer) one request may reach."""
         return min(self.max_prompt_tokens + self.max_new_tokens, max_context_tokens)
 
-    def slot_count(self, slot_length: int, kv_bytes_per_token: int, device: torch.device) -> int:
-        """Number of KV slots (rows) to preallocate: the physical footprint is slot_count x
-        slot_length tokens. A given budget (LLMESH_MAX_BATCH_TOTAL_TOKENS) is divided by the slot
-        length; on CUDA the budget is a share of the memory free after loading, measured before
-        this engine allocates, so an engine loaded beside another (a model switch) only counts
-        what the other left free; on CPU every batch row gets a slot."""
+    def kv_tokens(self, seq_tokens: int, kv_bytes_per_token: int, device: torch.device) -> int:
+        """KV tokens to preallocate: LLMESH_MAX_BATCH_TOTAL_TOKENS when given; on CUDA a share
+        of the memory free after loading, measured before this engine allocates (an engine
+        loaded beside another, a model switch, only counts what the other left free); on CPU
+        what one slot per batch row took before blocks (max batch x the longest sequence), so
+        the same memory now holds as many sequences as their real lengths allow. Never less
+        than one longest sequence."""
         if self.max_batch_total_tokens is not None:
-            slots = self.max_batch_total_tokens // slot_length
+            tokens = self.max_batch_total_tokens
         elif device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            slots = int(free * CUDA_KV_MEMORY_FRACTION) // max(1, slot_length * kv_bytes_per_token)
+            tokens = int(free * CUDA_KV_MEMORY_FRACTION) // max(1, kv_bytes_per_token)
         else:
-            slots = self.max_batch_size
-        return max(1, min(self.max_batch_size, slots))
+            tokens = self.max_batch_size * seq_tokens
+        return max(tokens, seq_tokens)
+
+    def kv_blocks(self, seq_tokens: int, kv_bytes_per_token: int, device: torch.device) -> int:
+        """Blocks of the KV pool, the null block (kv_manager.py) included."""
+        return -(-self.kv_tokens(seq_tokens, kv_bytes_per_token, device) // self.block_tokens) + 1
 
     def buckets(self, rows: int, device: torch.device) -> tuple[int, ...]:
         if self.decode_buckets is not None:

@@ -2,18 +2,22 @@
 
 Domain code only (no gRPC). Requests are submitted from asyncio (`Engine.submit`), validated at
 once and put in a bounded waiting queue (a full queue answers ResourceExhausted at once). ONE
-worker thread owns the model, the KV slots and the running batch; each iteration it
+worker thread owns the model, the running batch and the KV blocks (through the block manager,
+kv_manager.py); each iteration it
 
 1. frees the rows of cancelled requests and of requests whose stop string was found;
-2. admits waiting requests into free KV slots (scheduler.py decides how many prompt tokens),
-   prefills the short ones together and the next chunk of a long one;
-3. runs one decode step for every running row (runner.py);
+2. admits waiting requests while rows and KV blocks last (scheduler.py decides how many prompt
+   tokens), reusing each prompt's cached prefix, and prefills the rest of the short ones
+   together and the next chunk of a long one;
+3. gives every running row room for its next token (preempting the newest rows when the pool
+   is empty) and runs one decode step for all of them (runner.py);
 4. frees the rows that ended (EOS, length), and hands the step's tokens to the emitter thread
    (stream.py), which detokenizes and delivers them.
 
-Prompts are never recomputed, except after an out-of-memory split: the requeued sequences are
-prefilled again with the tokens they already produced. A row yields the same greedy tokens in
-any batch as alone: each row attends only to its own slot's valid prefix, at its own positions.
+Prompts are recomputed only after an out-of-memory split or a preemption: the requeued
+sequences are prefilled again with the tokens they already produced (what of it is still cached
+is reused). A row yields the same greedy tokens in any batch as alone: each row attends only to
+its own tokens, at its own positions.
 
 A worker that dies (a bug, not a step failure) closes the engine: every waiting and running
 request gets UNAVAILABLE, `submit` refuses, and `closed` turns the service NOT_SERVING.
@@ -22,7 +26,7 @@ request gets UNAVAILABLE, `submit` refuses, and `closed` turns the service NOT_S
 from __future__ import annotations
 
 import asyncio
-import heapq
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -44,10 +48,12 @@ from services.inference.engine.config import (
     FINISH_STOP,
     EngineConfig,
 )
+from services.inference.engine.kv_manager import BlockManager, KVStats
+from services.inference.engine.load import EngineLoad
 from services.inference.engine.model import LoadedModel, ModelDescription
 from services.inference.engine.runner import ModelRunner, Sampling
 from services.inference.engine.sampling import choose
-from services.inference.engine.scheduler import Scheduler
+from services.inference.engine.scheduler import Admission, BatchState, Scheduler
 from services.inference.engine.stream import Emitter, RequestStream, SequenceState, _Sink, tracer
 
 log = logging.getLogger("llmesh.inference.engine")
@@ -62,17 +68,19 @@ class Engine:
         self.config = config
         self.name = name or model.verified.version
         self.tag = f"{self.name}.{secrets.token_hex(2)}"
-        slot_length = config.slot_length(model.max_context_tokens)
-        slots = config.slot_count(slot_length, model.kv_bytes_per_token, model.device)
-        #: The physical KV footprint in tokens (slots x slot length), allocated here.
-        self.max_total_tokens = slots * slot_length
-        self.runner = ModelRunner(model, slots, slot_length, config.buckets(slots, model.device), config.cuda_graphs)
+        seq_tokens = config.max_seq_tokens(model.max_context_tokens)
+        num_blocks = config.kv_blocks(seq_tokens, model.kv_bytes_per_token, model.device)
+        self.kv = BlockManager(num_blocks, config.block_tokens, config.prefix_caching)
+        #: The physical KV footprint in tokens (the usable blocks), allocated here.
+        self.max_total_tokens = self.kv.usable_blocks * config.block_tokens
+        buckets = config.buckets(config.max_batch_size, model.device)
+        self.runner = ModelRunner(model, num_blocks, config.block_tokens, seq_tokens, buckets, config.cuda_graphs)
         self.max_prefill_tokens = config.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS.get(model.device.type, 2048)
         self.limits = Limits(
             max_prompt_tokens=config.max_prompt_tokens,
             max_new_tokens=config.max_new_tokens,
             default_max_new_tokens=config.default_max_new_tokens,
-            max_context_tokens=min(model.max_context_tokens, slot_length),
+            max_context_tokens=min(model.max_context_tokens, seq_tokens, self.max_total_tokens),
             vocab_size=model.vocab_size,
         )
         self.description = ModelDescription(
@@ -85,15 +93,12 @@ class Engine:
             max_context_tokens=model.max_context_tokens,
             max_batch_size=config.max_batch_size,
         )
-        self.scheduler = Scheduler(self, slots)
+        self.scheduler = Scheduler(config, self.kv, self.max_prefill_tokens, self._end, self._retry_after)
         self._thread: threading.Thread | None = None
-        self._idle = threading.Event()
-        self._idle.set()
         # Worker state.
         self._running: list[SequenceState] = []
         self._chunking: SequenceState | None = None
-        self._free: list[int] = list(range(slots))  # a heap: the lowest free slot first
-        self._reserved = 0
+        self._batch = BatchState()
         self._segments = itertools.count(1)
         self._segment_id = ""
         self._segment_steps = 0
@@ -108,12 +113,16 @@ class Engine:
         self.on_dead: list[Callable[[Engine], None]] = []
         self.dead = False
         self.steps = 0
+        self.preemptions = 0
+        self._reported = KVStats(0, 0, 0, 0, 0, 0)
+        self._report_kv()
 
     # ----------------------------------------------------------------- lifecycle
 
     @classmethod
-    def load(cls, verified: VerifiedModel, config: EngineConfig, device: str = "auto") -> Engine:
-        """Loads, warms up and starts an engine; returns once it serves (blocking).
+    def boot(cls, verified: VerifiedModel, config: EngineConfig, device: str = "auto") -> Engine:
+        """Loads, warms up and starts an engine; returns once it serves (blocking). (Named
+        `boot`, not `load`: `load()` is the engine's load report.)
 
         Loading, warm-up and serving all run on the engine's own worker thread: torch's CPU
         kernels keep one OpenMP thread pool per calling thread, and a second pool (say, the
@@ -123,7 +132,7 @@ class Engine:
         box: dict[str, Any] = {}
         ready = threading.Event()
 
-        def boot() -> None:
+        def run() -> None:
             try:
                 engine = cls(LoadedModel(verified, device, config.dtype, config.quantize), config)
                 engine.warm_up()
@@ -136,7 +145,7 @@ class Engine:
                 ready.set()
             engine._run()
 
-        threading.Thread(target=boot, name=f"inference-{verified.version}", daemon=True).start()
+        threading.Thread(target=run, name=f"inference-{verified.version}", daemon=True).start()
         ready.wait()
         if "error" in box:
             raise box["error"]
@@ -151,7 +160,8 @@ class Engine:
     def warm_up(self) -> None:
         """A short generation through the real path (prefill, decode, sampling, removal) and, on
         CUDA, the capture of the decode graphs, before the worker starts, so the first user
-        request pays no first-call costs."""
+        request pays no first-call costs. The prefix cache is emptied after: warm-up prompts
+        are no user's."""
         ids = self.model.encode("Hello! How are you today?") or [self.model.pad_id]
         seqs = [
             self._new_sequence(ids, SamplingParams(max_new_tokens=4, ignore_eos=True), "warm-up", None, True),
@@ -175,12 +185,14 @@ class Engine:
                     ]
                 self.scheduler.extend(seqs)
                 while self.scheduler.waiting or self._running or self._chunking is not None:
-                    self._iteration(self.scheduler.admit())
+                    self._iteration(self.scheduler.admit(self._batch_state()))
         self.emitter.sync()
         for seq in seqs:
             failure = next((i for i in seq.sink.items if isinstance(i, BaseException)), None)
             if failure is not None:
                 raise RuntimeError(f"warm-up failed: {failure}") from failure
+        self.kv.forget_cached()
+        self._report_kv()
 
     def close(self, reason: str = "the model was unloaded") -> None:
         """Stops the worker; anything still queued or running gets UNAVAILABLE."""
@@ -190,11 +202,15 @@ class Engine:
         self._fail_everything(errors.Unavailable(f"inference: {reason}", retry_after=1.0))
         self.emitter.sync()
         self.emitter.stop()
-        self._idle.set()
+        # This engine's share of the process-wide gauges goes with it.
+        metrics.PREFIX_CACHED_BLOCKS.dec(self._reported.cached_blocks)
+        metrics.KV_BLOCKS_FREE.dec(self._reported.free_blocks)
+        self._reported = dataclasses.replace(self._reported, cached_blocks=0, free_blocks=0)
+        self.scheduler.idle.set()
 
     def drain(self, timeout: float | None = None) -> bool:
         """Blocks until nothing is queued or running (the old engine after a model switch)."""
-        return self._idle.wait(timeout)
+        return self.scheduler.idle.wait(timeout)
 
     @property
     def running_count(self) -> int:
@@ -214,6 +230,30 @@ class Engine:
     def closed(self) -> bool:
         return self.scheduler.closed
 
+    def load(self) -> EngineLoad:
+        """The engine's load now, from any thread, without taking the worker's locks: the
+        counters the worker keeps, read as they are (a snapshot may be a step old)."""
+        # tuple() of a deque runs in C under the GIL: a consistent copy while the worker appends.
+        waiting = tuple(self.scheduler.waiting)
+        chunking = self._chunking
+        waiting_tokens = sum(len(s.prompt_ids) + len(s.generated) for s in waiting)
+        if chunking is not None:
+            waiting_tokens += max(0, len(chunking.prompt_ids) + len(chunking.generated) - chunking.prefilled)
+        stats = self.kv.stats()
+        return EngineLoad(
+            running=self.running_count,
+            max_running=self.config.max_batch_size,
+            waiting=len(waiting),
+            kv_blocks_free=stats.free_blocks,
+            kv_blocks_total=stats.total_blocks,
+            block_tokens=self.kv.block_tokens,
+            waiting_prompt_tokens=waiting_tokens,
+            step_seconds=self.step_s,
+            prefill_tokens_per_second=self.prefill_tok_s,
+            prefix_hit_rate=stats.hit_tokens / stats.query_tokens if stats.query_tokens else 0.0,
+            prefix_hashes=self.kv.prefix_hashes(),
+        )
+
     # ----------------------------------------------------------------- submission (event loop)
 
     def encode(self, text: str) -> list[int]:
@@ -229,9 +269,9 @@ class Engine:
             metrics.REQUESTS.labels("invalid").inc()
             raise
         self._start_request_span(seq)
-        self._idle.clear()
         try:
-            self.scheduler.submit(seq, free_slots=len(self._free), retry_after=self._retry_after)
+            free_rows = max(0, self.config.max_batch_size - self.running_count)
+            self.scheduler.submit(seq, free_rows=free_rows)
         except errors.LlmeshError as exc:
             if seq.span is not None:
                 seq.span.end()
@@ -241,8 +281,8 @@ class Engine:
         return RequestStream(self, seq)
 
     def _retry_after(self) -> float:
-        per_slot = self.emitter.avg_duration / max(1, self.config.max_batch_size)
-        return round(min(30.0, max(0.5, per_slot * len(self.scheduler.waiting))), 3)
+        per_row = self.emitter.avg_duration / max(1, self.config.max_batch_size)
+        return round(min(30.0, max(0.5, per_row * len(self.scheduler.waiting))), 3)
 
     def _new_sequence(
         self,
@@ -253,7 +293,7 @@ class Engine:
         internal: bool,
     ) -> SequenceState:
         resolved = resolve_params(params, prompt_ids, self.limits)
-        seed = resolved.seed if resolved.seed is not None else secrets.randbits(63)
+        seed = resolved.seed if resolved.seed is not None else secrets.randbits(64)
         now = time.monotonic()
         return SequenceState(
             prompt_ids=prompt_ids,
@@ -262,7 +302,7 @@ class Engine:
             sink=_Sink(loop),
             decoder=IncrementalDecoder(self.model.tokenizer),
             stopper=StopMatcher(resolved.stop),
-            seed=int(seed) & ((1 << 63) - 1),
+            seed=to_int64(int(seed)),
             enqueued_at=now,
             queued_since=now,
             internal=internal,
@@ -296,23 +336,37 @@ class Engine:
 
     # ----------------------------------------------------------------- worker thread
 
+    def _batch_state(self) -> BatchState:
+        batch = self._batch
+        batch.running = len(self._running)
+        batch.chunking = self._chunking is not None
+        batch.prefill_tok_s, batch.step_s = self.prefill_tok_s, self.step_s
+        return batch
+
     def _run(self) -> None:
+        admission: Admission | None = None
         try:
             with torch.inference_mode():
                 while True:
-                    group = self.scheduler.next_work()
-                    if group is None:
+                    admission = self.scheduler.next_work(self._batch_state())
+                    if admission is None:
                         return
-                    self._iteration(group)
+                    self._iteration(admission)
+                    admission = None
         except BaseException as exc:
             log.exception("inference worker died; closing the engine")
-            self._die(exc)
+            self._die(exc, admission)
 
-    def _die(self, exc: BaseException) -> None:
+    def _die(self, exc: BaseException, admission: Admission | None = None) -> None:
         self.dead = True
         self.scheduler.close()
-        self._fail_everything(errors.Unavailable(f"inference: the engine stopped ({exc})", retry_after=1.0))
-        self._idle.set()
+        failure = errors.Unavailable(f"inference: the engine stopped ({exc})", retry_after=1.0)
+        # The admission being worked on when the worker died is in no queue and maybe no batch.
+        if admission is not None:
+            for seq in [*admission.group, *([admission.chunked] if admission.chunked is not None else [])]:
+                self._end(seq, None, failure, "error")
+        self._fail_everything(failure)
+        self.scheduler.idle.set()
         for callback in self.on_dead:
             try:
                 callback(self)
@@ -326,13 +380,12 @@ class Engine:
             self._end(seq, None, failure, "error")
         self._reset_batch()
 
-    def mark_idle(self) -> None:
-        if not self._running and self._chunking is None:
-            self._idle.set()
-
-    def _iteration(self, group: list[SequenceState]) -> None:
+    def _iteration(self, admission: Admission) -> None:
+        group = admission.group
         try:
             self._drop_ended_rows()
+            if admission.chunked is not None:
+                self._chunking = admission.chunked
             if group:
                 self._prefill(group)
             if self._chunking is not None:
@@ -346,46 +399,61 @@ class Engine:
             failure = errors.LlmeshError("inference step failed", reason="ENGINE_ERROR")
             failure.__cause__ = exc
             # Sequences requeued by an OOM split earlier in this iteration are waiting again and
-            # are served later; everything that holds a slot fails.
+            # are served later; everything that holds blocks fails.
             holding = [*self._running, *([self._chunking] if self._chunking is not None else [])]
-            holding += [s for s in group if s.slot >= 0 and s not in holding]
+            holding += [s for s in group if s.blocks is not None and s not in holding]
             for seq in holding:
                 self._end(seq, None, failure, "error")
             self._reset_batch()
+        finally:
+            self._report_kv()
+            if not self._running and self._chunking is None:
+                self.scheduler.set_idle()
+
+    def _report_kv(self) -> None:
+        stats = self.kv.stats()
+        last = self._reported
+        if stats == last:
+            return
+        metrics.PREFIX_CACHED_BLOCKS.inc(stats.cached_blocks - last.cached_blocks)
+        metrics.KV_BLOCKS_FREE.inc(stats.free_blocks - last.free_blocks)
+        if stats.hit_tokens > last.hit_tokens:
+            metrics.PREFIX_HIT_TOKENS.inc(stats.hit_tokens - last.hit_tokens)
+        if stats.query_tokens > last.query_tokens:
+            metrics.PREFIX_QUERY_TOKENS.inc(stats.query_tokens - last.query_tokens)
+        if stats.evictions > last.evictions:
+            metrics.PREFIX_EVICTIONS.inc(stats.evictions - last.evictions)
+        self._reported = stats
 
     # ----------------------------------------------------------------- batch membership
 
     def _end(self, seq: SequenceState, reason: str | None, failure: BaseException | None, outcome: str | None) -> None:
-        """The worker is done with `seq`: free its slot and tell the emitter."""
-        self._free_slot(seq)
+        """The worker is done with `seq`: release its blocks and tell the emitter."""
+        self._release(seq)
         if seq.released:
             return
         seq.released = True
         self.emitter.put(("end", seq, reason, failure, outcome))
 
-    def _take_slot(self, seq: SequenceState) -> None:
-        seq.slot = heapq.heappop(self._free)
-        self._reserved += seq.reserved_tokens
-
-    def _free_slot(self, seq: SequenceState) -> None:
+    def _release(self, seq: SequenceState) -> None:
         if seq in self._running:
             self._running.remove(seq)
             metrics.BATCH_SIZE.dec()
             self._membership_changed = True
         if self._chunking is seq:
             self._chunking = None
-        if seq.slot >= 0:
-            heapq.heappush(self._free, seq.slot)
-            self._reserved -= seq.reserved_tokens
-            seq.slot = -1
+        if seq.blocks is not None:
+            self.kv.free(seq.blocks)
+            seq.blocks = None
 
     def _reset_batch(self) -> None:
+        """After a failed step: the batch is gone. Its blocks are released; blocks registered
+        in the prefix cache stay valid (a step only writes positions past a row's registered
+        blocks, and never into a shared block)."""
         for seq in [*self._running, *([self._chunking] if self._chunking is not None else [])]:
-            self._free_slot(seq)
+            self._release(seq)
         self._running = []
         self._chunking = None
-        self._free = list(range(self.runner.slots))
-        self._reserved = 0
         self._new_segment()
 
     def _drop_ended_rows(self) -> None:
@@ -394,7 +462,7 @@ class Engine:
                 self._end(seq, FINISH_CANCELLED, None, None)
             elif seq.stop_hit:  # the emitter already sent the last event
                 seq.released = True
-                self._free_slot(seq)
+                self._release(seq)
 
     def _join(self, seqs: list[SequenceState]) -> None:
         self._running.extend(seqs)
@@ -409,12 +477,13 @@ class Engine:
         previous = self._segment_steps
         self._segment_id = f"{self.tag}-{next(self._segments)}"
         self._segment_steps = 0
-        self.emitter.put(("segment", self._segment_id, list(self._running), self._reserved, previous))
+        reserved = sum(s.reserved_tokens for s in self._running)
+        self.emitter.put(("segment", self._segment_id, list(self._running), reserved, previous))
 
     # ----------------------------------------------------------------- model steps
 
-    def _sampling(self, seqs: list[SequenceState], rows: list[int]) -> Sampling:
-        picked = [(row, s) for row, s in zip(rows, seqs, strict=True) if not s.params.greedy]
+    def _sampling(self, seqs: list[SequenceState]) -> Sampling:
+        picked = [(row, s) for row, s in enumerate(seqs) if not s.params.greedy]
         return (
             [row for row, _ in picked],
             [s.params.temperature for _, s in picked],
@@ -423,30 +492,39 @@ class Engine:
             [len(s.generated) for _, s in picked],
         )
 
+    def _register(self, seq: SequenceState) -> None:
+        """Puts the full blocks of what `seq` has in the cache into the prefix cache."""
+        if seq.blocks is not None:
+            self.kv.register(seq.blocks, seq.prefill_ids[: seq.length])
+
     def _prefill(self, group: list[SequenceState]) -> None:
-        """Prefills whole prompts (each fits one chunk) into the slots admission gave them."""
+        """Prefills whole prompts (their uncached rest fits one chunk) into their blocks."""
         started_ns = time.time_ns()
         started = time.perf_counter()
         while True:
             try:
                 if self.fault_hook is not None:
                     self.fault_hook("prefill", len(group))
-                logits = self.runner.prefill_fresh(
-                    [s.slot for s in group], [s.prefill_ids for s in group], self.model.pad_id
-                )
-                tokens = choose(logits, *self._sampling(group, list(range(len(group))))).tolist()
+                rows = [self._prefill_row(s, len(s.prefill_ids)) for s in group]
+                logits = self.runner.prefill(rows)
+                tokens = choose(logits, *self._sampling(group)).tolist()
                 break
             except _OOM_ERRORS:
                 group = self._on_prefill_oom(group)
                 if not group:
                     return
-        lengths = [len(s.prefill_ids) for s in group]
-        if sum(lengths) >= 16:  # tiny prefills say little about the speed
-            self.prefill_tok_s = _ewma(self.prefill_tok_s, sum(lengths) / (time.perf_counter() - started))
-        for seq, n in zip(group, lengths, strict=True):
-            seq.length = seq.prefilled = n
-        self._started(group, started_ns, sum(lengths), max(lengths) * len(group))
+        computed = [len(s.prefill_ids) - s.prefilled for s in group]
+        if sum(computed) >= 16:  # tiny prefills say little about the speed
+            self.prefill_tok_s = _ewma(self.prefill_tok_s, sum(computed) / (time.perf_counter() - started))
+        for seq in group:
+            seq.length = seq.prefilled = len(seq.prefill_ids)
+            self._register(seq)
+        self._started(group, started_ns, sum(computed), max(computed) * len(group))
         self._accept(list(zip(group, tokens, strict=True)))
+
+    def _prefill_row(self, seq: SequenceState, end: int) -> tuple[list[int], int, list[int]]:
+        assert seq.blocks is not None
+        return seq.prefill_ids[seq.prefilled : end], seq.prefilled, seq.blocks.blocks
 
     def _prefill_chunk(self) -> None:
         """The next chunk of the long prompt being prefilled (see scheduler.py for its size)."""
@@ -454,14 +532,14 @@ class Engine:
         assert seq is not None
         ids = seq.prefill_ids
         start = seq.prefilled
-        n = min(self.scheduler.chunk_tokens(), len(ids) - start)
-        if start == 0:
+        n = min(self.scheduler.chunk_tokens(self._batch_state()), len(ids) - start)
+        if not seq.prefill_started_ns:
             seq.prefill_started_ns = time.time_ns()
         started = time.perf_counter()
         try:
             if self.fault_hook is not None:
                 self.fault_hook("prefill", 1)
-            logits = self.runner.prefill_chunk(seq.slot, ids[start : start + n], start)
+            logits = self.runner.prefill([self._prefill_row(seq, start + n)])
         except _OOM_ERRORS:
             metrics.OOM_RETRIES.inc()
             self._empty_device_cache()
@@ -471,11 +549,12 @@ class Engine:
             self._end(seq, None, _oom_failure(), "error")
             return
         seq.prefilled = seq.length = start + n
+        self._register(seq)
         if n >= 16:
             self.prefill_tok_s = _ewma(self.prefill_tok_s, n / (time.perf_counter() - started))
         if seq.prefilled < len(ids):
             return
-        tokens = choose(logits, *self._sampling([seq], [0])).tolist()
+        tokens = choose(logits, *self._sampling([seq])).tolist()
         self._chunking = None
         self._started([seq], seq.prefill_started_ns, len(ids), len(ids))
         self._accept([(seq, tokens[0])])
@@ -490,26 +569,53 @@ class Engine:
             ("prefill", group, started_ns, time.time_ns(), tokens, padded, self._segment_id, len(self._running))
         )
 
+    def _make_room(self) -> None:
+        """Every running row gets a block for its next token; when the pool runs out, the long
+        prompt being chunked and then the newest rows are preempted (requeued at the front:
+        they resume with what is still cached of their tokens) until the rest fit."""
+        i = 0
+        while i < len(self._running):
+            seq = self._running[i]
+            assert seq.blocks is not None
+            if self.kv.grow(seq.blocks, seq.length + 1):
+                i += 1
+                continue
+            self.preemptions += 1
+            if self._chunking is not None:
+                log.info("KV blocks exhausted; the prompt being prefilled waits")
+                self._requeue([self._chunking])
+            elif len(self._running) > 1:
+                log.info("KV blocks exhausted; preempting the newest running sequence")
+                self._requeue([self._running[-1]])
+            else:  # one row longer than the pool: validation keeps requests below its size
+                self._end(seq, None, _oom_failure(), "error")
+
     def _decode(self) -> None:
         started = time.perf_counter()
+        self._make_room()
         while True:
             running = self._running
+            if not running:
+                return
             try:
                 if self.fault_hook is not None:
                     self.fault_hook("decode", len(running))
-                rows = [(s.slot, s.generated[-1], s.length) for s in running]
-                tokens = self.runner.decode(rows, self._sampling(running, [s.slot for s in running]))
+                rows = [(s.generated[-1], s.length, s.blocks.blocks) for s in running if s.blocks is not None]
+                tokens = self.runner.decode(rows, self._sampling(running))
                 break
             except _OOM_ERRORS:
                 self._on_decode_oom()
                 if not self._running:
                     return
+        bt = self.kv.block_tokens
         for seq in running:
             seq.length += 1
+            if seq.length % bt == 0:
+                self._register(seq)
         self.step_s = _ewma(self.step_s, time.perf_counter() - started)
         self.steps += 1
         self._segment_steps += 1
-        self._accept([(s, tokens[s.slot]) for s in running])
+        self._accept(list(zip(running, tokens, strict=True)))
 
     def _accept(self, pairs: list[tuple[SequenceState, int]]) -> None:
         """Per-row bookkeeping after a step: stop conditions visible in token ids; finished
@@ -526,16 +632,25 @@ class Engine:
             items.append((seq, token, reason))
             if reason is not None:
                 seq.released = True
-                self._free_slot(seq)
+                self._release(seq)
         self.emitter.put(("tokens", time.monotonic(), items))
 
     # ----------------------------------------------------------------- OOM handling
 
     def _requeue(self, seqs: list[SequenceState]) -> None:
+        again: list[SequenceState] = []
         for seq in seqs:
-            self._free_slot(seq)
+            self._release(seq)
             seq.length = seq.prefilled = 0
-        self.scheduler.requeue_front(seqs)
+            seq.prefill_started_ns = 0
+            if seq.stop_hit:  # its last event is sent: nothing more to compute
+                seq.released = True
+            elif seq.cancelled:
+                self._end(seq, FINISH_CANCELLED, None, None)
+            else:
+                again.append(seq)
+        if again:
+            self.scheduler.requeue_front(again)
 
     def _on_prefill_oom(self, group: list[SequenceState]) -> list[SequenceState]:
         metrics.OOM_RETRIES.inc()
@@ -553,8 +668,8 @@ class Engine:
 
     def _on_decode_oom(self) -> None:
         metrics.OOM_RETRIES.inc()
-        # Layers that ran before the failure wrote this step's column: harmless, the positions
-        # did not advance, so the retry writes the same column again.
+        # Layers that ran before the failure wrote this step's token: harmless, the positions
+        # did not advance, so the retry writes the same place again.
         self._empty_device_cache()
         if len(self._running) > 1:
             self._halve_running()
@@ -562,16 +677,21 @@ class Engine:
         self._end(self._running[0], None, _oom_failure(), "error")
 
     def _halve_running(self) -> None:
-        """Requeues the half of the running rows in the highest slots (the step shrinks most)."""
-        by_slot = sorted(self._running, key=lambda s: s.slot)
-        half = len(by_slot) // 2
-        moved = by_slot[half:]
-        log.warning("out of device memory; requeueing %d of %d running sequences", len(moved), len(by_slot))
-        self._requeue(moved)
+        """Requeues the newest half of the running rows."""
+        half = len(self._running) // 2
+        moved = self._running[half:]
+        log.warning("out of device memory; requeueing %d of %d running sequences", len(moved), len(self._running))
+        self._requeue(list(moved))
 
     def _empty_device_cache(self) -> None:
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def to_int64(seed: int) -> int:
+    """A 64-bit seed as the int64 the device hash takes (two's complement: all 64 bits kept)."""
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 def _oom_failure() -> errors.ResourceExhausted:

@@ -1,5 +1,6 @@
-"""An own forward for Llama-family models over the KV slots: the decode step (one new token
-per row) and prefill (fresh groups and chunks, through the cache's modes as the HF forward).
+"""An own forward for Llama-family models over the block KV cache: the decode step (one new
+token per row) and prefill (rows of any start and length, through the cache's plan as the HF
+forward).
 
 The Hugging Face forward stays the fallback for every other architecture (and on CUDA, where
 the decode step is a captured graph); this one does what its generic code cannot:
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.inference.engine.kv import SlotKVCache
+from services.inference.engine.kv import PagedKVCache
 
 #: Rotary kinds whose cos/sin for a position do not depend on the sequence length.
 _STATIC_ROPE = {"default", "linear", "llama3"}
@@ -109,7 +110,7 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 
 class LlamaDecoder:
-    def __init__(self, hf: Any, kv: SlotKVCache, rows_hint: int, pack: bool | None = None) -> None:
+    def __init__(self, hf: Any, kv: PagedKVCache, rows_hint: int, max_positions: int, pack: bool | None = None) -> None:
         cfg = hf.config
         base = getattr(hf, hf.base_model_prefix)
         dtype = base.embed_tokens.weight.dtype
@@ -145,8 +146,8 @@ class LlamaDecoder:
                     )
                 )
             self.scaling = float(base.layers[0].self_attn.scaling)
-            # cos/sin of every column a slot has, by the model's own rotary module.
-            positions = torch.arange(kv.slot_length + 1, device=self.embed.device)[None]
+            # cos/sin of every position a sequence reaches, by the model's own rotary module.
+            positions = torch.arange(max_positions, device=self.embed.device)[None]
             cos, sin = base.rotary_emb(self.embed[:1], positions)
             self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
 
@@ -164,8 +165,8 @@ class LlamaDecoder:
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab] of one decode step. `ids`, `positions`: [rows]; `mask`: bool
-        [rows, 1, 1, width] (the columns each row reads). The KV cache is in decode mode (its
-        rows, write columns and width set for this step)."""
+        [rows, 1, 1, width] (the columns each row reads). The KV cache has its plan (the
+        write rows and gather index set for this step)."""
         rows = ids.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         q_size, kv_size = heads * dim, kv_heads * dim
@@ -192,7 +193,7 @@ class LlamaDecoder:
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The final-normed hidden states [rows, tokens, hidden] of a prefill forward (the KV
-        cache in fresh or chunk mode, as for the HF forward). `ids`, `positions`: [rows,
+        cache's plan set, as for the HF forward). `ids`, `positions`: [rows,
         tokens]; `mask`: bool [rows, 1, tokens, columns read]."""
         rows, tokens = ids.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim

@@ -1,31 +1,38 @@
-"""The model runner: forwards over the KV slots, and the static-shape decode step.
+"""The model runner: forwards over the block KV cache (kv.py), and the static-shape decode step.
 
-Decode: slot i is batch row i, so a step runs rows 0..B-1 where B is the smallest bucket
-covering the highest slot in use; slots in between that are free or still prefilling are
-padding rows (they write the scratch column and read column 0; their outputs are ignored). The
-step's inputs live in persistent buffers (token ids, positions, write columns, valid lengths)
-updated in place from one staged host tensor, so every step of a bucket has the same shapes and
-the same storage. On CUDA one graph per bucket is captured at warm-up over the full slot width
-and replayed; elsewhere (CPU, or a batch above the captured sizes) the same step function runs
-eagerly over the longest valid prefix only. Tokens are chosen on the device and come back in a
-single device-to-host copy per step.
+Every forward is described by rows: a row is a sequence's new tokens, the position of the first
+one, and the sequence's block table (kv_manager.py). The runner turns that into the cache's plan
+(where each new token's keys and values go, the columns each row gathers) and the attention
+mask, so each row attends to its own tokens only, at its own positions, over exactly its own
+length: nothing is padded to a slot width.
 
-Prefill runs eagerly: a group of fresh prompts (right-padded, causal mask; each row writes its
-own slot), or one chunk of a long prompt continuing its slot.
+Prefill (`prefill`): rows of any starts and lengths (fresh prompts, prompts continuing a cached
+prefix, chunks of a long prompt) right-padded together under a causal mask; padding tokens write
+nothing and read only their row's real columns.
 
-The forward: llama.py's own one where `llama.supported` allows (plain Llama models on CPU:
-fused and prepacked matmuls), else the Hugging Face model's base forward with the slots as its
-cache; both see the same inputs, masks and cache modes.
+Decode (`decode`): one token per row; batch row i is rows[i]. The step's inputs live in
+persistent buffers (token ids, positions, write rows, lengths, block tables) updated in place,
+so every step of a bucket has the same shapes and storage. On CUDA one graph per bucket is
+captured at warm-up over the longest sequence's width and replayed (padding rows write the
+scratch token and read the null block); elsewhere (CPU, or a batch above the captured sizes) the
+same step function runs eagerly over the longest row only. Tokens are chosen on the device and
+come back in a single device-to-host copy per step.
+
+The forward: llama.py's own one where `llama.supported` allows (plain Llama models on CPU: fused
+and prepacked matmuls), else the Hugging Face model's base forward with the cache standing in
+for its `Cache`; both see the same inputs, masks and plans.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from services.inference.engine.kv import SlotKVCache
+from services.inference.engine.kv import PagedKVCache
+from services.inference.engine.kv_manager import NULL_BLOCK
 from services.inference.engine.llama import LlamaDecoder, supported
 from services.inference.engine.model import LoadedModel
 from services.inference.engine.sampling import choose
@@ -34,27 +41,36 @@ log = logging.getLogger("llmesh.inference.engine")
 
 #: (batch rows that sample, temperatures, top_p, seeds, token counters)
 Sampling = tuple[list[int], list[float], list[float], list[int], list[int]]
+#: A prefill row: (new token ids, position of the first, block table).
+PrefillRow = tuple[Sequence[int], int, Sequence[int]]
+#: A decode row: (input token, its position, block table).
+DecodeRow = tuple[int, int, Sequence[int]]
 
-#: Rows of the staged decode inputs: token ids, positions, write columns, valid lengths.
-_IDS, _POS, _COL, _LEN = range(4)
+#: Rows of the staged decode inputs: token ids, positions, write rows, valid lengths.
+_IDS, _POS, _WRITE, _LEN = range(4)
 
 
 class ModelRunner:
     def __init__(
         self,
         model: LoadedModel,
-        slots: int,
-        slot_length: int,
+        num_blocks: int,
+        block_tokens: int,
+        max_seq_tokens: int,
         buckets: tuple[int, ...],
         cuda_graphs: bool,
         fast_decode: bool = True,
     ) -> None:
         self.model = model
         self.device = model.device
-        self.kv = SlotKVCache(model.config, slots, slot_length, model.dtype, model.device)
-        self.slots = slots
-        self.slot_length = slot_length
+        self.block_tokens = block_tokens
+        self.kv = PagedKVCache(model.config, num_blocks, block_tokens, model.dtype, model.device)
+        #: Longest sequence (prompt + generated tokens) a row may hold.
+        self.max_seq_tokens = max_seq_tokens
+        self.max_blocks = -(-max_seq_tokens // block_tokens)
         self.buckets = buckets
+        max_rows = buckets[-1]
+        self.max_rows = max_rows
         hf = model.model
         self.base = getattr(hf, hf.base_model_prefix)
         self.lm_head = hf.get_output_embeddings()
@@ -62,21 +78,19 @@ class ModelRunner:
         if softcap:
             raise RuntimeError("models with final logit softcapping are not supported")
         dev = self.device
-        self.inputs = torch.zeros((4, slots), dtype=torch.long, device=dev)
-        pin = dev.type == "cuda"
-        self.staged = torch.zeros((4, slots), dtype=torch.long, pin_memory=pin)
-        self.rows = torch.arange(slots, device=dev)
-        self.columns = torch.arange(slot_length + 1, device=dev)
-        self.logits = torch.zeros((slots, model.vocab_size), dtype=model.dtype, device=dev)
+        self.inputs = torch.zeros((4, max_rows), dtype=torch.long, device=dev)
+        self.tables = torch.zeros((max_rows, self.max_blocks), dtype=torch.long, device=dev)
+        self.columns = torch.arange(self.max_blocks * block_tokens, device=dev)
+        self.logits = torch.zeros((max_rows, model.vocab_size), dtype=model.dtype, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.use_graphs = cuda_graphs and dev.type == "cuda"
         self._pool: Any = None
-        #: The own decode forward (llama.py) where the model allows it, else the HF forward.
+        #: The own forward (llama.py) where the model allows it, else the HF forward.
         self.fast: LlamaDecoder | None = None
         why_not = supported(hf, dev) if fast_decode else "disabled"
         if why_not is None:
-            self.fast = LlamaDecoder(hf, self.kv, slots)
-        log.info("decode forward: %s", "own Llama forward" if self.fast else f"transformers ({why_not})")
+            self.fast = LlamaDecoder(hf, self.kv, max_rows, self.max_blocks * block_tokens)
+        log.info("forward: %s", "own Llama forward" if self.fast else f"transformers ({why_not})")
 
     # ----------------------------------------------------------------- shapes
 
@@ -86,42 +100,52 @@ class ModelRunner:
                 return size
         return rows
 
+    def _buffer_rows(self, table: Sequence[int], start: int, count: int) -> list[int]:
+        bt = self.block_tokens
+        return [table[p // bt] * bt + p % bt for p in range(start, start + count)]
+
     # ----------------------------------------------------------------- prefill
 
-    def prefill_fresh(self, slots: list[int], prompts: list[list[int]], pad_id: int) -> torch.Tensor:
-        """Prefills whole prompts into their slots; returns each row's last logits [rows, vocab]."""
+    def prefill(self, rows: Sequence[PrefillRow]) -> torch.Tensor:
+        """Prefills each row's new tokens after its first `start` cached ones; returns each
+        row's last logits [rows, vocab]."""
         dev = self.device
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        ids = ids.to(dev)
-        positions = torch.arange(width, device=dev).expand(len(prompts), width)
-        # Right padding: a real token never sees a padding one under the causal mask.
-        mask = torch.ones((width, width), dtype=torch.bool, device=dev).tril_()[None, None]
-        mask = mask.expand(len(prompts), 1, width, width)
-        for slot in slots:
-            self.kv.claim(slot)
-        self.kv.fresh(torch.tensor(slots, device=dev))
-        hidden = self._hidden(ids, positions, mask)
-        last = torch.tensor([len(p) - 1 for p in prompts], device=dev)
-        return self._head(hidden[torch.arange(len(prompts), device=dev), last])
-
-    def prefill_chunk(self, slot: int, tokens: list[int], start: int) -> torch.Tensor:
-        """Prefills `tokens` at columns [start, start + n) of `slot`; returns the last logits [1, vocab]."""
-        dev = self.device
-        n = len(tokens)
-        ids = torch.tensor([tokens], dtype=torch.long, device=dev)
-        positions = torch.arange(start, start + n, device=dev)[None]
-        mask = (torch.arange(start + n, device=dev)[None, :] <= positions[0][:, None])[None, None]
-        if start == 0:
-            self.kv.claim(slot)
-        self.kv.chunk(slot, start)
-        hidden = self._hidden(ids, positions, mask)
-        return self._head(hidden[:, -1])
+        bt = self.block_tokens
+        count = len(rows)
+        tokens = max(len(ids) for ids, _, _ in rows)
+        width = max(start + len(ids) for ids, start, _ in rows)
+        blocks = -(-width // bt)
+        ids = torch.zeros((count, tokens), dtype=torch.long)
+        positions = torch.zeros((count, tokens), dtype=torch.long)
+        table = torch.full((count, blocks), NULL_BLOCK, dtype=torch.long)
+        ends = torch.zeros(count, dtype=torch.long)
+        write: list[int] = []
+        real: list[int] = []
+        for r, (new, start, blocks_of_row) in enumerate(rows):
+            n = len(new)
+            ids[r, :n] = torch.tensor(list(new), dtype=torch.long)
+            # Padding tokens sit at the row's last real position: they read only real columns.
+            positions[r] = torch.arange(start, start + tokens).clamp_(max=start + n - 1)
+            used = -(-(start + n) // bt)
+            table[r, :used] = torch.tensor(list(blocks_of_row[:used]), dtype=torch.long)
+            ends[r] = start + n
+            write += self._buffer_rows(blocks_of_row, start, n)
+            real += range(r * tokens, r * tokens + n)
+        columns = torch.arange(width)
+        gather = table[:, columns // bt] * bt + columns % bt
+        gather = torch.where(columns[None, :] < ends[:, None], gather, NULL_BLOCK * bt)
+        mask = (columns[None, None, :] <= positions[:, :, None])[:, None]
+        self.kv.plan(
+            torch.tensor(write, dtype=torch.long, device=dev),
+            gather.to(dev),
+            None if len(real) == count * tokens else torch.tensor(real, dtype=torch.long, device=dev),
+        )
+        hidden = self._hidden(ids.to(dev), positions.to(dev), mask.to(dev))
+        last = torch.tensor([len(new) - 1 for new, _, _ in rows], device=dev)
+        return self._head(hidden[torch.arange(count, device=dev), last])
 
     def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The final-normed hidden states of a prefill forward (the KV cache's mode set)."""
+        """The final-normed hidden states of a prefill forward (the cache's plan set)."""
         if self.fast is not None:
             return self.fast.prefill(ids, positions, mask)
         out = self.base(
@@ -134,38 +158,44 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- decode
 
-    def decode(
-        self,
-        rows: list[tuple[int, int, int]],
-        sampling: Sampling,
-        eager_width: int | None = None,
-    ) -> list[int]:
-        """One decode step. `rows`: (slot, input token, position) of every decoding row;
-        `sampling`: (batch rows that sample, temperatures, top_p, seeds, counters). Returns the
-        chosen token of batch rows 0..max slot (one device-to-host copy). `eager_width` runs the
-        step eagerly over that many columns even where a graph exists (to check a replay)."""
-        logits, top = self.step_logits(rows, eager_width)
+    def decode(self, rows: Sequence[DecodeRow], sampling: Sampling, eager_width: int | None = None) -> list[int]:
+        """One decode step. `rows`: (input token, position, block table) of every decoding row
+        (batch row i is rows[i]); `sampling`: (batch rows that sample, temperatures, top_p,
+        seeds, counters). Returns the chosen token of each row (one device-to-host copy).
+        `eager_width` runs the step eagerly over that many columns even where a graph exists
+        (to check a replay)."""
+        logits = self.step_logits(rows, eager_width)
         tokens = choose(logits, *sampling)
-        return tokens[:top].tolist()
+        return tokens[: len(rows)].tolist()
 
-    def step_logits(self, rows: list[tuple[int, int, int]], eager_width: int | None = None) -> tuple[torch.Tensor, int]:
+    def step_logits(self, rows: Sequence[DecodeRow], eager_width: int | None = None) -> torch.Tensor:
         """The forward of one decode step: logits of batch rows 0..B-1 (B: the bucket covering
-        the highest slot in use) and the number of rows up to that slot."""
-        top = max(slot for slot, _, _ in rows) + 1
-        batch = self.bucket(top)
-        ids, pos, cols, lens = [0] * batch, [0] * batch, [self.kv.scratch] * batch, [1] * batch
-        # Padding rows (free or prefilling slots) write the scratch column and read column 0.
-        for slot, token, position in rows:
-            ids[slot], pos[slot], cols[slot], lens[slot] = token, position, position, position + 1
-        width = max(lens)
-        staged = self.staged
-        staged[:, :batch] = torch.tensor([ids, pos, cols, lens], dtype=torch.long)
-        self.inputs[:, :batch].copy_(staged[:, :batch], non_blocking=True)
+        the rows; rows past len(rows) are padding)."""
+        count = len(rows)
+        batch = self.bucket(count)
+        bt = self.block_tokens
+        width = max(position for _, position, _ in rows) + 1
         graph = self.graphs.get(batch) if eager_width is None else None
+        # A graph reads the full table width; the eager step only the blocks the longest row uses.
+        blocks = self.max_blocks if graph is not None else -(-width // bt)
+        staged = [[0] * batch, [0] * batch, [self.kv.scratch] * batch, [1] * batch]
+        tables = [[NULL_BLOCK] * blocks for _ in range(batch)]
+        for r, (token, position, table) in enumerate(rows):
+            staged[_IDS][r], staged[_POS][r], staged[_LEN][r] = token, position, position + 1
+            staged[_WRITE][r] = table[position // bt] * bt + position % bt
+            used = position // bt + 1
+            tables[r][:used] = table[:used]
+        pin = self.device.type == "cuda"
+        host = torch.tensor(staged, dtype=torch.long)
+        host_tables = torch.tensor(tables, dtype=torch.long)
+        if pin:
+            host, host_tables = host.pin_memory(), host_tables.pin_memory()
+        self.inputs[:, :batch].copy_(host, non_blocking=True)
+        self.tables[:batch, :blocks].copy_(host_tables, non_blocking=True)
         if graph is not None:
             graph.replay()
-            return self.logits[:batch], top
-        return self._forward_step(batch, eager_width or width), top
+            return self.logits[:batch]
+        return self._forward_step(batch, eager_width or width)
 
     def _step(self, batch: int, width: int) -> None:
         """The static-shape step over the persistent buffers (captured as is into a graph)."""
@@ -173,9 +203,14 @@ class ModelRunner:
 
     def _forward_step(self, batch: int, width: int) -> torch.Tensor:
         inputs = self.inputs
+        bt = self.block_tokens
         lengths = inputs[_LEN, :batch]
-        mask = (self.columns[:width][None, :] < lengths[:, None])[:, None, None, :]
-        self.kv.decode(self.rows[:batch], inputs[_COL, :batch], width)
+        columns = self.columns[:width]
+        valid = columns[None, :] < lengths[:, None]
+        gather = self.tables[:batch, columns // bt] * bt + columns % bt
+        gather = torch.where(valid, gather, NULL_BLOCK * bt)
+        mask = valid[:, None, None, :]
+        self.kv.plan(inputs[_WRITE, :batch], gather)
         if self.fast is not None:
             return self.fast.forward(inputs[_IDS, :batch], inputs[_POS, :batch], mask)
         hidden = self._hidden(inputs[_IDS, :batch, None], inputs[_POS, :batch, None], mask)
@@ -184,9 +219,9 @@ class ModelRunner:
     # ----------------------------------------------------------------- CUDA graphs
 
     def capture(self) -> None:
-        """One CUDA graph per bucket, over the full slot width (largest first, one memory pool).
-        A capture that fails (an op that syncs with the host in some model's forward) leaves the
-        engine eager, with a warning, rather than unable to serve."""
+        """One CUDA graph per bucket, over the longest sequence's width (largest first, one
+        memory pool). A capture that fails (an op that syncs with the host in some model's
+        forward) leaves the engine eager, with a warning, rather than unable to serve."""
         if not self.use_graphs:
             return
         try:
@@ -198,12 +233,11 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def _capture(self) -> None:
-        width = self.slot_length + 1
-        staged = self.staged
-        staged.zero_()
-        staged[_COL] = self.kv.scratch
-        staged[_LEN] = 1
-        self.inputs.copy_(staged)
+        width = self.max_blocks * self.block_tokens
+        self.inputs.zero_()
+        self.inputs[_WRITE] = self.kv.scratch
+        self.inputs[_LEN] = 1
+        self.tables.zero_()
         self._pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))

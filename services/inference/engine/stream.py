@@ -30,6 +30,7 @@ from services.inference.engine.config import (
     FINISH_STOP,
     FINISH_STOP_SEQUENCE,
 )
+from services.inference.engine.kv_manager import BlockTable
 
 if TYPE_CHECKING:
     from services.inference.engine.core import Engine
@@ -67,7 +68,7 @@ _seq_ids = itertools.count(1)
 
 @dataclass(eq=False)
 class SequenceState:
-    """One request inside the engine. The worker owns the batch fields (slot, generated...),
+    """One request inside the engine. The worker owns the batch fields (blocks, generated...),
     the emitter owns decoder/stopper/finished; `cancelled` (event loop) and `stop_hit` (emitter)
     are flags the worker reads."""
 
@@ -88,7 +89,7 @@ class SequenceState:
     generated: list[int] = field(default_factory=list)
     cancelled: bool = False
     stop_hit: bool = False
-    #: The worker is done with it (its slot is free; no more tokens will be sent).
+    #: The worker is done with it (its blocks are released; no more tokens will be sent).
     released: bool = False
     #: The emitter sent its last event.
     finished: bool = False
@@ -97,8 +98,9 @@ class SequenceState:
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     decode_span: trace.Span | None = None
-    #: Worker: the KV slot, tokens in the cache, and prompt tokens prefilled so far.
-    slot: int = -1
+    #: Worker: the KV blocks it holds (None while it holds none), tokens in the cache, and
+    #: prompt tokens in the cache so far (reused from the prefix cache or prefilled).
+    blocks: BlockTable | None = None
     length: int = 0
     prefilled: int = 0
     prefill_started_ns: int = 0
@@ -250,23 +252,30 @@ class Emitter:
                     metrics.INTER_TOKEN_LATENCY.observe(now - seq.last_token_at)
             seq.last_token_at = now
             if reason == FINISH_STOP:
-                self._finish(seq, FINISH_STOP, text=self._tail(seq))
+                # The EOS token is counted in the usage, so it is sent too (no text of its own).
+                tail, _ = self._tail(seq)
+                self._finish(seq, FINISH_STOP, token_ids=[token], text=tail)
                 continue
             text, stopped = seq.stopper.push(seq.decoder.push(token))
             if stopped:
                 seq.stop_hit = True
                 self._finish(seq, FINISH_STOP_SEQUENCE, token_ids=[token], text=text)
             elif reason == FINISH_LENGTH:
-                self._finish(seq, FINISH_LENGTH, token_ids=[token], text=text + self._tail(seq))
+                # A stop string completed only by the held-back tail still is a stop string.
+                tail, stopped = self._tail(seq)
+                finish = FINISH_STOP_SEQUENCE if stopped else FINISH_LENGTH
+                self._finish(seq, finish, token_ids=[token], text=text + tail)
             else:
                 self._outbox.append((seq, GenerationEvent([token], text, seq.batch_id)))
         if produced:
             metrics.GENERATION_TOKENS.inc(produced)
 
     @staticmethod
-    def _tail(seq: SequenceState) -> str:
+    def _tail(seq: SequenceState) -> tuple[str, bool]:
+        """The text the decoder and the stop matcher still hold at the end, and whether a stop
+        string is in it (the text is cut before it)."""
         text, stopped = seq.stopper.push(seq.decoder.flush())
-        return text if stopped else text + seq.stopper.flush()
+        return (text, True) if stopped else (text + seq.stopper.flush(), False)
 
     def _finish(
         self,
