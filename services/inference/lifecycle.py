@@ -20,6 +20,7 @@ from llmesh import errors
 from llmesh.models import ModelError, point_current, resolve, verify
 from services.inference.decoding import SamplingParams
 from services.inference.engine import Engine, EngineConfig, ModelDescription, RequestStream
+from services.inference.engine.load import EngineLoad
 
 log = logging.getLogger("llmesh.inference.lifecycle")
 
@@ -47,7 +48,7 @@ class ModelManager:
         except ModelError as exc:
             raise errors.FailedPrecondition(f"inference: {exc}", reason="MODEL_INVALID") from exc
         self.root = verified.path.parent
-        self._engine = Engine.load(verified, self.config, self.device)
+        self._engine = Engine.boot(verified, self.config, self.device)
         log.info("serving %s %s (%s)", verified.model_id, verified.version, verified.digest[:12])
         return self._engine
 
@@ -70,6 +71,10 @@ class ModelManager:
     def serving(self) -> bool:
         # An engine whose worker died closed itself: NOT_SERVING until a restart or a switch.
         return self._engine is not None and not self._engine.closed
+
+    def load(self) -> EngineLoad | None:
+        """The serving engine's load (None before one serves)."""
+        return self._engine.load() if self._engine is not None else None
 
     async def start(self) -> None:
         await asyncio.to_thread(self.load_initial)
@@ -95,7 +100,7 @@ class ModelManager:
                 log.error("refusing model version %s: %s", version, exc)
                 raise errors.FailedPrecondition(f"inference: {exc}", reason="MODEL_VERIFICATION_FAILED") from exc
             try:
-                new = await asyncio.to_thread(Engine.load, verified, self.config, self.device)
+                new = await asyncio.to_thread(Engine.boot, verified, self.config, self.device)
             except Exception as exc:
                 log.exception("loading model version %s failed", version)
                 raise errors.FailedPrecondition(

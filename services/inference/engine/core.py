@@ -44,6 +44,7 @@ from services.inference.engine.config import (
     FINISH_STOP,
     EngineConfig,
 )
+from services.inference.engine.load import EngineLoad
 from services.inference.engine.model import LoadedModel, ModelDescription
 from services.inference.engine.runner import ModelRunner, Sampling
 from services.inference.engine.sampling import choose
@@ -112,8 +113,9 @@ class Engine:
     # ----------------------------------------------------------------- lifecycle
 
     @classmethod
-    def load(cls, verified: VerifiedModel, config: EngineConfig, device: str = "auto") -> Engine:
-        """Loads, warms up and starts an engine; returns once it serves (blocking).
+    def boot(cls, verified: VerifiedModel, config: EngineConfig, device: str = "auto") -> Engine:
+        """Loads, warms up and starts an engine; returns once it serves (blocking). (Named
+        `boot`, not `load`: `load()` is the engine's load report.)
 
         Loading, warm-up and serving all run on the engine's own worker thread: torch's CPU
         kernels keep one OpenMP thread pool per calling thread, and a second pool (say, the
@@ -213,6 +215,28 @@ class Engine:
     @property
     def closed(self) -> bool:
         return self.scheduler.closed
+
+    def load(self) -> EngineLoad:
+        """The engine's load now, from any thread, without taking the worker's locks: the
+        counters the worker keeps, read as they are (a snapshot may be a step old). Today's KV
+        is one slot per row, reported as blocks of the slot's length."""
+        # tuple() of a deque runs in C under the GIL: a consistent copy while the worker appends.
+        waiting = tuple(self.scheduler.waiting)
+        chunking = self._chunking
+        waiting_tokens = sum(len(s.prompt_ids) + len(s.generated) for s in waiting)
+        if chunking is not None:
+            waiting_tokens += max(0, len(chunking.prompt_ids) + len(chunking.generated) - chunking.prefilled)
+        return EngineLoad(
+            running=self.running_count,
+            max_running=self.runner.slots,
+            waiting=len(waiting),
+            kv_blocks_free=len(self._free),
+            kv_blocks_total=self.runner.slots,
+            block_tokens=self.runner.slot_length,
+            waiting_prompt_tokens=waiting_tokens,
+            step_seconds=self.step_s,
+            prefill_tokens_per_second=self.prefill_tok_s,
+        )
 
     # ----------------------------------------------------------------- submission (event loop)
 
