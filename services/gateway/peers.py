@@ -428,6 +428,19 @@ class Peers:
             self.breakers[inference_peer(model)], lambda timeout: stub.Generate(request, timeout=timeout), deadline
         )
 
+    async def watch_load(self, model: str = "") -> AsyncIterator[inference_pb2.LoadReport]:
+        """The model's inference load reports (issue 26), for as long as the stream lasts: no
+        deadline and no breaker (a long-lived stream that says nothing of a request's health);
+        a failure is a PeerCallError (UNIMPLEMENTED: the backend reports no load)."""
+        call = self.inferences[model].WatchLoad(inference_pb2.WatchLoadRequest())
+        try:
+            async for report in call:
+                yield report
+        except grpc.aio.AioRpcError as err:
+            raise PeerCallError(from_rpc_error(inference_peer(model), err)) from err
+        finally:
+            call.cancel()
+
     async def cache_lookup(
         self, request: cache_pb2.CacheLookupRequest, deadline: Deadline
     ) -> cache_pb2.CacheLookupResponse:
