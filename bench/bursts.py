@@ -31,6 +31,7 @@ import asyncio
 import os
 import random
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -119,6 +120,11 @@ class Bursts(Reliability):
                     for r in replies
                 )
                 failed = sum(isinstance(r, BaseException) for r in replies) - shed
+                codes = Counter(
+                    (r.code().name if isinstance(r, grpc.aio.AioRpcError) else type(r).__name__)
+                    for r in replies
+                    if isinstance(r, BaseException)
+                )
                 sheds += shed
                 errors += failed
                 seconds = time.perf_counter() - started
@@ -129,11 +135,12 @@ class Bursts(Reliability):
                         "max_new_tokens": tokens,
                         "shed": shed,
                         "errors": failed,
+                        "error_codes": dict(codes),
                         "seconds": round(seconds, 2),
                         "tok_s": round(tokens_out / seconds, 1),
                     }
                 )
-                print(f"burst {count} x {tokens}: {shed} shed, {failed} errors, {seconds:.1f}s", flush=True)
+                print(f"burst {count} x {tokens}: {shed} shed, {dict(codes)} errors, {seconds:.1f}s", flush=True)
         out["burst_sheds"] = sheds
         out["burst_errors"] = errors
         return out
