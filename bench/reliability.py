@@ -940,10 +940,21 @@ async def engine_rows(inference_target: str, timeout: float = 10.0) -> int:
     return int(getattr(report, "max_running", 0) or 0)
 
 
-def overload_clients(rows: int, generation_share: float, overload: float) -> int:
+# The gateway's default LLMESH_ADMISSION_TARGET_SECONDS: a queue this long is admitted.
+ADMISSION_TARGET_S = 3.0
+# At most this many closed-loop clients (one event loop drives them all).
+MAX_CLIENTS = 1024
+
+
+def overload_clients(rows: int, generation_share: float, overload: float, requests_per_s: float | None = None) -> int:
     """Closed-loop clients that offer `overload` x the engine's capacity when a
-    `generation_share` of them need the engine (the rest are cache hits)."""
-    return max(1, math.ceil(overload * rows / max(generation_share, 1e-9)))
+    `generation_share` of them need the engine (the rest are cache hits): its rows, and, where
+    the rate it completes requests at is measured, a queue `overload` x the admission target
+    deep at that rate (a queue shorter than the target is served, not shed)."""
+    generation = overload * rows
+    if requests_per_s:
+        generation = max(generation, rows + overload * ADMISSION_TARGET_S * requests_per_s)
+    return min(MAX_CLIENTS, max(1, math.ceil(generation / max(generation_share, 1e-9))))
 
 
 class Reliability:
@@ -988,6 +999,8 @@ class Reliability:
         # CAP_SYS_NICE, so without it the gateway warns and runs at the default niceness.
         self.mesh = Mesh(env=env, service_env={"gateway": {"LLMESH_NICE": str(args.gateway_nice)}})
         self.load: Load | None = None
+        #: Generation requests completed per second in calibration (None before it ran).
+        self.calibrated_rate: float | None = None
 
     # -- processes
 
@@ -1516,6 +1529,7 @@ class Reliability:
         # and in the calibrated load phase (the default_budget phase runs with it).
         await self.restart_gateway(LLMESH_ADMISSION_ADAPTIVE="false")
         calibration = await self.calibrate(args.calibrate_seconds)
+        self.calibrated_rate = calibration["generated"] / max(calibration["seconds"], 1e-9)
         print(f"calibration: {calibration}", flush=True)
         budget = calibration["admission_budget"]
         await self.restart_gateway(LLMESH_ADMISSION_BUDGET=str(budget), LLMESH_ADMISSION_ADAPTIVE="false")
@@ -1562,7 +1576,8 @@ class Reliability:
         args = self.args
         await self.restart_gateway()
         rows = await engine_rows(self.mesh.target("inference"))
-        clients = overload_clients(rows or args.clients, GENERATION_SHARE, DEFAULT_BUDGET_OVERLOAD)
+        rate = self.calibrated_rate
+        clients = overload_clients(rows or args.clients, GENERATION_SHARE, DEFAULT_BUDGET_OVERLOAD, rate)
         print(f"default budget: {clients} clients ({rows} engine rows) for {args.duration:.0f}s", flush=True)
         with process_niceness(args.client_nice):
             outcomes, elapsed = await self.load.for_seconds(clients, args.duration, deadline=args.deadline)
