@@ -115,3 +115,21 @@ async def test_answers_lengths_and_what_reports_show_keep_the_estimate() -> None
     assert load.mean_output_tokens > 64  # learned from the answer's 200 tokens
     book.update("", inference_pb2.LoadReport(replica="r1", reported=False))
     assert admission.predicted_wait(ASK, 10) is None
+
+
+async def test_the_pace_streams_really_had_outweighs_a_faster_reported_step() -> None:
+    clock = FakeClock()
+    admission, book = controller(clock, initial=1e9)
+    book.update("", report(running=0))
+    admitted = await admission.admit(ASK, 10, None, 30.0)
+    assert admitted.ticket is not None
+    clock.advance(0.5)  # queue and prefill: not the pace
+    admitted.ticket.progress(1)
+    clock.advance(1.0)
+    admitted.ticket.progress(10)  # ten tokens in a second: 0.1 s each, where the engine says 0.02
+    admitted.ticket.finish()
+    load = book.model("")
+    assert load.seconds_per_token is not None and abs(load.seconds_per_token - 0.1) < 1e-9
+    book.update("", report(running=4, waiting=3, kv_blocks_free=0))
+    wait = admission.predicted_wait(ASK, 10)
+    assert wait is not None and abs(wait.service_seconds - (10 / 10000 + 256 * 0.1)) < 1e-6

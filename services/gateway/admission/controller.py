@@ -229,7 +229,7 @@ class AdmissionController:
         load = self.loads.model(route)
         load.dispatched()
         if ticket is not None:
-            ticket.on_finish = lambda t: load.ended(t.output_tokens)
+            ticket.on_finish = lambda t: load.ended(t.output_tokens, t.seconds_per_token())
 
 
 __all__ = ["AdmissionController", "Ask", "Window"]

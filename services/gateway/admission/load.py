@@ -105,6 +105,9 @@ class ModelLoad:
         #: Of its requests in flight, the ones that ended since the last report.
         self._ended_since_report = 0
         self.mean_output_tokens = DEFAULT_OUTPUT_TOKENS
+        #: Seconds per token the gateway saw its streams take (EWMA): an engine's decode step
+        #: leaves out its prefills and its emitter, so a stream's pace is the truer figure.
+        self.seconds_per_token: float | None = None
         self.reports = 0
 
     def update(self, report: ReplicaReport) -> None:
@@ -132,10 +135,15 @@ class ModelLoad:
     def dispatched(self) -> None:
         self.pending += 1
 
-    def ended(self, output_tokens: int) -> None:
+    def ended(self, output_tokens: int, seconds_per_token: float | None = None) -> None:
         self._ended_since_report += 1
         if output_tokens > 0:
             self.mean_output_tokens += OUTPUT_ALPHA * (output_tokens - self.mean_output_tokens)
+        if seconds_per_token is not None:
+            known = self.seconds_per_token
+            self.seconds_per_token = (
+                seconds_per_token if known is None else known + OUTPUT_ALPHA * (seconds_per_token - known)
+            )
 
     def predict(self, prompt_tokens: int, max_new_tokens: int, now: float) -> Wait | None:
         """The soonest start over the fresh replicas; None when none reported lately."""
@@ -151,7 +159,7 @@ class ModelLoad:
         return best
 
     def _wait(self, r: ReplicaReport, prompt_tokens: int, max_new_tokens: int, pending: float) -> Wait:
-        step = r.step_seconds or DEFAULT_STEP_S
+        step = max(r.step_seconds or DEFAULT_STEP_S, self.seconds_per_token or 0.0)
         prefill_rate = r.prefill_tokens_per_second
         prefill = prompt_tokens / prefill_rate if prefill_rate else step
         own = prefill + max_new_tokens * step

@@ -40,6 +40,8 @@ class Ticket:
         "_window",
         "admitted_at",
         "finished",
+        "first_at",
+        "first_tokens",
         "last_at",
         "model",
         "on_finish",
@@ -72,6 +74,10 @@ class Ticket:
         self.used = 0
         self.finished = False
         self.streaming = False
+        # When its first tokens came back, and how many: the pace after them is the engine's
+        # time per token at its batch (the load book learns it).
+        self.first_at: float | None = None
+        self.first_tokens = 0
         # Called with the refunded weight (a cluster window refunds it in Redis too).
         self.on_refund: Callable[[int], None] | None = None
         # Called once with the ticket when it finishes (the load book counts the answer's length).
@@ -97,6 +103,13 @@ class Ticket:
         if self.on_finish is not None:
             self.on_finish(self)
         return refund
+
+    def seconds_per_token(self) -> float | None:
+        """Its pace after the first tokens (None: too few tokens to tell)."""
+        tokens = self.output_tokens - self.first_tokens
+        if self.first_at is None or tokens < 2:
+            return None
+        return max(0.0, self.last_at - self.first_at) / tokens
 
     @property
     def output_tokens(self) -> int:

@@ -225,6 +225,8 @@ class WeightWindow:
                 # Its first tokens: the time until now was its queue and prefill, not a stall.
                 capacity.advance(now)
                 ticket.streaming = True
+                ticket.first_at = now
+                ticket.first_tokens = ticket.used // max(1, ticket.unit)
                 capacity.streaming += 1
                 capacity.first_token(now, now - ticket.admitted_at)
             elif weight > 0:
