@@ -133,3 +133,19 @@ async def test_the_pace_streams_really_had_outweighs_a_faster_reported_step() ->
     book.update("", report(running=4, waiting=3, kv_blocks_free=0))
     wait = admission.predicted_wait(ASK, 10)
     assert wait is not None and abs(wait.service_seconds - (10 / 10000 + 256 * 0.1)) < 1e-6
+
+
+async def test_a_server_that_does_not_tell_its_batch_room_has_room_while_it_queues_nothing() -> None:
+    # vLLM reports running and waiting, not max_num_seqs: a burst is not a queue until it queues.
+    clock = FakeClock()
+    admission, book = controller(clock, initial=1e9)
+    vllm = dict(max_running=0, kv_blocks_total=1000, kv_blocks_free=1000, block_tokens=16)
+    book.update("", report(running=0, **vllm))
+    for _ in range(16):
+        hold, refusal = admission.reserve(ASK, 100, 30.0)
+        assert refusal is None and hold is not None
+        hold.release()
+        await admission.admit(ASK, 100, None, 30.0)
+    book.update("", report(running=16, waiting=200, **vllm))
+    _, refusal = admission.reserve(ASK, 100, 30.0)
+    assert refusal is not None and refusal.reason == REASON_QUEUE_WAIT

@@ -164,9 +164,17 @@ class ModelLoad:
         prefill = prompt_tokens / prefill_rate if prefill_rate else step
         own = prefill + max_new_tokens * step
         ahead = r.waiting + pending
-        # Rows: the batch room, or (a server that does not tell it) the rows running now.
-        rows = r.max_running or max(1, r.running)
-        free_rows = max(0, r.max_running - r.running) if r.max_running else (math.inf if not ahead else 0)
+        if r.max_running:
+            rows = r.max_running
+            free_rows: float = max(0, r.max_running - r.running)
+        else:
+            # A server that does not tell its batch room (vLLM's max_num_seqs) has room while it
+            # queues nothing: what was sent since its report is not a queue there; once it
+            # queues, its rows are the ones running.
+            rows = max(1, r.running)
+            free_rows = math.inf if not r.waiting else 0
+            if not r.waiting:
+                ahead = 0
         if ahead < free_rows and self._kv_room(r, prompt_tokens + max_new_tokens, ahead):
             return Wait(0.0, own, r.replica)
         mean_service = prefill + self.mean_output_tokens * step
