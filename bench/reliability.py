@@ -68,7 +68,7 @@ from bench.common import machine, percentile, print_table, write_result
 from llmesh.errors import status_details, unpack_details
 from llmesh.supervisor import Mesh
 from llmesh.testing import VLLM_MODEL_NAME, VllmServer
-from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 GATEWAY = "/llmesh.v1.Gateway/"
 GENERATE, STREAM, INGEST, SEARCH = (GATEWAY + m for m in ("Generate", "GenerateStream", "Ingest", "Search"))
@@ -79,6 +79,9 @@ BREAKER_WAIT_S = 2.0
 GRACE_S = 5.0
 ADMISSION_WINDOW_S = 5.0
 SHED_FRACTION = 0.5  # admission budget = this x the weight the mesh completed per window in calibration
+# The default-budget phase offers this many times the mesh's capacity (issue 26): a fixed client
+# count is within a fast machine's capacity and sheds nothing there.
+DEFAULT_BUDGET_OVERLOAD = 4.0
 LOST_GRACE_S = 5.0  # a request with no reply nor status this long after its deadline is lost
 CLIENT_OPTIONS = [
     # Reconnect quickly to a restarted gateway: recovery should measure the mesh, not client backoff.
@@ -919,6 +922,41 @@ class FaultResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+# Share of the default mix (cached 0.4, rag 0.3, plain 0.3) that reaches the engine.
+GENERATION_SHARE = 0.6
+
+
+async def engine_rows(inference_target: str, timeout: float = 10.0) -> int:
+    """The engine's batch room as it reports it (Inference.WatchLoad's max_running): the
+    requests it runs at once; 0 when it does not tell (an openai backend without the number)."""
+    async with grpc.aio.insecure_channel(inference_target) as channel:
+        call = inference_pb2_grpc.InferenceStub(channel).WatchLoad(inference_pb2.WatchLoadRequest(), timeout=timeout)
+        try:
+            report = await call.read()
+        except grpc.aio.AioRpcError:
+            return 0
+        finally:
+            call.cancel()
+    return int(getattr(report, "max_running", 0) or 0)
+
+
+# The gateway's default LLMESH_ADMISSION_TARGET_SECONDS: a queue this long is admitted.
+ADMISSION_TARGET_S = 3.0
+# At most this many closed-loop clients (one event loop drives them all).
+MAX_CLIENTS = 1024
+
+
+def overload_clients(rows: int, generation_share: float, overload: float, requests_per_s: float | None = None) -> int:
+    """Closed-loop clients that offer `overload` x the engine's capacity when a
+    `generation_share` of them need the engine (the rest are cache hits): its rows, and, where
+    the rate it completes requests at is measured, a queue `overload` x the admission target
+    deep at that rate (a queue shorter than the target is served, not shed)."""
+    generation = overload * rows
+    if requests_per_s:
+        generation = max(generation, rows + overload * ADMISSION_TARGET_S * requests_per_s)
+    return min(MAX_CLIENTS, max(1, math.ceil(generation / max(generation_share, 1e-9))))
+
+
 class Reliability:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -961,6 +999,8 @@ class Reliability:
         # CAP_SYS_NICE, so without it the gateway warns and runs at the default niceness.
         self.mesh = Mesh(env=env, service_env={"gateway": {"LLMESH_NICE": str(args.gateway_nice)}})
         self.load: Load | None = None
+        #: Generation requests completed per second in calibration (None before it ran).
+        self.calibrated_rate: float | None = None
 
     # -- processes
 
@@ -1489,6 +1529,7 @@ class Reliability:
         # and in the calibrated load phase (the default_budget phase runs with it).
         await self.restart_gateway(LLMESH_ADMISSION_ADAPTIVE="false")
         calibration = await self.calibrate(args.calibrate_seconds)
+        self.calibrated_rate = calibration["generated"] / max(calibration["seconds"], 1e-9)
         print(f"calibration: {calibration}", flush=True)
         budget = calibration["admission_budget"]
         await self.restart_gateway(LLMESH_ADMISSION_BUDGET=str(budget), LLMESH_ADMISSION_ADAPTIVE="false")
@@ -1529,21 +1570,26 @@ class Reliability:
         }
 
     async def default_budget(self) -> dict[str, Any]:
-        """The load phase on default settings (no calibrated budget): what the gateway learns, and
-        whether overload is shed rather than timed out."""
+        """The load phase on default settings (no calibrated budget), offered DEFAULT_BUDGET_OVERLOAD
+        x the mesh's capacity: whether overload is shed rather than timed out."""
         assert self.load is not None
         args = self.args
         await self.restart_gateway()
-        print(f"default budget: {args.clients} clients for {args.duration:.0f}s", flush=True)
+        rows = await engine_rows(self.mesh.target("inference"))
+        rate = self.calibrated_rate
+        clients = overload_clients(rows or args.clients, GENERATION_SHARE, DEFAULT_BUDGET_OVERLOAD, rate)
+        print(f"default budget: {clients} clients ({rows} engine rows) for {args.duration:.0f}s", flush=True)
         with process_niceness(args.client_nice):
-            outcomes, elapsed = await self.load.for_seconds(args.clients, args.duration, deadline=args.deadline)
+            outcomes, elapsed = await self.load.for_seconds(clients, args.duration, deadline=args.deadline)
         limit = gauge(self.mesh.procs["gateway"].metrics_port, "llmesh_gateway_admission_in_flight_limit")
         throughput = gauge(self.mesh.procs["gateway"].metrics_port, "llmesh_gateway_admission_throughput")
         out = summarize(outcomes)
         generated = [o for o in outcomes if o.ok and o.weight]
         out.update(
             {
-                "clients": args.clients,
+                "clients": clients,
+                "engine_rows": rows,
+                "offered_over_capacity": DEFAULT_BUDGET_OVERLOAD,
                 "seconds": round(elapsed, 1),
                 "requests_per_s": round(len(outcomes) / elapsed, 1),
                 "deadline_exceeded": sum(o.code == "DEADLINE_EXCEEDED" for o in outcomes),

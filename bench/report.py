@@ -109,6 +109,16 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "faults.tokenizer_freeze.ok_per_second",
         "faults.redis_freeze.ok_per_second",
     ),
+    "bursts": (
+        "model",
+        "burst_sheds",
+        "mixed_generation_sheds",
+        "mixed_cached_rps_ratio",
+        "overload_shed_p99_ms",
+        "overload_deadline_exceeded",
+        "openai_burst_sheds",
+        "config.mixed_seconds",
+    ),
     "reliability_openai": (
         "backend",
         "model",

@@ -6,14 +6,27 @@
 
 `AsyncMesh` is the asyncio twin. Errors arrive as `MeshError` subclasses carrying the gRPC
 status details (retry-after, bad fields). Other languages use the protos directly.
+
+A shed call (RESOURCE_EXHAUSTED, or UNAVAILABLE with retry info: an open breaker) is retried
+after the delay the mesh asked for, jittered, at most `retries` times within the call's timeout
+(`RetryPolicy`); a generation that already streamed tokens is never retried. And the client
+throttles itself when most of its recent calls were shed (`AdaptiveThrottle`, client-side
+adaptive throttling from Google's SRE book): it refuses locally with probability
+max(0, (requests - K x accepts) / (requests + 1)), so a crowd of clients cannot turn sheds into
+a storm of retries.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+import asyncio
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -96,6 +109,168 @@ def to_mesh_error(err: grpc.RpcError) -> MeshError:
     return cls(code, message, retry_after=retry_after, reason=reason, field_violations=violations)
 
 
+T = TypeVar("T")
+#: Reason of a call the client refused itself (AdaptiveThrottle).
+REASON_CLIENT_THROTTLED = "CLIENT_THROTTLED"
+
+
+class AdaptiveThrottle:
+    """Client-side adaptive throttling (Google SRE book, "Handling Overload"): over the last
+    `window_s` the client counts its requests and the ones the mesh accepted (answered with
+    anything but a shed); a new call is refused locally with probability
+    max(0, (requests - k x accepts) / (requests + 1)). While the mesh accepts, nothing is refused;
+    when it sheds most calls, the client stops sending most of them, and recovers as accepts
+    return. A locally refused call counts as a request (so the rate keeps adapting)."""
+
+    def __init__(
+        self,
+        k: float = 2.0,
+        window_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.k = k
+        self.window_s = window_s
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self._requests: deque[float] = deque()
+        self._accepts: deque[float] = deque()
+        self._lock = threading.Lock()
+
+    def _trim(self, now: float) -> None:
+        cutoff = now - self.window_s
+        for series in (self._requests, self._accepts):
+            while series and series[0] <= cutoff:
+                series.popleft()
+
+    def reject_probability(self) -> float:
+        with self._lock:
+            self._trim(self.clock())
+            requests, accepts = len(self._requests), len(self._accepts)
+        return max(0.0, (requests - self.k * accepts) / (requests + 1))
+
+    def allow(self) -> bool:
+        """Counts a request; False: refuse it locally."""
+        p = self.reject_probability()
+        with self._lock:
+            self._requests.append(self.clock())
+        return not (p > 0 and self.rng.random() < p)
+
+    def accepted(self) -> None:
+        with self._lock:
+            self._accepts.append(self.clock())
+
+
+@dataclass
+class RetryPolicy:
+    """Retries of a shed call: after the mesh's retry info x a jitter in [1, 1 + jitter) (no
+    retry info: full jitter over an exponential backoff), at most `retries` times, never past the
+    call's timeout."""
+
+    retries: int = 2
+    base_s: float = 0.1
+    max_backoff_s: float = 5.0
+    jitter: float = 0.5
+
+    def delay(self, attempt: int, error: MeshError, rng: random.Random) -> float | None:
+        """Seconds to wait before retry number `attempt` (1-based), or None: do not retry."""
+        if attempt > self.retries or not retryable(error):
+            return None
+        if error.retry_after is not None and error.retry_after > 0:
+            return min(self.max_backoff_s, error.retry_after) * rng.uniform(1.0, 1.0 + self.jitter)
+        return rng.uniform(0.0, min(self.max_backoff_s, self.base_s * 2**attempt))
+
+
+def retryable(error: MeshError) -> bool:
+    """A shed: overload pushback (RESOURCE_EXHAUSTED with retry info) or a part of the mesh
+    that said when to come back (UNAVAILABLE with retry info). A request too heavy ever to fit
+    carries no retry info and is not retried; neither is one the client throttled itself."""
+    if error.reason == REASON_CLIENT_THROTTLED:
+        return False
+    if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return error.retry_after is not None
+    return error.code == grpc.StatusCode.UNAVAILABLE and error.retry_after is not None
+
+
+class CallGuard:
+    """One client's retries and throttle, shared by its calls (thread-safe)."""
+
+    def __init__(
+        self,
+        policy: RetryPolicy | None = None,
+        throttle: AdaptiveThrottle | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.policy = policy or RetryPolicy()
+        self.throttle = throttle
+        self.clock = clock
+        self.rng = rng or random.Random()
+
+    def admit(self) -> None:
+        """Raises OverloadedError when the throttle refuses the call locally."""
+        if self.throttle is not None and not self.throttle.allow():
+            raise OverloadedError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "refused by the client: most recent calls were shed (adaptive throttling)",
+                retry_after=1.0,
+                reason=REASON_CLIENT_THROTTLED,
+            )
+
+    def heard(self, error: MeshError | None) -> None:
+        """The mesh answered (error None) or failed: a shed is not an accept."""
+        if self.throttle is not None and (error is None or not retryable(error)):
+            self.throttle.accepted()
+
+    def next_delay(self, attempt: int, error: MeshError, deadline: float) -> float | None:
+        delay = self.policy.delay(attempt, error, self.rng)
+        if delay is None or self.clock() + delay >= deadline:
+            return None
+        return delay
+
+    def run(self, call: Callable[[float], T], timeout: float, sleep: Callable[[float], None] = time.sleep) -> T:
+        """`call(seconds left)` with retries; raises the last MeshError."""
+        deadline = self.clock() + timeout
+        attempt = 0
+        while True:
+            self.admit()
+            try:
+                result = call(max(0.001, deadline - self.clock()))
+            except MeshError as error:
+                self.heard(error)
+                attempt += 1
+                delay = self.next_delay(attempt, error, deadline)
+                if delay is None:
+                    raise
+                sleep(delay)
+                continue
+            self.heard(None)
+            return result
+
+    async def run_async(
+        self,
+        call: Callable[[float], Awaitable[T]],
+        timeout: float,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> T:
+        deadline = self.clock() + timeout
+        attempt = 0
+        while True:
+            self.admit()
+            try:
+                result = await call(max(0.001, deadline - self.clock()))
+            except MeshError as error:
+                self.heard(error)
+                attempt += 1
+                delay = self.next_delay(attempt, error, deadline)
+                if delay is None:
+                    raise
+                await sleep(delay)
+                continue
+            self.heard(None)
+            return result
+
+
 @dataclass
 class ClientOptions:
     target: str = DEFAULT_TARGET
@@ -106,6 +281,12 @@ class ClientOptions:
     key_file: str | None = None
     timeout: float = 120.0
     options: list[tuple[str, Any]] = field(default_factory=list)
+    # Retries of shed calls (0: none) and client-side adaptive throttling (see the module doc).
+    retries: int = 2
+    throttle: bool = True
+
+    def guard(self) -> CallGuard:
+        return CallGuard(RetryPolicy(retries=self.retries), AdaptiveThrottle() if self.throttle else None)
 
     def credentials(self) -> grpc.ChannelCredentials | None:
         if not self.ca_file:
@@ -226,6 +407,7 @@ class Mesh:
         options = self.opts.channel_options()
         self.channel = grpc.secure_channel(target, creds, options) if creds else grpc.insecure_channel(target, options)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+        self.guard = self.opts.guard()
 
     def _kw(self, timeout: float | None, metadata: Iterable[tuple[str, str]] = ()) -> dict[str, Any]:
         return {"timeout": timeout or self.opts.timeout, "metadata": (*self.opts.metadata(), *metadata)}
@@ -233,22 +415,55 @@ class Mesh:
     def ask(
         self, prompt: str, *, timeout: float | None = None, metadata: Iterable[tuple[str, str]] = (), **options: Any
     ) -> gateway_pb2.GenerateResponse:
-        """`metadata` passes extra headers, e.g. a W3C `traceparent` to continue the caller's trace."""
-        try:
-            return self.stub.Generate(generate_request(prompt, **options), **self._kw(timeout, metadata))
-        except grpc.RpcError as err:
-            raise to_mesh_error(err) from None
+        """`metadata` passes extra headers, e.g. a W3C `traceparent` to continue the caller's trace.
+        A shed is retried as its retry info says (see the module doc)."""
+        request = generate_request(prompt, **options)
+        headers = (*self.opts.metadata(), *metadata)
+
+        def once(left: float) -> gateway_pb2.GenerateResponse:
+            try:
+                return self.stub.Generate(request, timeout=left, metadata=headers)
+            except grpc.RpcError as err:
+                raise to_mesh_error(err) from None
+
+        return self.guard.run(once, timeout or self.opts.timeout)
 
     def stream(
         self, prompt: str, *, timeout: float | None = None, **options: Any
     ) -> Iterator[gateway_pb2.GenerateStreamResponse]:
-        call = self.stub.GenerateStream(generate_request(prompt, **options), **self._kw(timeout))
-        try:
-            yield from call
-        except grpc.RpcError as err:
-            raise to_mesh_error(err) from None
-        finally:
-            call.cancel()
+        """A shed before the first message is retried; nothing is retried once one came."""
+        request = generate_request(prompt, **options)
+        total = timeout or self.opts.timeout
+        guard = self.guard
+        deadline = guard.clock() + total
+        attempt = 0
+        while True:
+            guard.admit()
+            call = self.stub.GenerateStream(
+                request, timeout=max(0.001, deadline - guard.clock()), metadata=self.opts.metadata()
+            )
+            started = False
+            try:
+                for message in call:
+                    if not started:
+                        started = True
+                        guard.heard(None)
+                    yield message
+                if not started:
+                    guard.heard(None)
+                return
+            except grpc.RpcError as err:
+                error = to_mesh_error(err)
+                if started:
+                    raise error from None
+                guard.heard(error)
+                attempt += 1
+                delay = guard.next_delay(attempt, error, deadline)
+                if delay is None:
+                    raise error from None
+            finally:
+                call.cancel()
+            time.sleep(delay)
 
     def ingest(
         self,
@@ -316,6 +531,7 @@ class AsyncMesh:
             grpc.aio.secure_channel(target, creds, options) if creds else grpc.aio.insecure_channel(target, options)
         )
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+        self.guard = self.opts.guard()
 
     def _kw(self, timeout: float | None, metadata: Iterable[tuple[str, str]] = ()) -> dict[str, Any]:
         return {"timeout": timeout or self.opts.timeout, "metadata": (*self.opts.metadata(), *metadata)}
@@ -323,22 +539,52 @@ class AsyncMesh:
     async def ask(
         self, prompt: str, *, timeout: float | None = None, metadata: Iterable[tuple[str, str]] = (), **options: Any
     ) -> gateway_pb2.GenerateResponse:
-        try:
-            return await self.stub.Generate(generate_request(prompt, **options), **self._kw(timeout, metadata))
-        except grpc.RpcError as err:
-            raise to_mesh_error(err) from None
+        request = generate_request(prompt, **options)
+        headers = (*self.opts.metadata(), *metadata)
+
+        async def once(left: float) -> gateway_pb2.GenerateResponse:
+            try:
+                return await self.stub.Generate(request, timeout=left, metadata=headers)
+            except grpc.RpcError as err:
+                raise to_mesh_error(err) from None
+
+        return await self.guard.run_async(once, timeout or self.opts.timeout)
 
     async def stream(
         self, prompt: str, *, timeout: float | None = None, **options: Any
     ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
-        call = self.stub.GenerateStream(generate_request(prompt, **options), **self._kw(timeout))
-        try:
-            async for message in call:
-                yield message
-        except grpc.RpcError as err:
-            raise to_mesh_error(err) from None
-        finally:
-            call.cancel()
+        """A shed before the first message is retried; nothing is retried once one came."""
+        request = generate_request(prompt, **options)
+        guard = self.guard
+        deadline = guard.clock() + (timeout or self.opts.timeout)
+        attempt = 0
+        while True:
+            guard.admit()
+            call = self.stub.GenerateStream(
+                request, timeout=max(0.001, deadline - guard.clock()), metadata=self.opts.metadata()
+            )
+            started = False
+            try:
+                async for message in call:
+                    if not started:
+                        started = True
+                        guard.heard(None)
+                    yield message
+                if not started:
+                    guard.heard(None)
+                return
+            except grpc.RpcError as err:
+                error = to_mesh_error(err)
+                if started:
+                    raise error from None
+                guard.heard(error)
+                attempt += 1
+                delay = guard.next_delay(attempt, error, deadline)
+                if delay is None:
+                    raise error from None
+            finally:
+                call.cancel()
+            await asyncio.sleep(delay)
 
     async def ingest(
         self,

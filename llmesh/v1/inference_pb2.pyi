@@ -66,3 +66,47 @@ class LoadModelRequest(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     version: str
     def __init__(self, version: _Optional[str] = ...) -> None: ...
+
+class WatchLoadRequest(_message.Message):
+    __slots__ = ("min_interval_seconds", "max_interval_seconds")
+    MIN_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    min_interval_seconds: float
+    max_interval_seconds: float
+    def __init__(self, min_interval_seconds: _Optional[float] = ..., max_interval_seconds: _Optional[float] = ...) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("model_id", "version", "replica", "reported", "running", "max_running", "waiting", "kv_blocks_free", "kv_blocks_total", "block_tokens", "waiting_prompt_tokens", "step_seconds", "prefill_tokens_per_second", "prefix_hit_rate", "prefix_hashes", "sequence")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    version: str
+    replica: str
+    reported: bool
+    running: int
+    max_running: int
+    waiting: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    block_tokens: int
+    waiting_prompt_tokens: int
+    step_seconds: float
+    prefill_tokens_per_second: float
+    prefix_hit_rate: float
+    prefix_hashes: _containers.RepeatedScalarFieldContainer[int]
+    sequence: int
+    def __init__(self, model_id: _Optional[str] = ..., version: _Optional[str] = ..., replica: _Optional[str] = ..., reported: _Optional[bool] = ..., running: _Optional[int] = ..., max_running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., block_tokens: _Optional[int] = ..., waiting_prompt_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., prefill_tokens_per_second: _Optional[float] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., sequence: _Optional[int] = ...) -> None: ...

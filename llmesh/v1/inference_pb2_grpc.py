@@ -50,6 +50,11 @@ class InferenceStub:
                 request_serializer=llmesh_dot_v1_dot_inference__pb2.LoadModelRequest.SerializeToString,
                 response_deserializer=llmesh_dot_v1_dot_inference__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.WatchLoad = channel.unary_stream(
+                '/llmesh.v1.Inference/WatchLoad',
+                request_serializer=llmesh_dot_v1_dot_inference__pb2.WatchLoadRequest.SerializeToString,
+                response_deserializer=llmesh_dot_v1_dot_inference__pb2.LoadReport.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -80,6 +85,15 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchLoad(self, request, context):
+        """The engine's own load, streamed for as long as the caller listens: a report at once, then
+        one whenever the load changes (at most every min_interval) and at least every
+        max_interval. The gateway admits and routes on it (issue 26).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +111,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.LoadModel,
                     request_deserializer=llmesh_dot_v1_dot_inference__pb2.LoadModelRequest.FromString,
                     response_serializer=llmesh_dot_v1_dot_inference__pb2.ModelInfo.SerializeToString,
+            ),
+            'WatchLoad': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchLoad,
+                    request_deserializer=llmesh_dot_v1_dot_inference__pb2.WatchLoadRequest.FromString,
+                    response_serializer=llmesh_dot_v1_dot_inference__pb2.LoadReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +200,33 @@ class Inference:
             '/llmesh.v1.Inference/LoadModel',
             llmesh_dot_v1_dot_inference__pb2.LoadModelRequest.SerializeToString,
             llmesh_dot_v1_dot_inference__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/llmesh.v1.Inference/WatchLoad',
+            llmesh_dot_v1_dot_inference__pb2.WatchLoadRequest.SerializeToString,
+            llmesh_dot_v1_dot_inference__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,

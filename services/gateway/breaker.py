@@ -127,12 +127,15 @@ def _all_exceptions(exc: BaseException) -> bool:
 class Permit:
     """Permission for one call; report its outcome once (later reports are ignored)."""
 
-    __slots__ = ("_breaker", "_done", "_generation", "started", "trial")
+    __slots__ = ("_breaker", "_done", "_entry", "_generation", "started", "trial")
 
     def __init__(self, breaker: CircuitBreaker, generation: int, trial: bool = False) -> None:
         self._breaker = breaker
         self._generation = generation
         self._done = False
+        # The window entry its success went into, so a call that ends in a failure after a
+        # success was reported early (a stream's stall) is counted as the failure it was.
+        self._entry: list[bool] | None = None
         self.started = breaker.clock()
         # A half-open trial: callers report it as soon as they can judge (a stream: its first
         # message), so trials are short whatever the length of the call.
@@ -145,12 +148,17 @@ class Permit:
         """The call succeeded; duration defaults to the time since the permit was granted."""
         if not self._done:
             self._done = True
-            self._breaker._record(False, self._elapsed(duration), self._generation)
+            self._entry = self._breaker._record(False, self._elapsed(duration), self._generation)
 
     def failure(self, duration: float | None = None) -> None:
+        """The call failed; after a success reported early (a stall), that success turns into
+        this failure."""
         if not self._done:
             self._done = True
             self._breaker._record(True, self._elapsed(duration), self._generation)
+        elif self._entry is not None:
+            entry, self._entry = self._entry, None
+            self._breaker._amend_failure(entry, self._generation)
 
     def release(self) -> None:
         """No outcome (e.g. the call was cancelled): frees a half-open trial slot."""
@@ -217,7 +225,7 @@ class CircuitBreaker:
         self._state = State.CLOSED
         self._generation = 0
         self._opened_at = 0.0
-        self._window: deque[tuple[bool, bool]] = deque(maxlen=self.config.window_size)
+        self._window: deque[list[bool]] = deque(maxlen=self.config.window_size)
         self._trials_granted = 0
         self._failures_in_a_row = 0
         # Whether a passing probe may end the current OPEN period early (not after failed trials).
@@ -329,13 +337,31 @@ class CircuitBreaker:
         if generation == self._generation and self._state is State.HALF_OPEN and self._trials_granted > 0:
             self._trials_granted -= 1
 
-    def _record(self, failed: bool, duration: float, generation: int) -> None:
+    def _record(self, failed: bool, duration: float, generation: int) -> list[bool] | None:
+        """Records an outcome; returns its window entry ([failed, slow]) or None when ignored."""
         self._maybe_half_open()
         if generation != self._generation or self._state is State.OPEN:
-            return  # a call admitted under an earlier state, or one that slipped past OPEN
+            return None  # a call admitted under an earlier state, or one that slipped past OPEN
         cfg = self.config
-        self._window.append((failed, duration >= cfg.slow_call_duration))
+        entry = [failed, duration >= cfg.slow_call_duration]
+        self._window.append(entry)
         self._failures_in_a_row = self._failures_in_a_row + 1 if failed else 0
+        self._judge()
+        return entry
+
+    def _amend_failure(self, entry: list[bool], generation: int) -> None:
+        """A success recorded early turned out a failure (a stream that stalled, then failed)."""
+        self._maybe_half_open()
+        if generation != self._generation or self._state is State.OPEN or entry[0]:
+            return
+        if not any(e is entry for e in self._window):
+            return  # it left the window meanwhile
+        entry[0] = True
+        self._failures_in_a_row += 1
+        self._judge()
+
+    def _judge(self) -> None:
+        cfg = self.config
         if (
             self._state is State.CLOSED
             and cfg.consecutive_failures

@@ -30,7 +30,10 @@ from services.gateway.admission import (
     INTERACTIVE,
     REASON_DEADLINE,
     Admission,
+    AdmissionController,
+    Ask,
     Hold,
+    LoadBook,
     RedisWeightWindow,
     RequestTooHeavy,
     Ticket,
@@ -128,6 +131,8 @@ class Plan:
     hold: Hold | None = None
     # The admitted reservation: progress reported as tokens arrive, finished on every exit path.
     ticket: Ticket | None = None
+    # issue 26: the prompt-length predictor of the model the request goes to (one per model).
+    predictor: InputTokenPredictor | None = None
     # Milliseconds spent per hop, returned to the caller as `server-timing` metadata.
     timings: dict[str, float] = field(default_factory=dict)
     # issue 29: tokens spent so far, counted for a request that ends without its final message.
@@ -481,10 +486,14 @@ class Gateway:
         default_model: str = "",
         aliases: Mapping[str, Sequence[str]] | None = None,
         usage: UsageMeter | None = None,
+        loads: LoadBook | None = None,
     ) -> None:
         self.peers = peers
         self.config = config
         self.window = window
+        # issue 26: admission from the engines' own load (`loads`, fed by WatchLoad), the window
+        # and the learned limit as its fallback, behind one controller.
+        self.admission = AdmissionController(window, loads)
         metrics.ADMISSION_BUDGET.set(window.config.budget)
         self.routes = {name: ModelRoute(name) for name in models}
         if default_model not in self.routes:
@@ -497,13 +506,21 @@ class Gateway:
                 raise ValueError(f"alias {alias!r}: must not be a model's name and must list served models")
         self.usage = usage or UsageMeter()
         # --- end issue 29
-        self.predictor = InputTokenPredictor()
+        # One per model (a tokenizer's rate is wrong for another); "" serves until a model is known.
+        self.predictors: dict[str, InputTokenPredictor] = {}
+        self.predictor = self.predictor_for("")
         self.versions = CollectionVersions(peers, config.version_ttl)
         self.recent_hits = RecentHits()
         self._background: set[asyncio.Task[None]] = set()
         self.stores_skipped = 0
         self._cache_slow_until = 0.0
         self._cache_answered_at = 0.0
+
+    def predictor_for(self, model: str) -> InputTokenPredictor:
+        found = self.predictors.get(model)
+        if found is None:
+            found = self.predictors[model] = InputTokenPredictor()
+        return found
 
     async def model_key(self, deadline: Deadline, model: str = "") -> str:
         """Model id + weights digest + dtype of one model (a route name; "" = the default): new
@@ -851,12 +868,13 @@ class Gateway:
         with plan.timed("model"):
             route = await self.route(plan.model, deadline)
             model = await self.model_key(deadline, route.name)
+        plan.predictor = self.predictor_for(route.name)
         span.set_attribute("gen_ai.request.model", route.public_name() or model)
         span.set_attribute("llmesh.model_key", model)
         if not plan.use_cache:
             # No cache hit is possible: shed before any other downstream call.
             with plan.timed("admission"):
-                self._precheck(plan, model, deadline)
+                self._precheck(plan, model, deadline, route.name)
         with plan.timed("retrieval"):
             collection, version = await self._retrieval_scope(plan, deadline)
         scope = self._scope(plan, model, collection, version)
@@ -866,7 +884,7 @@ class Gateway:
             # for the cache. One that would be shed waits for the cache only SHED_RISK_LOOKUP_S (a
             # hit costs nothing, so it is still served), and not at all while the cache is failing.
             with plan.timed("admission"):
-                refusal = self._reserve(plan, model, deadline)
+                refusal = self._reserve(plan, model, deadline, route.name, waiting_for_cache=True)
             if refusal is not None and self._cache_suspect():
                 self._shed(refusal, "shed_early")
                 raise refusal
@@ -883,7 +901,7 @@ class Gateway:
             # (retrieval search, tokenizer) unless room opened meanwhile.
             if refusal is not None:
                 with plan.timed("admission"):
-                    self._precheck(plan, model, deadline)
+                    self._precheck(plan, model, deadline, route.name)
         # --- cache scope: the answer is stored under the retrieval it really had -----------------
         if "retrieval_unavailable" in plan.degradations and collection:
             # Only a cached answer could use the last known version: generate without context.
@@ -910,13 +928,13 @@ class Gateway:
         with plan.timed("tokenizer"):
             prompt, input_tokens = await self._render(plan, sources, deadline, route.tokenizer)
         if "tokenizer_estimate" not in plan.degradations:
-            self.predictor.observe(plan, input_tokens, context_bytes(sources))
+            (plan.predictor or self.predictor).observe(plan, input_tokens, context_bytes(sources))
         if input_tokens > self.config.max_prompt_tokens:
             raise InvalidArgument(
                 [("prompt", f"{input_tokens} tokens with context; the limit is {self.config.max_prompt_tokens}")]
             )
         with plan.timed("admission"):
-            admission = await self._admit(plan, input_tokens, model, deadline)
+            admission = await self._admit(plan, input_tokens, model, deadline, route.name)
         plan.ticket = admission.ticket
         if admission.degraded:
             plan.sampling.max_new_tokens = admission.max_new_tokens or plan.sampling.max_new_tokens
@@ -984,7 +1002,7 @@ class Gateway:
             log.warning("tokenizer unavailable, estimating tokens locally: %s", exc.message)
             plan.degrade("tokenizer_estimate")
             text = render_chatml(messages)
-            return text, self.predictor.estimate(plan, context_bytes(sources), text)
+            return text, (plan.predictor or self.predictor).estimate(plan, context_bytes(sources), text)
 
     async def _wait_while_cache_answers(
         self, lookup: asyncio.Future[cache_pb2.CacheLookupResponse], until: float
@@ -1012,40 +1030,31 @@ class Gateway:
         or its breaker is not closed."""
         return time.monotonic() < self._cache_slow_until or self.peers.breakers["cache"].state.value != "closed"
 
-    def _reserve(self, plan: Plan, model: str, deadline: Deadline) -> ResourceExhausted | None:
-        """The precheck without raising: None when the request's predicted weight fits next to
-        what is admitted and what earlier requests on their way hold, and it could finish before
-        its deadline at the measured throughput (it then holds its prediction until its exact
-        weight is admitted); else the refusal."""
-        predicted = self.predictor.predict(plan)
-        capacity = self.window.capacity(model)
-        expected = capacity.drain_seconds(predicted * plan.sampling.max_new_tokens)
-        if expected > deadline.remaining():
-            # At the measured throughput the request would not finish in time: refuse it now
-            # rather than let it run into the caller's deadline.
-            return ResourceExhausted(
-                f"expected to take {expected:.1f}s at the measured throughput; "
-                f"{deadline.remaining():.1f}s of the deadline left",
-                retry_after=min(expected - deadline.remaining(), self.window.config.window_seconds),
-                reason=REASON_DEADLINE,
-            )
-        try:
-            if plan.hold is not None:
-                plan.hold.release()
-            plan.hold = self.window.precheck(
-                plan.tenant, predicted, plan.sampling.max_new_tokens, plan.lane, True, model=model
-            )
-        except RequestTooHeavy:
-            pass  # decided exactly by _admit once the true token count is known
-        except ResourceExhausted as exc:
-            trace.get_current_span().set_attribute("llmesh.admission.predicted_input_tokens", predicted)
-            return exc
-        return None
+    def _ask(self, plan: Plan, model: str, route: str) -> Ask:
+        return Ask(plan.tenant, plan.lane, model, route, plan.sampling.max_new_tokens)
 
-    def _precheck(self, plan: Plan, model: str, deadline: Deadline) -> None:
+    def _reserve(
+        self, plan: Plan, model: str, deadline: Deadline, route: str = "", waiting_for_cache: bool = False
+    ) -> ResourceExhausted | None:
+        """The precheck without raising: None when the request may go on to its hops (it may then
+        hold its prediction until its exact weight is admitted); else the refusal. Decided by
+        `AdmissionController.reserve`: the engines' reported load, or the fallback."""
+        predicted = (plan.predictor or self.predictor).predict(plan)
+        if plan.hold is not None:
+            plan.hold.release()
+            plan.hold = None
+        hold, refusal = self.admission.reserve(
+            self._ask(plan, model, route), predicted, deadline.remaining(), waiting_for_cache=waiting_for_cache
+        )
+        plan.hold = hold
+        if refusal is not None:
+            trace.get_current_span().set_attribute("llmesh.admission.predicted_input_tokens", predicted)
+        return refusal
+
+    def _precheck(self, plan: Plan, model: str, deadline: Deadline, route: str = "") -> None:
         """Sheds before the expensive hops (retrieval search, tokenizer) when the request's
-        predicted weight does not fit or could not finish in time (see `_reserve`)."""
-        refusal = self._reserve(plan, model, deadline)
+        predicted weight does not fit or could not start or finish in time (see `_reserve`)."""
+        refusal = self._reserve(plan, model, deadline, route)
         if refusal is not None:
             self._shed(refusal, "shed_early")
             raise refusal
@@ -1057,30 +1066,14 @@ class Gateway:
         span.set_attribute("llmesh.admission.reason", exc.reason)
         span.set_attribute("llmesh.admission.retry_after_s", exc.retry_after)
 
-    async def _admit(self, plan: Plan, input_tokens: int, model: str, deadline: Deadline) -> Admission:
+    async def _admit(self, plan: Plan, input_tokens: int, model: str, deadline: Deadline, route: str = "") -> Admission:
         span = trace.get_current_span()
-        capacity = self.window.capacity(model)
-        own_hold = plan.hold.weight if plan.hold is not None and not plan.hold.released else 0
-        expected = capacity.drain_seconds(input_tokens * plan.sampling.max_new_tokens - own_hold)
-        # A request that passed the precheck was judged there (before its hops, so a refusal was
-        # fast); it is not refused for the time those hops took.
-        if not own_hold and expected > deadline.remaining():
-            # At the measured throughput the request would not finish in time: refuse it now
-            # rather than let it run into the caller's deadline.
-            exc = ResourceExhausted(
-                f"expected to take {expected:.1f}s at the measured throughput; "
-                f"{deadline.remaining():.1f}s of the deadline left",
-                retry_after=min(expected - deadline.remaining(), self.window.config.window_seconds),
-                reason=REASON_DEADLINE,
-            )
-            self._shed(exc, "shed_deadline")
-            raise exc
+        capacity = self.admission.capacity(model)
         try:
             # The exact weight replaces the prediction this request has held since its precheck.
-            decision = self.window.plan(
-                plan.tenant, input_tokens, plan.sampling.max_new_tokens, plan.lane, hold=plan.hold, model=model
+            admission = await self.admission.admit(
+                self._ask(plan, model, route), input_tokens, plan.hold, deadline.remaining()
             )
-            admission = await decision if asyncio.iscoroutine(decision) else decision
         except RequestTooHeavy as exc:
             self._shed(exc, "refused_too_heavy")
             raise InvalidArgument(
@@ -1093,7 +1086,7 @@ class Gateway:
                 ]
             ) from exc
         except ResourceExhausted as exc:
-            self._shed(exc, "shed")
+            self._shed(exc, "shed_deadline" if exc.reason == REASON_DEADLINE else "shed")
             raise
         metrics.ADMISSION_WEIGHT.set(admission.occupancy)
         metrics.ADMISSION_IN_FLIGHT_LIMIT.set(capacity.limit())

@@ -285,6 +285,22 @@ def _context_copy(otel: otel_context.Context) -> contextvars.Context:
 
 
 PEERS = ("tokenizer", "inference", "cache", "retrieval")
+# Breakers per peer and method where the calls differ (issue 26): a cheap call (model info)
+# never spends the Generate breaker's half-open trials nor closes it while Generate fails; an
+# Ingest, or a caller's own Search, never opens the breaker the RAG hop relies on. Named
+# "<peer>:<method>"; the peer's own name is the breaker of its main calls.
+INFO = "info"
+INGEST = "ingest"
+SEARCH = "search"
+
+
+def method_breaker(peer: str, method: str) -> str:
+    return f"{peer}:{method}"
+
+
+def channel_of(breaker: str) -> str:
+    """The channel (peer) a breaker's calls go to."""
+    return breaker.partition(":")[0]
 
 
 def inference_peer(model: str) -> str:
@@ -325,6 +341,9 @@ class Peers:
         self.channels = {
             name: peer_channel(target, max_message_bytes, credentials) for name, target in all_targets.items()
         }
+        breaker_names = [*all_targets]
+        breaker_names += [method_breaker(inference_peer(model), INFO) for model in models]
+        breaker_names += [method_breaker("retrieval", INGEST), method_breaker("retrieval", SEARCH)]
         self.breakers = {
             name: CircuitBreaker(
                 name,
@@ -332,7 +351,7 @@ class Peers:
                 is_failure=counts_as_failure,
                 on_transition=[*([on_transition(name)] if on_transition else []), self._prober(name)],
             )
-            for name in all_targets
+            for name in breaker_names
         }
         self.health = {name: health_pb2_grpc.HealthStub(channel) for name, channel in self.channels.items()}
         self._probes: dict[str, asyncio.Task[None]] = {}
@@ -371,7 +390,7 @@ class Peers:
         while breaker.state is State.OPEN:
             started = time.monotonic()
             try:
-                reply = await self.health[name].Check(request, timeout=self.probe_seconds)
+                reply = await self.health[channel_of(name)].Check(request, timeout=self.probe_seconds)
             except grpc.aio.AioRpcError as err:
                 if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     breaker.probe_failed()  # no answer: no trials until it answers (or the wait ends)
@@ -402,7 +421,7 @@ class Peers:
         request = inference_pb2.GetModelInfoRequest()
         stub = self.inferences[model]
         return await _unary(
-            self.breakers[inference_peer(model)],
+            self.breakers[method_breaker(inference_peer(model), INFO)],
             lambda timeout: stub.GetModelInfo(request, timeout=timeout),
             deadline,
             self.budgets.collection_info,
@@ -427,6 +446,19 @@ class Peers:
         return _stream(
             self.breakers[inference_peer(model)], lambda timeout: stub.Generate(request, timeout=timeout), deadline
         )
+
+    async def watch_load(self, model: str = "") -> AsyncIterator[inference_pb2.LoadReport]:
+        """The model's inference load reports (issue 26), for as long as the stream lasts: no
+        deadline and no breaker (a long-lived stream that says nothing of a request's health);
+        a failure is a PeerCallError (UNIMPLEMENTED: the backend reports no load)."""
+        call = self.inferences[model].WatchLoad(inference_pb2.WatchLoadRequest())
+        try:
+            async for report in call:
+                yield report
+        except grpc.aio.AioRpcError as err:
+            raise PeerCallError(from_rpc_error(inference_peer(model), err)) from err
+        finally:
+            call.cancel()
 
     async def cache_lookup(
         self, request: cache_pb2.CacheLookupRequest, deadline: Deadline
@@ -486,7 +518,7 @@ class Peers:
         """`optional`: context for a generation (the search budget applies); else the caller's own
         search (its whole deadline)."""
         return await _unary(
-            self.breakers["retrieval"],
+            self.breakers["retrieval" if optional else method_breaker("retrieval", SEARCH)],
             lambda timeout: self.retrieval.Search(request, timeout=timeout),
             deadline,
             self.budgets.search if optional else None,
@@ -496,5 +528,7 @@ class Peers:
         self, request: retrieval_pb2.UpsertRequest, deadline: Deadline
     ) -> AsyncIterator[retrieval_pb2.UpsertProgress]:
         return _stream(
-            self.breakers["retrieval"], lambda timeout: self.retrieval.Upsert(request, timeout=timeout), deadline
+            self.breakers[method_breaker("retrieval", INGEST)],
+            lambda timeout: self.retrieval.Upsert(request, timeout=timeout),
+            deadline,
         )

@@ -15,7 +15,8 @@ from llmesh.settings import Settings, SettingsError, model_routes
 from llmesh.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway import metrics
 from services.gateway.admin import AdminKeys
-from services.gateway.admission import AdmissionConfig, RedisWeightWindow, WeightWindow, connect_redis
+from services.gateway.admission import AdmissionConfig, LoadBook, RedisWeightWindow, WeightWindow, connect_redis
+from services.gateway.admission.load import LoadWatcher
 from services.gateway.auth import Caller, KeyRing
 from services.gateway.breaker import BreakerConfig, State, TransitionListener
 from services.gateway.core import Delta, Final, Gateway, GatewayConfig, server_timing
@@ -171,6 +172,12 @@ class GatewayApp:
             probe_seconds=s.breaker_probe_seconds,
         )
         admission = AdmissionConfig.from_settings(s)
+        # issue 26: each model's inference reports its own load; admission decides on it.
+        self.loads = LoadBook()
+        self.load_watchers = [
+            LoadWatcher(self.loads, name, lambda name=name: self.peers.watch_load(name))  # type: ignore[misc]
+            for name in models
+        ]
         self.window: WeightWindow | RedisWeightWindow = (
             RedisWeightWindow(
                 admission,
@@ -201,7 +208,9 @@ class GatewayApp:
             cache_store_budget=s.hop_cache_store_seconds,
         )
         try:
-            self.gateway = Gateway(self.peers, config, self.window, list(models), default_model, s.model_aliases, usage)
+            self.gateway = Gateway(
+                self.peers, config, self.window, list(models), default_model, s.model_aliases, usage, self.loads
+            )
         except ValueError as exc:
             raise SettingsError(f"invalid settings: LLMESH_MODEL_ALIASES: {exc}") from None
         self.servicer = GatewayServicer(
@@ -217,6 +226,8 @@ class GatewayApp:
         if self.api_keys.path is not None:
             self._watch = asyncio.get_running_loop().create_task(self.api_keys.watch())
         self.limiter.start()
+        for watcher in self.load_watchers:
+            watcher.start()
         announce(await self.http.start() if self.http is not None else 0)
 
     async def drain(self, grace: float) -> None:
@@ -231,6 +242,8 @@ class GatewayApp:
         return {}
 
     async def stop(self) -> None:
+        for watcher in self.load_watchers:
+            await watcher.stop()
         await self.gateway.settle()
         if self._watch is not None:
             self._watch.cancel()

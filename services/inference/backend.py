@@ -13,6 +13,7 @@ from typing import Protocol
 
 from services.inference.decoding import SamplingParams
 from services.inference.engine import GenerationEvent, ModelDescription
+from services.inference.engine.load import EngineLoad
 
 
 class Encoder(Protocol):
@@ -46,6 +47,11 @@ class InferenceBackend(Protocol):
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "") -> GenerationStream:
         """Validates at once (InvalidArgument, ResourceExhausted); errors while streaming come
         from iterating the stream."""
+        ...
+
+    def load(self) -> EngineLoad | None:
+        """The backend's load now (rows, queue, KV, step time), or None when it reports none:
+        the signal the gateway admits and routes on (WatchLoad)."""
         ...
 
     async def load_version(self, version: str) -> ModelDescription: ...

@@ -20,6 +20,7 @@ from llmesh import errors
 from llmesh.models import ModelError, point_current, resolve, verify
 from services.inference.decoding import SamplingParams
 from services.inference.engine import Engine, EngineConfig, ModelDescription, RequestStream
+from services.inference.engine.load import EngineLoad
 
 log = logging.getLogger("llmesh.inference.lifecycle")
 
@@ -70,6 +71,10 @@ class ModelManager:
     def serving(self) -> bool:
         # An engine whose worker died closed itself: NOT_SERVING until a restart or a switch.
         return self._engine is not None and not self._engine.closed
+
+    def load(self) -> EngineLoad | None:
+        """The serving engine's load (None before one serves)."""
+        return self._engine.load() if self._engine is not None else None
 
     async def start(self) -> None:
         await asyncio.to_thread(self.load_initial)

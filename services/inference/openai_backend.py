@@ -20,7 +20,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -33,8 +33,10 @@ from tokenizers import Tokenizer
 from llmesh import errors
 from llmesh.models import ModelError, resolve, verify
 from services.inference import metrics
+from services.inference.backend_load import ReplicaLoad, combine, parse_metrics
 from services.inference.decoding import Limits, ResolvedParams, SamplingParams, resolve_params
 from services.inference.engine import FINISH_STOP, GenerationEvent, ModelDescription
+from services.inference.engine.load import EngineLoad
 from services.inference.openai_protocol import Chunk, completion_body, error_for_status, parse_chunk
 
 log = logging.getLogger("llmesh.inference.openai")
@@ -47,6 +49,10 @@ PROBE_TEXT = (
 )
 #: Log a "still waiting" line this often while no replica lists the model at start.
 WAIT_LOG_INTERVAL_S = 10.0
+#: The engines' /metrics are scraped this often (the load the gateway admits on), never per
+#: request; a scrape older than LOAD_STALE_S no longer counts.
+LOAD_POLL_INTERVAL_S = 0.1
+LOAD_STALE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,7 @@ class Replica:
     in_flight: int = 0
     max_model_len: int = 0
     engine: str = ""  # what the server calls itself, e.g. "vllm 0.32.0"
+    load: ReplicaLoad = field(default_factory=ReplicaLoad)
 
     @property
     def origin(self) -> str:
@@ -168,6 +175,7 @@ class OpenAIBackend:
             ),
         )
         self._monitor: asyncio.Task[None] | None = None
+        self._load_poll: asyncio.Task[None] | None = None
         self.limits = Limits(
             max_prompt_tokens=config.max_prompt_tokens,
             max_new_tokens=config.max_new_tokens,
@@ -195,12 +203,14 @@ class OpenAIBackend:
             await asyncio.sleep(self.config.health_interval_s)
         await self.check_tokenizer()
         self._monitor = asyncio.create_task(self._watch())
+        self._load_poll = asyncio.create_task(self._poll_load())
         desc = self.description
         log.info("serving %s through %s (%s)", desc.model_id, ", ".join(self.config.urls), desc.version)
 
     async def close(self) -> None:
-        if self._monitor is not None:
-            self._monitor.cancel()
+        for task in (self._monitor, self._load_poll):
+            if task is not None:
+                task.cancel()
         await self.client.aclose()
 
     async def load_version(self, version: str) -> ModelDescription:
@@ -241,6 +251,34 @@ class OpenAIBackend:
             else:
                 log.warning("inference backend %s does not serve %s", replica.base_url, self.config.model)
             replica.healthy = healthy
+
+    # ------------------------------------------------------------------ load
+
+    async def _poll_load(self) -> None:
+        while True:
+            await asyncio.gather(*(self._scrape(r) for r in self.replicas if r.healthy))
+            await asyncio.sleep(LOAD_POLL_INTERVAL_S)
+
+    async def _scrape(self, replica: Replica) -> None:
+        try:
+            answer = await self.client.get(f"{replica.origin}/metrics", timeout=self.config.connect_timeout_s)
+        except httpx.HTTPError:
+            replica.load.forget()
+            return
+        if answer.status_code != 200:
+            replica.load.forget()
+            return
+        replica.load.update(parse_metrics(answer.text), time.monotonic())
+
+    def load(self) -> EngineLoad | None:
+        """The healthy replicas' load from their latest scrapes (None: no server reports one)."""
+        now = time.monotonic()
+        loads = [
+            found
+            for r in self.replicas
+            if r.healthy and now - r.load.scraped_at <= LOAD_STALE_S and (found := r.load.load()) is not None
+        ]
+        return combine(loads)
 
     async def _engine_name(self, replica: Replica, owner: str) -> str:
         """vLLM, SGLang and TGI tell their version on /version (outside /v1)."""

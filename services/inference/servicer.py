@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
+import socket
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -24,6 +27,7 @@ from services.inference.engine import (
     GenerationEvent,
     ModelDescription,
 )
+from services.inference.engine.load import EngineLoad
 from services.inference.lifecycle import ModelManager
 from services.inference.openai_backend import BackendConfig, LocalTokenizer, OpenAIBackend
 
@@ -72,6 +76,48 @@ def model_info(desc: ModelDescription) -> inference_pb2.ModelInfo:
     )
 
 
+#: WatchLoad's defaults and bounds (seconds): a change is pushed within MIN, and a report goes
+#: out at least every MAX so a watcher can tell a frozen replica from an idle one.
+LOAD_MIN_INTERVAL_S = 0.01
+LOAD_MAX_INTERVAL_S = 1.0
+LOAD_INTERVAL_BOUNDS_S = (0.001, 60.0)
+
+
+def load_report(load: EngineLoad | None, desc: ModelDescription, replica: str) -> inference_pb2.LoadReport:
+    """The wire form of an engine's load (`reported` False when the backend reports none)."""
+    report = inference_pb2.LoadReport(model_id=desc.model_id, version=desc.version, replica=replica)
+    if load is None:
+        return report
+    report.reported = True
+    report.running = load.running
+    report.max_running = load.max_running
+    report.waiting = load.waiting
+    report.kv_blocks_free = load.kv_blocks_free
+    report.kv_blocks_total = load.kv_blocks_total
+    report.block_tokens = load.block_tokens
+    report.waiting_prompt_tokens = load.waiting_prompt_tokens
+    report.step_seconds = load.step_seconds or 0.0
+    report.prefill_tokens_per_second = load.prefill_tokens_per_second or 0.0
+    report.prefix_hit_rate = load.prefix_hit_rate
+    report.prefix_hashes.extend(h & ((1 << 64) - 1) for h in load.prefix_hashes)
+    return report
+
+
+def watch_intervals(request: inference_pb2.WatchLoadRequest) -> tuple[float, float]:
+    """(min, max) seconds between reports; INVALID_ARGUMENT naming the field when out of bounds."""
+    low, high = LOAD_INTERVAL_BOUNDS_S
+    problems = []
+    least = request.min_interval_seconds or LOAD_MIN_INTERVAL_S
+    most = request.max_interval_seconds or max(LOAD_MAX_INTERVAL_S, least)
+    if not low <= least <= high:
+        problems.append(("min_interval_seconds", f"must be 0 (the default) or in [{low:g}, {high:g}]"))
+    if not low <= most <= high or most < least:
+        problems.append(("max_interval_seconds", f"must be 0 (the default) or in [min_interval_seconds, {high:g}]"))
+    if problems:
+        raise errors.InvalidArgument(problems)
+    return least, most
+
+
 def check_admin(context: grpc.aio.ServicerContext, admin_token: str) -> None:
     """`authorization: Bearer <LLMESH_ADMIN_TOKEN>`; an empty setting disables admin RPCs."""
     if not admin_token:
@@ -91,6 +137,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(self, manager: Readiness[InferenceBackend], settings: Settings) -> None:
         self._manager = manager
         self._admin_token: str = settings.admin_token
+        #: This process among the model's replicas (a restart is a new replica).
+        self.replica = f"{socket.gethostname()}:{os.getpid()}"
 
     async def Generate(  # type: ignore[override]
         self, request: inference_pb2.InferenceRequest, context: grpc.aio.ServicerContext
@@ -125,6 +173,29 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ModelInfo:
         return model_info(self._manager.get().description)
+
+    async def WatchLoad(  # type: ignore[override]
+        self, request: inference_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.LoadReport]:
+        """Samples the backend's load every `min` seconds (plain counters: cheap) and sends it
+        when it changed, or when `max` seconds passed since the last report."""
+        least, most = watch_intervals(request)
+        sequence = 0
+        last: inference_pb2.LoadReport | None = None
+        sent_at = 0.0
+        while True:
+            backend = self._manager.get()
+            report = load_report(backend.load(), backend.description, self.replica)
+            now = time.monotonic()
+            if report != last or now - sent_at >= most:
+                last = report
+                sent_at = now
+                sequence += 1
+                out = inference_pb2.LoadReport()
+                out.CopyFrom(report)
+                out.sequence = sequence
+                yield out
+            await asyncio.sleep(least)
 
     async def LoadModel(
         self, request: inference_pb2.LoadModelRequest, context: grpc.aio.ServicerContext

@@ -110,7 +110,8 @@ async def test_overloaded_error_carries_retry_after(
         LLMESH_ADMISSION_DEGRADE="false",
         LLMESH_ADMISSION_TENANT_SHARE="1",
     ) as gw:
-        async with AsyncMesh(f"127.0.0.1:{gw.port}") as client:
+        # The error itself, as the mesh sent it: no retries, no client-side throttling.
+        async with AsyncMesh(f"127.0.0.1:{gw.port}", retries=0, throttle=False) as client:
             with pytest.raises(OverloadedError) as overloaded:
                 for i in range(20):
                     await client.ask(f"hello {i}", max_new_tokens=4, use_cache=False)

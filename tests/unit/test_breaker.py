@@ -265,13 +265,24 @@ async def test_guard_cancellation_frees_trial_slot(clock: FakeClock) -> None:
 
 
 def test_permit_reports_once(clock: FakeClock) -> None:
-    b, _ = make(clock, minimum_calls=1, window_size=1)
+    b, _ = make(clock, minimum_calls=2, window_size=2)
     p = b.acquire()
     clock.advance(0.2)
+    p.failure()
     p.success()
     p.failure()
-    assert b.state is State.CLOSED
+    assert b.metrics().calls == 1 and b.metrics().failed == 1
+
+
+def test_a_failure_after_an_early_success_turns_it_into_a_failure(clock: FakeClock) -> None:
+    # A stream reported slow when it stalled, then failed: one call, and a failed one (issue 26).
+    b, _ = make(clock, minimum_calls=2, window_size=4, consecutive_failures=0)
+    p = b.acquire()
+    p.success(1.0)
     assert b.metrics().failed == 0
+    p.failure()
+    p.failure()  # once only
+    assert (b.metrics().calls, b.metrics().failed) == (1, 1)
 
 
 @pytest.mark.parametrize(
