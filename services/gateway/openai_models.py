@@ -17,10 +17,8 @@ from llmesh.v1 import common_pb2, gateway_pb2
 
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
-SYSTEM_ROLES = ("system", "developer")
-# How earlier turns of a conversation are put before the last user message (the gateway's
-# pipeline answers one question, with an optional system prompt).
-TURN_LABELS = {"user": "User", "assistant": "Assistant"}
+# OpenAI's "developer" turn is the system turn of models that know no such role.
+ROLE_OF = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 class Strict(BaseModel):
@@ -49,15 +47,43 @@ class TextPart(Strict):
     text: str
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str
+
+
+class ToolCallParam(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    # Sent back by clients that echo an assistant message as they received it.
+    refusal: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def turn(self) -> common_pb2.ChatMessage:
+        """The gateway's turn: the same role (developer: system), content, name and tool fields."""
+        return common_pb2.ChatMessage(
+            role=ROLE_OF[self.role],
+            content=self.text(),
+            name=self.name or "",
+            tool_call_id=self.tool_call_id or "",
+            tool_calls=[
+                common_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                for c in self.tool_calls or ()
+            ],
+        )
 
 
 class ResponseFormat(Strict):
@@ -97,7 +123,12 @@ class Sampling(Strict):
         return bad
 
     def generate_request(
-        self, prompt: str, system_prompt: str, tenant: str, max_tokens: int | None
+        self,
+        prompt: str,
+        system_prompt: str,
+        tenant: str,
+        max_tokens: int | None,
+        messages: list[common_pb2.ChatMessage] | None = None,
     ) -> gateway_pb2.GenerateRequest:
         sampling = common_pb2.SamplingParams(
             max_new_tokens=max_tokens or 0,
@@ -117,6 +148,7 @@ class Sampling(Strict):
             lane=self.llmesh.lane,
             # `model` routes: one of the gateway's models by name (checked against /v1/models first).
             model=self.model,
+            messages=messages or [],
         )
         if self.llmesh.use_cache is not None:
             request.use_cache = self.llmesh.use_cache
@@ -161,23 +193,13 @@ class ChatCompletionRequest(Sampling):
         return bad
 
     def to_generate(self, tenant: str) -> gateway_pb2.GenerateRequest:
-        """System and developer messages become the system prompt; the last message must be the
-        user's question. Earlier turns go before it as a transcript, so the cache key, retrieval
-        query and prompt all carry the whole conversation."""
+        """The messages as the gateway's turns, one for one and in order (a developer message is
+        a system turn); the gateway checks the conversation and the model's template renders it."""
         bad = self.unsupported()
-        system = [m.text() for m in self.messages if m.role in SYSTEM_ROLES]
-        turns = [m for m in self.messages if m.role not in SYSTEM_ROLES]
-        if not turns or turns[-1].role != "user":
-            bad.append(("messages", "the last message other than system messages must have role 'user'"))
         if bad:
             raise InvalidArgument(bad)
-        *history, question = turns
-        prompt = question.text()
-        if history:
-            transcript = "\n".join(f"{TURN_LABELS[m.role]}: {m.text()}" for m in history)
-            prompt = f"{transcript}\nUser: {prompt}"
         max_tokens = self.max_completion_tokens or self.max_tokens
-        return self.generate_request(prompt, "\n\n".join(system), tenant, max_tokens)
+        return self.generate_request("", "", tenant, max_tokens, [m.turn() for m in self.messages])
 
 
 class CompletionRequest(Sampling):

@@ -97,6 +97,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> AsyncIterator[inference_pb2.InferenceResponse]:
         manager = self._manager.get()
         params = sampling_from_proto(request.sampling)
+        if request.response_format.type not in ("", "text"):
+            raise errors.InvalidArgument([("response_format", "this engine does not constrain its output yet")])
         which = request.WhichOneof("input")
         if which == "text":
             encoder = manager.encoder

@@ -1,0 +1,181 @@
+"""Conversations through the real gateway (gRPC and the OpenAI HTTP API) on real servers
+(tokenizer, tiny-model inference, the cache on real Redis with its semantic tier): every turn is
+rendered by the model's own template, retrieval searches with the last user turn, and the answer
+cache never lets two conversations share an entry."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+
+from llmesh.server import ServiceHost
+from llmesh.testing import hosted
+from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
+from services.cache.servicer import CacheApp
+from services.gateway.servicer import GatewayApp
+from services.inference.servicer import InferenceApp
+from services.tokenizer.servicer import TokenizerApp
+
+MODEL = "tiny-random-llama-0"
+
+
+@dataclass
+class RecordingRetrieval(retrieval_pb2_grpc.RetrievalServicer):
+    """A collection with one chunk; remembers every query it was searched with."""
+
+    queries: list[str] = field(default_factory=list)
+
+    async def GetCollectionInfo(self, request, context):  # type: ignore[no-untyped-def]
+        return retrieval_pb2.CollectionInfo(exists=True, points=1, version=1, dimension=384)
+
+    async def Search(self, request, context):  # type: ignore[no-untyped-def]
+        self.queries.append(request.query)
+        chunk = common_pb2.ScoredChunk(document_id="handbook", text="Employees get 25 vacation days.", score=0.9)
+        return retrieval_pb2.RetrievalSearchResponse(results=[chunk], collection_version=1)
+
+
+@dataclass
+class Mesh:
+    gateway: ServiceHost
+    stub: gateway_pb2_grpc.GatewayStub
+    retrieval: RecordingRetrieval
+
+    async def settle(self) -> None:
+        await self.gateway.app.gateway.settle()  # type: ignore[attr-defined]
+
+    @property
+    def http_base(self) -> str:
+        return f"http://127.0.0.1:{self.gateway.app.http.port}/v1"  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+async def mesh(
+    models_dir: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, module_redis_url: str
+) -> AsyncIterator[Mesh]:
+    env = {
+        "LLMESH_MODELS_DIR": str(models_dir),
+        "LLMESH_DATA_DIR": str(tmp_path_factory.mktemp("conversations")),
+        "LLMESH_INFERENCE_MODEL": "tiny",
+        "LLMESH_REDIS_URL": module_redis_url,
+        "QDRANT_URL": "",
+    }
+    fake = RecordingRetrieval()
+    server = grpc.aio.server()
+    retrieval_pb2_grpc.add_RetrievalServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    prefix = f"llmesh-conv:{uuid.uuid4().hex[:8]}:"
+    try:
+        async with (
+            hosted("tokenizer", TokenizerApp, env) as tok,
+            hosted("inference", InferenceApp, env) as inf,
+            hosted("cache", lambda s: CacheApp(s, key_prefix=prefix), env) as cache,
+        ):
+            gateway_env = {
+                **env,
+                "LLMESH_TOKENIZER_TARGET": f"127.0.0.1:{tok.port}",
+                "LLMESH_INFERENCE_TARGET": f"127.0.0.1:{inf.port}",
+                "LLMESH_CACHE_TARGET": f"127.0.0.1:{cache.port}",
+                "LLMESH_RETRIEVAL_TARGET": f"127.0.0.1:{port}",
+            }
+            async with hosted("gateway", GatewayApp, gateway_env) as gw:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
+                    yield Mesh(gw, gateway_pb2_grpc.GatewayStub(channel), fake)
+    finally:
+        await server.stop(grace=0.5)
+
+
+def turn(role: str, content: str) -> common_pb2.ChatMessage:
+    return common_pb2.ChatMessage(role=role, content=content)
+
+
+def conversation(earlier: str, question: str, **kw: object) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        messages=[turn("user", earlier), turn("assistant", "Noted."), turn("user", question)],
+        sampling=common_pb2.SamplingParams(max_new_tokens=6),
+        use_retrieval=False,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+async def test_two_different_earlier_turns_never_share_an_entry_and_the_same_conversation_hits(mesh: Mesh) -> None:
+    question = f"What is my name ({uuid.uuid4().hex[:6]})?"
+    ann = conversation("My name is Ann.", question)
+    bob = conversation("My name is Bob.", question)
+    first = await mesh.stub.Generate(ann, timeout=60)
+    assert not first.cache.hit
+    await mesh.settle()
+    # The same last question after another earlier turn: neither tier may answer it.
+    other = await mesh.stub.Generate(bob, timeout=60)
+    assert not other.cache.hit
+    await mesh.settle()
+    # Each conversation is its own entry, and asked again it hits exactly.
+    again = await mesh.stub.Generate(ann, timeout=60)
+    assert again.cache.hit and again.cache.tier == common_pb2.CACHE_TIER_EXACT and again.text == first.text
+    assert (await mesh.stub.Generate(bob, timeout=60)).cache.tier == common_pb2.CACHE_TIER_EXACT
+    # The question alone (no earlier turns) is another request again.
+    alone = gateway_pb2.GenerateRequest(prompt=question, sampling=ann.sampling, use_retrieval=False)
+    assert not (await mesh.stub.Generate(alone, timeout=60)).cache.hit
+
+
+async def test_a_conversation_is_never_answered_by_the_semantic_tier(mesh: Mesh) -> None:
+    tag = uuid.uuid4().hex[:6]
+    asked = conversation("I live in Paris.", f"How far is the airport from here {tag}?")
+    await mesh.stub.Generate(asked, timeout=60)
+    await mesh.settle()
+    # A near-duplicate last question after the same earlier turns: exact only, never semantic.
+    near = conversation("I live in Paris.", f"How far is the airport from here {tag}")
+    near.messages[-1].content = f"how far is the airport from here, {tag}?!"
+    assert not (await mesh.stub.Generate(near, timeout=60)).cache.hit
+
+
+async def test_retrieval_searches_with_the_last_user_turn_and_context_joins_the_system_turn(mesh: Mesh) -> None:
+    question = f"How many vacation days do I get ({uuid.uuid4().hex[:6]})?"
+    request = conversation("I joined in May.", question)
+    request.use_retrieval = True
+    request.use_cache = False
+    reply = await mesh.stub.Generate(request, timeout=60)
+    assert mesh.retrieval.queries[-1] == question
+    assert [s.document_id for s in reply.sources] == ["handbook"]
+
+
+async def test_the_openai_api_carries_every_turn_and_its_entries_follow_them(mesh: Mesh) -> None:
+    question = f"And what did I say first ({uuid.uuid4().hex[:6]})?"
+    async with openai.AsyncOpenAI(base_url=mesh.http_base, api_key="unused", max_retries=0, timeout=60) as client:
+
+        async def chat(earlier: str) -> dict:
+            answer = await client.chat.completions.create(
+                model=MODEL,
+                messages=[
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": earlier},
+                    {"role": "assistant", "content": "Sure."},
+                    {"role": "user", "content": question},
+                ],
+                max_tokens=6,
+                extra_body={"llmesh": {"use_retrieval": False}},
+            )
+            return answer.model_extra["llmesh"]  # type: ignore[index]
+
+        assert not (await chat("Remember the word apple."))["cache"]["hit"]
+        await mesh.settle()
+        assert not (await chat("Remember the word pear."))["cache"]["hit"]
+        await mesh.settle()
+        assert (await chat("Remember the word apple."))["cache"]["tier"] == "exact"
+
+
+async def test_a_bad_conversation_is_a_400_naming_the_field(mesh: Mesh) -> None:
+    async with openai.AsyncOpenAI(base_url=mesh.http_base, api_key="unused", max_retries=0, timeout=60) as client:
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "x", "content": "r"}],
+                max_tokens=4,
+            )
+    assert info.value.body["param"] == "messages[1].tool_call_id"  # type: ignore[index]
