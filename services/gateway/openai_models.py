@@ -8,6 +8,7 @@ Parameters llmesh does not implement are refused with a 400 naming them, never i
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -86,8 +87,33 @@ class ChatMessage(Strict):
         )
 
 
+class JsonSchemaFormat(Strict):
+    name: str = ""
+    description: str | None = None
+    # OpenAI calls it `schema`; `schema_` here because pydantic's BaseModel has a `schema`.
+    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
 class ResponseFormat(Strict):
-    type: Literal["text"]
+    """OpenAI's `response_format`, and llmesh's own `regex` and `choice` (as vLLM offers them)."""
+
+    type: Literal["text", "json_object", "json_schema", "regex", "choice"]
+    json_schema: JsonSchemaFormat | None = None
+    regex: str | None = None
+    choices: list[str] | None = None
+
+    def proto(self) -> common_pb2.ResponseFormat:
+        form = common_pb2.ResponseFormat(type=self.type, regex=self.regex or "", choices=self.choices or [])
+        if self.json_schema is not None:
+            form.json_schema = json.dumps(self.json_schema.schema_, sort_keys=True, separators=(",", ":"))
+            form.name = self.json_schema.name
+            form.strict = bool(self.json_schema.strict)
+        elif self.type == "json_schema":
+            form.json_schema = ""  # the gateway names the missing schema
+        return form
 
 
 class Sampling(Strict):
@@ -199,7 +225,10 @@ class ChatCompletionRequest(Sampling):
         if bad:
             raise InvalidArgument(bad)
         max_tokens = self.max_completion_tokens or self.max_tokens
-        return self.generate_request("", "", tenant, max_tokens, [m.turn() for m in self.messages])
+        request = self.generate_request("", "", tenant, max_tokens, [m.turn() for m in self.messages])
+        if self.response_format is not None and self.response_format.type != "text":
+            request.response_format.CopyFrom(self.response_format.proto())
+        return request
 
 
 class CompletionRequest(Sampling):

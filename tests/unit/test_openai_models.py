@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -153,3 +155,19 @@ def test_tool_turns_and_calls_are_carried_as_they_are() -> None:
     assert (user.role, user.name) == ("user", "ann")
     assert [(c.id, c.name, c.arguments) for c in assistant.tool_calls] == [("call_1", "weather", '{"city":"Paris"}')]
     assert (tool.role, tool.tool_call_id, tool.content) == ("tool", "call_1", "18C, sunny")
+
+
+def test_response_formats_map_onto_the_contract() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    request = chat(
+        messages=[{"role": "user", "content": "a"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "A", "schema": schema, "strict": True}},
+    ).to_generate("default")
+    form = request.response_format
+    assert (form.type, form.name, form.strict, json.loads(form.json_schema)) == ("json_schema", "A", True, schema)
+    as_object = chat(messages=[{"role": "user", "content": "a"}], response_format={"type": "json_object"})
+    assert as_object.to_generate("default").response_format.type == "json_object"
+    choice = chat(messages=[{"role": "user", "content": "a"}], response_format={"type": "choice", "choices": ["x"]})
+    assert list(choice.to_generate("default").response_format.choices) == ["x"]
+    text = chat(messages=[{"role": "user", "content": "a"}], response_format={"type": "text"})
+    assert not text.to_generate("default").HasField("response_format")
