@@ -5,14 +5,18 @@ cache never lets two conversations share an entry."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import grpc
+import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from llmesh.server import ServiceHost
 from llmesh.testing import hosted
@@ -179,3 +183,84 @@ async def test_a_bad_conversation_is_a_400_naming_the_field(mesh: Mesh) -> None:
                 max_tokens=4,
             )
     assert info.value.body["param"] == "messages[1].tool_call_id"  # type: ignore[index]
+
+
+def structured(question: str, form: common_pb2.ResponseFormat, max_new_tokens: int = 24) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        prompt=question,
+        sampling=common_pb2.SamplingParams(max_new_tokens=max_new_tokens),
+        use_retrieval=False,
+        response_format=form,
+    )
+
+
+async def test_two_response_formats_never_share_an_entry_and_each_answer_has_its_form(mesh: Mesh) -> None:
+    question = f"Describe a cat ({uuid.uuid4().hex[:6]})."
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    as_object = structured(question, common_pb2.ResponseFormat(type="json_object"))
+    as_schema = structured(question, common_pb2.ResponseFormat(type="json_schema", json_schema=json.dumps(schema)))
+    first = await mesh.stub.Generate(as_object, timeout=60)
+    assert not first.cache.hit and isinstance(json.loads(first.text), dict)
+    await mesh.settle()
+    second = await mesh.stub.Generate(as_schema, timeout=60)
+    assert not second.cache.hit
+    jsonschema.validate(json.loads(second.text), schema)
+    await mesh.settle()
+    # Free text, the same question: none of the structured entries answers it.
+    free = await mesh.stub.Generate(structured(question, common_pb2.ResponseFormat()), timeout=60)
+    assert not free.cache.hit
+    await mesh.settle()
+    for request, answer in ((as_object, first), (as_schema, second)):
+        again = await mesh.stub.Generate(request, timeout=60)
+        assert again.cache.tier == common_pb2.CACHE_TIER_EXACT and again.text == answer.text
+
+
+async def test_a_structured_reply_cut_by_its_budget_still_validates(mesh: Mesh) -> None:
+    schema = {"type": "object", "properties": {"story": {"type": "string"}, "n": {"type": "integer"}}}
+    schema["required"] = ["story", "n"]
+    form = common_pb2.ResponseFormat(type="json_schema", json_schema=json.dumps(schema))
+    request = structured("Tell a very long story.", form, max_new_tokens=12)
+    request.sampling.temperature = 1.0
+    request.sampling.seed = 5
+    reply = await mesh.stub.Generate(request, timeout=60)
+    jsonschema.validate(json.loads(reply.text), schema)
+    assert reply.usage.output_tokens <= 12
+
+
+async def test_bad_formats_are_refused_naming_the_field(mesh: Mesh) -> None:
+    cases = [
+        (common_pb2.ResponseFormat(type="json_schema", json_schema="{not json"), "response_format.json_schema"),
+        (common_pb2.ResponseFormat(type="yaml"), "response_format.type"),
+        (common_pb2.ResponseFormat(type="regex", regex="(unclosed"), "response_format.regex"),
+    ]
+    for form, field_name in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await mesh.stub.Generate(structured("Hi", form), timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_name in (info.value.details() or "")
+    # A schema whose shortest answer needs more than the budget: refused up front.
+    keys = [f"k{i}" for i in range(12)]
+    big = {"type": "object", "properties": {k: {"type": "string"} for k in keys}, "required": keys}
+    form = common_pb2.ResponseFormat(type="json_schema", json_schema=json.dumps(big))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await mesh.stub.Generate(structured("Hi", form, max_new_tokens=8), timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.max_new_tokens" in (info.value.details() or "")
+
+
+class Pet(BaseModel):
+    name: str
+    legs: int = Field(ge=0, le=8)
+    kind: Literal["cat", "dog", "bird"]
+
+
+async def test_the_openai_client_parses_a_pydantic_model(mesh: Mesh) -> None:
+    async with openai.AsyncOpenAI(base_url=mesh.http_base, api_key="unused", max_retries=0, timeout=60) as client:
+        completion = await client.chat.completions.parse(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Describe a pet."}],
+            response_format=Pet,
+            max_tokens=40,
+            extra_body={"llmesh": {"use_retrieval": False}},
+        )
+    pet = completion.choices[0].message.parsed
+    assert isinstance(pet, Pet) and 0 <= pet.legs <= 8
