@@ -68,6 +68,9 @@ TURN_ROLES = ("system", "user", "assistant", "tool")
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "choice")
 MAX_SCHEMA_BYTES = 64 * 1024
 MAX_CHOICES = 64
+MAX_TOOLS = 64
+TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TOOL_MODES = ("none", "auto", "required", "function")
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and accurately."
 CONTEXT_INSTRUCTION = (
     "Use the following context to answer the question. If the context does not contain the answer, "
@@ -95,6 +98,7 @@ CACHE_SUSPECT_S = 1.0
 BACKGROUND_DEADLINE_S = 30.0
 CACHEABLE_FINISH = (
     common_pb2.FINISH_REASON_STOP,
+    common_pb2.FINISH_REASON_TOOL_CALLS,
     common_pb2.FINISH_REASON_LENGTH,
     common_pb2.FINISH_REASON_STOP_SEQUENCE,
 )
@@ -148,6 +152,9 @@ class Plan:
     # The conversation as given (empty for the one-turn shorthand: system_prompt + prompt).
     turns: tuple[common_pb2.ChatMessage, ...] = ()
     response_format: common_pb2.ResponseFormat = field(default_factory=common_pb2.ResponseFormat)
+    # A tool call is the answer: the function named ("" with tool_mode "required": one of them).
+    tool_mode: str = ""
+    tool_function: str = ""
 
     def text_bytes(self) -> int:
         """Bytes of the text the model is given before retrieval (every turn, or the question and
@@ -242,6 +249,89 @@ def _check_response_format(form: common_pb2.ResponseFormat, bad: list[tuple[str,
                 bad.append((f"{where}.choices[{i}]", f"must be 1..{MAX_STOP_BYTES * 16} bytes"))
 
 
+def _check_tools(request: gateway_pb2.GenerateRequest, bad: list[tuple[str, str]]) -> str:
+    """Checks tools and tool_choice; returns the effective mode ("" without tools or with "none")."""
+    tools, choice = request.tools, request.tool_choice
+    if len(tools) > MAX_TOOLS:
+        bad.append(("tools", f"at most {MAX_TOOLS} tools"))
+    names = [t.name for t in tools]
+    for i, tool in enumerate(tools):
+        if not TOOL_NAME_RE.match(tool.name):
+            bad.append((f"tools[{i}].name", "1-64 letters, digits, '_' or '-'"))
+        elif names.index(tool.name) != i:
+            bad.append((f"tools[{i}].name", "two tools have this name"))
+        if tool.parameters:
+            try:
+                parameters = json.loads(tool.parameters)
+            except ValueError as exc:
+                bad.append((f"tools[{i}].parameters", f"not JSON: {exc}"))
+            else:
+                if not isinstance(parameters, dict):
+                    bad.append((f"tools[{i}].parameters", "must be a JSON Schema (an object)"))
+    mode = choice.mode or ("auto" if tools else "")
+    if not request.HasField("tool_choice") and not tools:
+        return ""
+    if mode not in TOOL_MODES:
+        bad.append(("tool_choice.mode", f"must be one of {', '.join(TOOL_MODES)}"))
+        return ""
+    if not tools and mode != "none":
+        bad.append(("tool_choice", "needs tools"))
+    elif mode == "function" and choice.function not in names:
+        bad.append(("tool_choice.function", "must name one of the tools"))
+    elif mode != "function" and choice.function:
+        bad.append(("tool_choice.function", "only with mode 'function'"))
+    elif mode == "auto":
+        # The served models' templates and this gateway have no documented tool-call parser:
+        # the model cannot decide by itself, so the caller says which call (or none) it wants.
+        bad.append(("tool_choice", "'auto' is not supported by the served models; use 'required' or name a function"))
+    if mode in ("required", "function") and request.HasField("response_format"):
+        bad.append(("response_format", "a tool call is the answer's form: set tool_choice or response_format"))
+    return mode if mode in ("required", "function") else ""
+
+
+def tool_format(request: gateway_pb2.GenerateRequest, mode: str) -> common_pb2.ResponseFormat:
+    """The constraint a tool call decodes under: the named function's parameter schema, or for
+    "required" one object {"name": <a tool>, "arguments": <its parameters>}."""
+
+    def parameters(tool: common_pb2.Tool) -> Any:
+        return json.loads(tool.parameters) if tool.parameters else {"type": "object", "properties": {}}
+
+    if mode == "function":
+        tool = next(t for t in request.tools if t.name == request.tool_choice.function)
+        schema = parameters(tool)
+    else:
+        schema = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": t.name}, "arguments": parameters(t)},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for t in request.tools
+            ]
+        }
+    return common_pb2.ResponseFormat(type="json_schema", json_schema=json.dumps(schema), strict=True)
+
+
+def as_tool_calls(plan: Plan, response: gateway_pb2.GenerateResponse) -> None:
+    """A tool-call answer's text (the arguments, or {"name", "arguments"}) as its tool_calls; the
+    text is then empty and finish_reason says tool_calls (length still says length)."""
+    if not plan.tool_mode or not response.text:
+        return
+    name, arguments = plan.tool_function, response.text
+    if plan.tool_mode == "required":
+        try:
+            call = json.loads(response.text)
+            name, arguments = call["name"], json.dumps(call["arguments"], ensure_ascii=False)
+        except (ValueError, KeyError, TypeError):
+            return  # not a call after all (cannot happen under the constraint): the text stays
+    response.tool_calls.append(common_pb2.ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=name, arguments=arguments))
+    response.text = ""
+    if response.finish_reason != common_pb2.FINISH_REASON_LENGTH:
+        response.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
+
+
 def one_turn_form(request: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateRequest:
     """The request with a conversation that is only a question (one user turn, after at most
     one system turn, neither naming a speaker) written in the one-turn shorthand (`prompt`,
@@ -308,6 +398,7 @@ def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Pla
     request = canonical_request(request)
     if request.HasField("response_format"):
         _check_response_format(request.response_format, bad)
+    tool_mode = _check_tools(request, bad)
     if request.messages:
         prompt = _check_turns(request, config, bad)
     else:
@@ -362,7 +453,9 @@ def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Pla
         lane=request.lane or INTERACTIVE,
         model=request.model,
         turns=tuple(request.messages),
-        response_format=request.response_format,
+        response_format=tool_format(request, tool_mode) if tool_mode else request.response_format,
+        tool_mode=tool_mode,
+        tool_function=request.tool_choice.function if tool_mode == "function" else "",
     )
 
 
@@ -379,20 +472,19 @@ def from_cache(
         cached_input_tokens=answer.usage.input_tokens + answer.usage.cached_input_tokens,
         cached_output_tokens=answer.usage.output_tokens + answer.usage.cached_output_tokens,
     )
-    return Delta(answer.text), Final(
-        gateway_pb2.GenerateResponse(
-            text=answer.text,
-            finish_reason=answer.finish_reason,
-            usage=saved,
-            cache=gateway_pb2.CacheInfo(hit=True, tier=hit.tier, similarity=hit.similarity),
-            sources=answer.sources,
-            trace_id=current_trace_id(),
-            model=model,
-            degradations=plan.degradations,
-            answered_by=answered_by,
-        ),
-        plan.timings,
+    response = gateway_pb2.GenerateResponse(
+        text=answer.text,
+        finish_reason=answer.finish_reason,
+        usage=saved,
+        cache=gateway_pb2.CacheInfo(hit=True, tier=hit.tier, similarity=hit.similarity),
+        sources=answer.sources,
+        trace_id=current_trace_id(),
+        model=model,
+        degradations=plan.degradations,
+        answered_by=answered_by,
     )
+    as_tool_calls(plan, response)
+    return Delta(answer.text), Final(response, plan.timings)
 
 
 def render_chatml(messages: list[common_pb2.ChatMessage]) -> str:
@@ -1143,6 +1235,10 @@ class Gateway:
         # after, in the background: the caller's answer never waits for it.
         if plan.use_cache and finish in CACHEABLE_FINISH and text and "tokenizer_estimate" not in plan.degradations:
             self._store_later(plan, self._scope(plan, model, collection, version or scope.collection_version), response)
+        if plan.tool_mode:  # stored as generated (the call's text); answered as a tool call
+            stored, response = response, gateway_pb2.GenerateResponse()
+            response.CopyFrom(stored)
+            as_tool_calls(plan, response)
         yield Final(response, plan.timings)
 
     async def _render(

@@ -97,6 +97,34 @@ class JsonSchemaFormat(Strict):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
+class FunctionDef(Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+    def proto(self) -> common_pb2.Tool:
+        f = self.function
+        parameters = json.dumps(f.parameters, sort_keys=True, separators=(",", ":")) if f.parameters else ""
+        return common_pb2.Tool(
+            name=f.name, description=f.description or "", parameters=parameters, strict=bool(f.strict)
+        )
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ResponseFormat(Strict):
     """OpenAI's `response_format`, and llmesh's own `regex` and `choice` (as vLLM offers them)."""
 
@@ -194,8 +222,9 @@ class ChatCompletionRequest(Sampling):
     # Refused unless unset or off: llmesh has no tool calls, log probabilities or audio.
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # At most one call is made: "allowed" in parallel, never more than one.
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
@@ -209,11 +238,11 @@ class ChatCompletionRequest(Sampling):
         bad = super().unsupported()
         if self.logprobs:
             bad.append(("logprobs", "is not supported"))
-        for name in ("top_logprobs", "tools", "tool_choice", "functions", "function_call", "audio", "prediction"):
+        for name in ("top_logprobs", "functions", "function_call", "audio", "prediction"):
             if getattr(self, name) is not None:
                 bad.append((name, "is not supported"))
-        if self.parallel_tool_calls:
-            bad.append(("parallel_tool_calls", "is not supported"))
+        if self.stream and self.tools and self.tool_choice not in (None, "none"):
+            bad.append(("stream", "a tool call is answered whole: stream=false with tool_choice"))
         if self.store:
             bad.append(("store", "is not supported"))
         return bad
@@ -228,6 +257,13 @@ class ChatCompletionRequest(Sampling):
         request = self.generate_request("", "", tenant, max_tokens, [m.turn() for m in self.messages])
         if self.response_format is not None and self.response_format.type != "text":
             request.response_format.CopyFrom(self.response_format.proto())
+        request.tools.extend(t.proto() for t in self.tools or ())
+        if isinstance(self.tool_choice, NamedToolChoice):
+            request.tool_choice.CopyFrom(
+                common_pb2.ToolChoice(mode="function", function=self.tool_choice.function.name)
+            )
+        elif self.tool_choice is not None:
+            request.tool_choice.mode = self.tool_choice
         return request
 
 
@@ -270,6 +306,8 @@ PARAMS = {
     "sampling.stop": "stop",
     "sampling.seed": "seed",
     "system_prompt": "messages",
+    "tool_choice.mode": "tool_choice",
+    "tool_choice.function": "tool_choice",
     "top_k": "llmesh.top_k",
     "collection": "llmesh.collection",
     "tenant": "llmesh.tenant",

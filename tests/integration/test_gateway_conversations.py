@@ -248,7 +248,9 @@ async def test_bad_formats_are_refused_naming_the_field(mesh: Mesh) -> None:
 
 
 class Pet(BaseModel):
-    name: str
+    # Bounded, so that even the tiny random model's value closes before max_tokens (a reply cut
+    # by the budget closes too, but says "length", which the client refuses to parse).
+    name: str = Field(max_length=12)
     legs: int = Field(ge=0, le=8)
     kind: Literal["cat", "dog", "bird"]
 
@@ -264,3 +266,86 @@ async def test_the_openai_client_parses_a_pydantic_model(mesh: Mesh) -> None:
         )
     pet = completion.choices[0].message.parsed
     assert isinstance(pet, Pet) and 0 <= pet.legs <= 8
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+async def test_a_named_tool_call_returns_tool_calls_whose_arguments_validate(mesh: Mesh) -> None:
+    async with openai.AsyncOpenAI(base_url=mesh.http_base, api_key="unused", max_retries=0, timeout=60) as client:
+        named = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            tools=[WEATHER, TIME],  # type: ignore[list-item]
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            max_tokens=40,
+            extra_body={"llmesh": {"use_retrieval": False}},
+        )
+        choice = named.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls or []
+        assert call.function.name == "get_weather"  # type: ignore[union-attr]
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])  # type: ignore[union-attr, index]
+        # "required": one of the tools, chosen by the model, and the answer to it in a tool turn.
+        required = await client.chat.completions.create(
+            model=MODEL,
+            messages=[
+                {"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"},
+                {"role": "user", "content": "And the time?"},
+            ],
+            tools=[WEATHER, TIME],  # type: ignore[list-item]
+            tool_choice="required",
+            max_tokens=40,
+            extra_body={"llmesh": {"use_retrieval": False}},
+        )
+        (other,) = required.choices[0].message.tool_calls or []
+        assert other.function.name in ("get_weather", "get_time")  # type: ignore[union-attr]
+        assert isinstance(json.loads(other.function.arguments), dict)  # type: ignore[union-attr]
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}],
+                tools=[WEATHER],
+                max_tokens=4,  # type: ignore[list-item]
+            )
+    assert info.value.body["param"] == "tool_choice"  # type: ignore[index]
+
+
+async def test_two_tool_lists_never_share_an_entry(mesh: Mesh) -> None:
+    question = f"Weather please ({uuid.uuid4().hex[:6]})."
+    weather = common_pb2.Tool(name="get_weather", parameters=json.dumps(WEATHER["function"]["parameters"]))  # type: ignore[index]
+    clock = common_pb2.Tool(name="get_time")
+
+    def ask(tools: list[common_pb2.Tool]) -> gateway_pb2.GenerateRequest:
+        return gateway_pb2.GenerateRequest(
+            prompt=question,
+            sampling=common_pb2.SamplingParams(max_new_tokens=40),
+            use_retrieval=False,
+            tools=tools,
+            tool_choice=common_pb2.ToolChoice(mode="required"),
+        )
+
+    first = await mesh.stub.Generate(ask([weather]), timeout=60)
+    assert not first.cache.hit and first.tool_calls[0].name == "get_weather"
+    assert first.finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS
+    await mesh.settle()
+    assert not (await mesh.stub.Generate(ask([weather, clock]), timeout=60)).cache.hit
+    await mesh.settle()
+    again = await mesh.stub.Generate(ask([weather]), timeout=60)
+    assert again.cache.hit and [c.arguments for c in again.tool_calls] == [c.arguments for c in first.tool_calls]
+    assert again.finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS

@@ -80,6 +80,9 @@ def random_request(rng: random.Random) -> Request:
     request.sampling.CopyFrom(random_sampling(rng))
     if rng.random() < 0.5:
         request.use_retrieval = rng.random() < 0.7
+    if rng.random() < 0.2:
+        request.tools.extend(TOOLS)
+        request.tool_choice.CopyFrom(rng.choice(CHOICES))
     return request
 
 
@@ -186,6 +189,34 @@ def _set_format(r: Request, rng: random.Random) -> None:
     r.response_format.CopyFrom(_other(rng, current, FORMATS))  # type: ignore[arg-type]
 
 
+TOOLS = [
+    common_pb2.Tool(name="weather", parameters='{"type": "object", "properties": {"city": {"type": "string"}}}'),
+    common_pb2.Tool(name="search", description="Search the web."),
+]
+CHOICES = [
+    common_pb2.ToolChoice(mode="required"),
+    common_pb2.ToolChoice(mode="function", function="weather"),
+    common_pb2.ToolChoice(mode="function", function="search"),
+    common_pb2.ToolChoice(mode="none"),
+]
+
+
+def tool_call(r: Request) -> bool:
+    return r.tool_choice.mode in ("required", "function")
+
+
+def _set_tools(r: Request, rng: random.Random) -> None:
+    if not r.tools:
+        r.tools.extend(TOOLS)
+        r.tool_choice.CopyFrom(common_pb2.ToolChoice(mode="none"))
+    else:
+        r.tools[-1].description = r.tools[-1].description + " " + words(rng, 1)
+
+
+def _set_choice(r: Request, rng: random.Random) -> None:
+    r.tool_choice.CopyFrom(_other(rng, r.tool_choice, CHOICES))  # type: ignore[arg-type]
+
+
 def _flip_retrieval(r: Request, rng: random.Random) -> None:
     r.use_retrieval = not validate(r, CONFIG).use_retrieval
 
@@ -206,7 +237,9 @@ CHANGES: dict[str, Change] = {
     "sampling.seed": (sampled, _set_seed),
     "sampling.stop": (always, _set_stop),
     "messages": (always, _converse),
-    "response_format": (always, _set_format),
+    "response_format": (lambda r: not tool_call(r), _set_format),
+    "tools": (always, _set_tools),
+    "tool_choice": (lambda r: bool(r.tools), _set_choice),
     "sampling.ignore_eos": (always, lambda r, rng: setattr(r.sampling, "ignore_eos", not r.sampling.ignore_eos)),
 }
 

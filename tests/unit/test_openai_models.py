@@ -81,7 +81,7 @@ def test_completion_prompt_string_or_one_item_list() -> None:
 @pytest.mark.parametrize(
     ("body", "fields"),
     [
-        ({"n": 3, "logprobs": True, "tools": [{}]}, {"n", "logprobs", "tools"}),
+        ({"n": 3, "logprobs": True, "functions": [{}]}, {"n", "logprobs", "functions"}),
         ({"presence_penalty": 0.5, "logit_bias": {"1": 2}}, {"presence_penalty", "logit_bias"}),
         ({"stream_options": {"include_usage": True}}, {"stream_options"}),
     ],
