@@ -617,8 +617,10 @@ DECLARED: tuple[Setting, ...] = (
     Setting(
         "LLMESH_TOKENIZER_MODEL",
         "smollm2",
-        "Model (folder under the models dir) whose tokenizer is served, when LLMESH_TOKENIZER_MODELS is empty.",
-        ("tokenizer",),
+        "Model (folder under the models dir) whose tokenizer is served, when LLMESH_TOKENIZER_MODELS is empty. "
+        "The gateway: the model whose chat template it renders with while the tokenizer is away, for the one "
+        "model of a deployment that names none, when that folder is on its host.",
+        ("tokenizer", "gateway"),
     ),
     Setting(
         "LLMESH_TOKENIZER_MODELS",

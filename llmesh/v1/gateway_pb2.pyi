@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "system_prompt", "sampling", "use_cache", "use_retrieval", "top_k", "collection", "tenant", "lane", "model")
+    __slots__ = ("prompt", "system_prompt", "sampling", "use_cache", "use_retrieval", "top_k", "collection", "tenant", "lane", "model", "messages", "response_format", "tools", "tool_choice")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,10 @@ class GenerateRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     system_prompt: str
     sampling: _common_pb2.SamplingParams
@@ -29,7 +33,11 @@ class GenerateRequest(_message.Message):
     tenant: str
     lane: str
     model: str
-    def __init__(self, prompt: _Optional[str] = ..., system_prompt: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., use_cache: _Optional[bool] = ..., use_retrieval: _Optional[bool] = ..., top_k: _Optional[int] = ..., collection: _Optional[str] = ..., tenant: _Optional[str] = ..., lane: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
+    response_format: _common_pb2.ResponseFormat
+    tools: _containers.RepeatedCompositeFieldContainer[_common_pb2.Tool]
+    tool_choice: _common_pb2.ToolChoice
+    def __init__(self, prompt: _Optional[str] = ..., system_prompt: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., use_cache: _Optional[bool] = ..., use_retrieval: _Optional[bool] = ..., top_k: _Optional[int] = ..., collection: _Optional[str] = ..., tenant: _Optional[str] = ..., lane: _Optional[str] = ..., model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., response_format: _Optional[_Union[_common_pb2.ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[_common_pb2.Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_common_pb2.ToolChoice, _Mapping]] = ...) -> None: ...
 
 class CacheInfo(_message.Message):
     __slots__ = ("hit", "tier", "similarity")
@@ -42,7 +50,7 @@ class CacheInfo(_message.Message):
     def __init__(self, hit: _Optional[bool] = ..., tier: _Optional[_Union[_common_pb2.CacheTier, str]] = ..., similarity: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "finish_reason", "usage", "cache", "sources", "trace_id", "model", "degradations", "answered_by")
+    __slots__ = ("text", "finish_reason", "usage", "cache", "sources", "trace_id", "model", "degradations", "answered_by", "tool_calls")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +60,7 @@ class GenerateResponse(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEGRADATIONS_FIELD_NUMBER: _ClassVar[int]
     ANSWERED_BY_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     text: str
     finish_reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
@@ -61,7 +70,8 @@ class GenerateResponse(_message.Message):
     model: str
     degradations: _containers.RepeatedScalarFieldContainer[str]
     answered_by: str
-    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., cache: _Optional[_Union[CacheInfo, _Mapping]] = ..., sources: _Optional[_Iterable[_Union[_common_pb2.ScoredChunk, _Mapping]]] = ..., trace_id: _Optional[str] = ..., model: _Optional[str] = ..., degradations: _Optional[_Iterable[str]] = ..., answered_by: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolCall]
+    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., cache: _Optional[_Union[CacheInfo, _Mapping]] = ..., sources: _Optional[_Iterable[_Union[_common_pb2.ScoredChunk, _Mapping]]] = ..., trace_id: _Optional[str] = ..., model: _Optional[str] = ..., degradations: _Optional[_Iterable[str]] = ..., answered_by: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[_common_pb2.ToolCall, _Mapping]]] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
     __slots__ = ("delta", "final")

@@ -77,6 +77,27 @@ class ApplyChatTemplateResponse(_message.Message):
     token_count: int
     def __init__(self, text: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ..., token_count: _Optional[int] = ...) -> None: ...
 
+class GetChatTemplateRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class GetChatTemplateResponse(_message.Message):
+    __slots__ = ("template", "special_tokens")
+    class SpecialTokensEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    template: str
+    special_tokens: _containers.ScalarMap[str, str]
+    def __init__(self, template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
 class ChunkRequest(_message.Message):
     __slots__ = ("text", "chunk_tokens", "overlap_tokens", "model")
     TEXT_FIELD_NUMBER: _ClassVar[int]

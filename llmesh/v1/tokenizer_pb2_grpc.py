@@ -57,6 +57,11 @@ class TokenizerStub:
                 request_serializer=llmesh_dot_v1_dot_tokenizer__pb2.ApplyChatTemplateRequest.SerializeToString,
                 response_deserializer=llmesh_dot_v1_dot_tokenizer__pb2.ApplyChatTemplateResponse.FromString,
                 _registered_method=True)
+        self.GetChatTemplate = channel.unary_unary(
+                '/llmesh.v1.Tokenizer/GetChatTemplate',
+                request_serializer=llmesh_dot_v1_dot_tokenizer__pb2.GetChatTemplateRequest.SerializeToString,
+                response_deserializer=llmesh_dot_v1_dot_tokenizer__pb2.GetChatTemplateResponse.FromString,
+                _registered_method=True)
         self.Chunk = channel.unary_unary(
                 '/llmesh.v1.Tokenizer/Chunk',
                 request_serializer=llmesh_dot_v1_dot_tokenizer__pb2.ChunkRequest.SerializeToString,
@@ -98,6 +103,14 @@ class TokenizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetChatTemplate(self, request, context):
+        """The model's chat template itself (its Jinja source and special tokens): what the gateway
+        renders with while this service is away.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Chunk(self, request, context):
         """Splits text into windows of at most chunk_tokens tokens, consecutive windows sharing overlap_tokens.
         """
@@ -127,6 +140,11 @@ def add_TokenizerServicer_to_server(servicer, server):
                     servicer.ApplyChatTemplate,
                     request_deserializer=llmesh_dot_v1_dot_tokenizer__pb2.ApplyChatTemplateRequest.FromString,
                     response_serializer=llmesh_dot_v1_dot_tokenizer__pb2.ApplyChatTemplateResponse.SerializeToString,
+            ),
+            'GetChatTemplate': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetChatTemplate,
+                    request_deserializer=llmesh_dot_v1_dot_tokenizer__pb2.GetChatTemplateRequest.FromString,
+                    response_serializer=llmesh_dot_v1_dot_tokenizer__pb2.GetChatTemplateResponse.SerializeToString,
             ),
             'Chunk': grpc.unary_unary_rpc_method_handler(
                     servicer.Chunk,
@@ -245,6 +263,33 @@ class Tokenizer:
             '/llmesh.v1.Tokenizer/ApplyChatTemplate',
             llmesh_dot_v1_dot_tokenizer__pb2.ApplyChatTemplateRequest.SerializeToString,
             llmesh_dot_v1_dot_tokenizer__pb2.ApplyChatTemplateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetChatTemplate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmesh.v1.Tokenizer/GetChatTemplate',
+            llmesh_dot_v1_dot_tokenizer__pb2.GetChatTemplateRequest.SerializeToString,
+            llmesh_dot_v1_dot_tokenizer__pb2.GetChatTemplateResponse.FromString,
             options,
             channel_credentials,
             insecure,

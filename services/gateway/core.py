@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import re
@@ -21,6 +22,7 @@ from typing import Any
 
 from opentelemetry import trace
 
+from llmesh.chat_template import ChatTemplate, TemplateRefused
 from llmesh.errors import InvalidArgument, LlmeshError, NotFound, PermissionDenied, ResourceExhausted, Unavailable
 from llmesh.metrics import trace_exemplar
 from llmesh.telemetry import current_trace_id
@@ -64,6 +66,14 @@ MAX_TOP_K = 20
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_BYTES = 64
 MAX_MODEL_BYTES = 256
+MAX_TURNS = 256
+TURN_ROLES = ("system", "user", "assistant", "tool")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "choice")
+MAX_SCHEMA_BYTES = 64 * 1024
+MAX_CHOICES = 64
+MAX_TOOLS = 64
+TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TOOL_MODES = ("none", "auto", "required", "function")
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and accurately."
 CONTEXT_INSTRUCTION = (
     "Use the following context to answer the question. If the context does not contain the answer, "
@@ -91,6 +101,7 @@ CACHE_SUSPECT_S = 1.0
 BACKGROUND_DEADLINE_S = 30.0
 CACHEABLE_FINISH = (
     common_pb2.FINISH_REASON_STOP,
+    common_pb2.FINISH_REASON_TOOL_CALLS,
     common_pb2.FINISH_REASON_LENGTH,
     common_pb2.FINISH_REASON_STOP_SEQUENCE,
 )
@@ -115,6 +126,8 @@ class GatewayConfig:
 class Plan:
     """What one request will do, after validation and defaults."""
 
+    # The question: the one-turn prompt, or a conversation's last user turn (what retrieval
+    # searches with and the cache keys on).
     prompt: str
     system_prompt: str
     sampling: common_pb2.SamplingParams
@@ -141,6 +154,21 @@ class Plan:
     # whether a similar earlier question may answer it (the cache's semantic tier).
     shape: bytes = b""
     semantic: bool = True
+    # The conversation as given (empty for the one-turn shorthand: system_prompt + prompt).
+    turns: tuple[common_pb2.ChatMessage, ...] = ()
+    response_format: common_pb2.ResponseFormat = field(default_factory=common_pb2.ResponseFormat)
+    # A tool call is the answer: the function named ("" with tool_mode "required": one of them).
+    tool_mode: str = ""
+    tool_function: str = ""
+
+    def text_bytes(self) -> int:
+        """Bytes of the text the model is given before retrieval (every turn, or the question and
+        the effective system prompt)."""
+        if self.turns:
+            return sum(len(t.content.encode("utf-8", "surrogatepass")) for t in self.turns) + (
+                0 if self.turns[0].role == "system" else len(DEFAULT_SYSTEM_PROMPT)
+            )
+        return len(self.prompt.encode()) + len((self.system_prompt or DEFAULT_SYSTEM_PROMPT).encode())
 
     @contextlib.contextmanager
     def timed(self, hop: str) -> Iterator[None]:
@@ -172,14 +200,218 @@ def server_timing(timings: dict[str, float]) -> str:
     return ", ".join(f"{hop};dur={ms:.1f}" for hop, ms in timings.items())
 
 
+def _plain_turn(message: common_pb2.ChatMessage) -> bool:
+    return not (message.name or message.tool_call_id or message.tool_calls)
+
+
+def canonical_request(request: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateRequest:
+    """One spelling per request: a conversation that is only a question as the one-turn
+    shorthand (`one_turn_form`), and a "text" response format as none (free text either way)."""
+    request = one_turn_form(request)
+    form = request.response_format
+    if (
+        request.HasField("response_format")
+        and {f.name for f, _ in form.ListFields()} <= {"type"}
+        and form.type in ("", "text")
+    ):
+        plain = gateway_pb2.GenerateRequest()
+        plain.CopyFrom(request)
+        plain.ClearField("response_format")
+        return plain
+    return request
+
+
+def _check_response_format(form: common_pb2.ResponseFormat, bad: list[tuple[str, str]]) -> None:
+    """The shapes a response format must have; whether the grammar library can compile it is the
+    engine's to say (INVALID_ARGUMENT naming response_format.json_schema or .regex)."""
+    where = "response_format"
+    if form.type not in RESPONSE_FORMATS:
+        bad.append((f"{where}.type", f"must be one of {', '.join(RESPONSE_FORMATS)}"))
+        return
+    given = {f.name for f, _ in form.ListFields()} - {"type"}
+    allowed = {"json_schema": {"json_schema", "strict", "name"}, "regex": {"regex"}, "choice": {"choices"}}
+    for name in sorted(given - allowed.get(form.type, set())):
+        bad.append((f"{where}.{name}", f"not used with type {form.type!r}"))
+    if form.type == "json_schema":
+        if len(form.json_schema.encode()) > MAX_SCHEMA_BYTES:
+            bad.append((f"{where}.json_schema", f"longer than {MAX_SCHEMA_BYTES} bytes"))
+        else:
+            try:
+                schema = json.loads(form.json_schema)
+            except ValueError as exc:
+                bad.append((f"{where}.json_schema", f"not JSON: {exc}"))
+            else:
+                if not isinstance(schema, (dict, bool)):
+                    bad.append((f"{where}.json_schema", "must be a JSON Schema (an object)"))
+    elif form.type == "regex":
+        if not form.regex or len(form.regex.encode()) > MAX_SCHEMA_BYTES:
+            bad.append((f"{where}.regex", f"must be 1..{MAX_SCHEMA_BYTES} bytes"))
+    elif form.type == "choice":
+        if not 1 <= len(form.choices) <= MAX_CHOICES:
+            bad.append((f"{where}.choices", f"1..{MAX_CHOICES} choices"))
+        for i, choice in enumerate(form.choices):
+            if not choice or len(choice.encode()) > MAX_STOP_BYTES * 16:
+                bad.append((f"{where}.choices[{i}]", f"must be 1..{MAX_STOP_BYTES * 16} bytes"))
+
+
+def _check_tools(request: gateway_pb2.GenerateRequest, bad: list[tuple[str, str]]) -> str:
+    """Checks tools and tool_choice; returns the effective mode ("" without tools or with "none")."""
+    tools, choice = request.tools, request.tool_choice
+    if len(tools) > MAX_TOOLS:
+        bad.append(("tools", f"at most {MAX_TOOLS} tools"))
+    names = [t.name for t in tools]
+    for i, tool in enumerate(tools):
+        if not TOOL_NAME_RE.match(tool.name):
+            bad.append((f"tools[{i}].name", "1-64 letters, digits, '_' or '-'"))
+        elif names.index(tool.name) != i:
+            bad.append((f"tools[{i}].name", "two tools have this name"))
+        if tool.parameters:
+            try:
+                parameters = json.loads(tool.parameters)
+            except ValueError as exc:
+                bad.append((f"tools[{i}].parameters", f"not JSON: {exc}"))
+            else:
+                if not isinstance(parameters, dict):
+                    bad.append((f"tools[{i}].parameters", "must be a JSON Schema (an object)"))
+    mode = choice.mode or ("auto" if tools else "")
+    if not request.HasField("tool_choice") and not tools:
+        return ""
+    if mode not in TOOL_MODES:
+        bad.append(("tool_choice.mode", f"must be one of {', '.join(TOOL_MODES)}"))
+        return ""
+    if not tools and mode != "none":
+        bad.append(("tool_choice", "needs tools"))
+    elif mode == "function" and choice.function not in names:
+        bad.append(("tool_choice.function", "must name one of the tools"))
+    elif mode != "function" and choice.function:
+        bad.append(("tool_choice.function", "only with mode 'function'"))
+    elif mode == "auto":
+        # The served models' templates and this gateway have no documented tool-call parser:
+        # the model cannot decide by itself, so the caller says which call (or none) it wants.
+        bad.append(("tool_choice", "'auto' is not supported by the served models; use 'required' or name a function"))
+    if mode in ("required", "function") and request.HasField("response_format"):
+        bad.append(("response_format", "a tool call is the answer's form: set tool_choice or response_format"))
+    return mode if mode in ("required", "function") else ""
+
+
+def tool_format(request: gateway_pb2.GenerateRequest, mode: str) -> common_pb2.ResponseFormat:
+    """The constraint a tool call decodes under: the named function's parameter schema, or for
+    "required" one object {"name": <a tool>, "arguments": <its parameters>}."""
+
+    def parameters(tool: common_pb2.Tool) -> Any:
+        return json.loads(tool.parameters) if tool.parameters else {"type": "object", "properties": {}}
+
+    if mode == "function":
+        tool = next(t for t in request.tools if t.name == request.tool_choice.function)
+        schema = parameters(tool)
+    else:
+        schema = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": t.name}, "arguments": parameters(t)},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for t in request.tools
+            ]
+        }
+    return common_pb2.ResponseFormat(type="json_schema", json_schema=json.dumps(schema), strict=True)
+
+
+def as_tool_calls(plan: Plan, response: gateway_pb2.GenerateResponse) -> None:
+    """A tool-call answer's text (the arguments, or {"name", "arguments"}) as its tool_calls; the
+    text is then empty and finish_reason says tool_calls (length still says length)."""
+    if not plan.tool_mode or not response.text:
+        return
+    name, arguments = plan.tool_function, response.text
+    if plan.tool_mode == "required":
+        try:
+            call = json.loads(response.text)
+            name, arguments = call["name"], json.dumps(call["arguments"], ensure_ascii=False)
+        except (ValueError, KeyError, TypeError):
+            return  # not a call after all (cannot happen under the constraint): the text stays
+    response.tool_calls.append(common_pb2.ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=name, arguments=arguments))
+    response.text = ""
+    if response.finish_reason != common_pb2.FINISH_REASON_LENGTH:
+        response.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
+
+
+def one_turn_form(request: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateRequest:
+    """The request with a conversation that is only a question (one user turn, after at most
+    one system turn, neither naming a speaker) written in the one-turn shorthand (`prompt`,
+    `system_prompt`): both spellings of one question are one request (one cache entry, one
+    rendering). Anything else is returned as it is."""
+    turns = request.messages
+    if not turns or not all(_plain_turn(t) for t in turns):
+        return request
+    roles = [t.role for t in turns]
+    if roles not in (["user"], ["system", "user"]) or request.prompt or request.system_prompt:
+        return request
+    shorthand = gateway_pb2.GenerateRequest()
+    shorthand.CopyFrom(request)
+    shorthand.ClearField("messages")
+    shorthand.prompt = turns[-1].content
+    shorthand.system_prompt = turns[0].content if len(turns) == 2 else ""
+    return shorthand
+
+
+def _check_turns(request: gateway_pb2.GenerateRequest, config: GatewayConfig, bad: list[tuple[str, str]]) -> str:
+    """Checks a conversation; returns its question (the last user turn's content)."""
+    turns = request.messages
+    if request.prompt:
+        bad.append(("prompt", "set messages or prompt, not both"))
+    if request.system_prompt:
+        bad.append(("system_prompt", "with messages, give the system prompt as a turn with role 'system'"))
+    if len(turns) > MAX_TURNS:
+        bad.append(("messages", f"at most {MAX_TURNS} turns"))
+    size = 0
+    call_ids: set[str] = set()
+    for i, turn in enumerate(turns):
+        where = f"messages[{i}]"
+        size += len(turn.content.encode("utf-8", "surrogatepass"))
+        if turn.role not in TURN_ROLES:
+            bad.append((f"{where}.role", f"must be one of {', '.join(TURN_ROLES)}"))
+        if turn.tool_calls and turn.role != "assistant":
+            bad.append((f"{where}.tool_calls", "only an assistant turn makes tool calls"))
+        for j, call in enumerate(turn.tool_calls):
+            if not call.name:
+                bad.append((f"{where}.tool_calls[{j}].name", "must not be empty"))
+            call_ids.add(call.id)
+        if turn.role == "tool":
+            if not turn.tool_call_id:
+                bad.append((f"{where}.tool_call_id", "a tool turn names the tool call it answers"))
+            elif turn.tool_call_id not in call_ids:
+                bad.append((f"{where}.tool_call_id", "answers no tool call of an earlier assistant turn"))
+        elif turn.tool_call_id:
+            bad.append((f"{where}.tool_call_id", "only a tool turn answers a tool call"))
+        if turn.role in ("system", "user") and not turn.content.strip():
+            bad.append((f"{where}.content", "must not be empty"))
+    if size > config.max_prompt_bytes:
+        bad.append(("messages", f"longer than {config.max_prompt_bytes} bytes in all"))
+    users = [t for t in turns if t.role == "user"]
+    if not users:
+        bad.append(("messages", "at least one turn with role 'user' is required"))
+    elif turns[-1].role not in ("user", "tool"):
+        bad.append(("messages", "the last turn must be the user's or a tool's (the model answers it)"))
+    return users[-1].content if users else ""
+
+
 def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Plan:
     """Checks every field and fills defaults; all problems are reported at once."""
     bad: list[tuple[str, str]] = []
-    prompt = request.prompt
-    if not prompt.strip():
-        bad.append(("prompt", "must not be empty"))
-    if len(prompt.encode("utf-8", "surrogatepass")) > config.max_prompt_bytes:
-        bad.append(("prompt", f"longer than {config.max_prompt_bytes} bytes"))
+    request = canonical_request(request)
+    if request.HasField("response_format"):
+        _check_response_format(request.response_format, bad)
+    tool_mode = _check_tools(request, bad)
+    if request.messages:
+        prompt = _check_turns(request, config, bad)
+    else:
+        prompt = request.prompt
+        if not prompt.strip():
+            bad.append(("prompt", "must not be empty"))
+        if len(prompt.encode("utf-8", "surrogatepass")) > config.max_prompt_bytes:
+            bad.append(("prompt", f"longer than {config.max_prompt_bytes} bytes"))
     if len(request.system_prompt.encode("utf-8", "surrogatepass")) > config.max_prompt_bytes:
         bad.append(("system_prompt", f"longer than {config.max_prompt_bytes} bytes"))
     s = request.sampling
@@ -225,6 +457,10 @@ def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Pla
         tenant=request.tenant or "default",
         lane=request.lane or INTERACTIVE,
         model=request.model,
+        turns=tuple(request.messages),
+        response_format=tool_format(request, tool_mode) if tool_mode else request.response_format,
+        tool_mode=tool_mode,
+        tool_function=request.tool_choice.function if tool_mode == "function" else "",
     )
 
 
@@ -241,24 +477,24 @@ def from_cache(
         cached_input_tokens=answer.usage.input_tokens + answer.usage.cached_input_tokens,
         cached_output_tokens=answer.usage.output_tokens + answer.usage.cached_output_tokens,
     )
-    return Delta(answer.text), Final(
-        gateway_pb2.GenerateResponse(
-            text=answer.text,
-            finish_reason=answer.finish_reason,
-            usage=saved,
-            cache=gateway_pb2.CacheInfo(hit=True, tier=hit.tier, similarity=hit.similarity),
-            sources=answer.sources,
-            trace_id=current_trace_id(),
-            model=model,
-            degradations=plan.degradations,
-            answered_by=answered_by,
-        ),
-        plan.timings,
+    response = gateway_pb2.GenerateResponse(
+        text=answer.text,
+        finish_reason=answer.finish_reason,
+        usage=saved,
+        cache=gateway_pb2.CacheInfo(hit=True, tier=hit.tier, similarity=hit.similarity),
+        sources=answer.sources,
+        trace_id=current_trace_id(),
+        model=model,
+        degradations=plan.degradations,
+        answered_by=answered_by,
     )
+    as_tool_calls(plan, response)
+    return Delta(answer.text), Final(response, plan.timings)
 
 
 def render_chatml(messages: list[common_pb2.ChatMessage]) -> str:
-    """The ChatML rendering SmolLM2's template produces; used only while the tokenizer is down."""
+    """ChatML: the last resort while the tokenizer is down and the model's own template is not
+    known here (see `Gateway._render_locally`)."""
     body = "".join(f"<|im_start|>{m.role}\n{m.content}<|im_end|>\n" for m in messages)
     return body + "<|im_start|>assistant\n"
 
@@ -272,14 +508,29 @@ def estimate_tokens(text: str) -> int:
 
 
 def build_messages(plan: Plan, sources: list[common_pb2.ScoredChunk]) -> list[common_pb2.ChatMessage]:
-    system = plan.system_prompt or DEFAULT_SYSTEM_PROMPT
+    """The turns the model's template renders. The one rule for retrieved context: it is
+    appended to the first turn, the system turn, after the system prompt. A conversation without
+    a system turn, like a prompt without a system prompt, gets the default one
+    (DEFAULT_SYSTEM_PROMPT). Every other turn is given as it is, in order."""
+    if plan.turns:
+        turns = [copy_turn(t) for t in plan.turns]
+        if turns[0].role != "system":
+            turns.insert(0, common_pb2.ChatMessage(role="system", content=DEFAULT_SYSTEM_PROMPT))
+    else:
+        turns = [
+            common_pb2.ChatMessage(role="system", content=plan.system_prompt or DEFAULT_SYSTEM_PROMPT),
+            common_pb2.ChatMessage(role="user", content=plan.prompt),
+        ]
     if sources:
         context = "\n\n".join(f"[{i + 1}] {chunk.text.strip()}" for i, chunk in enumerate(sources))
-        system = f"{system}\n\n{CONTEXT_INSTRUCTION}{context}"
-    return [
-        common_pb2.ChatMessage(role="system", content=system),
-        common_pb2.ChatMessage(role="user", content=plan.prompt),
-    ]
+        turns[0].content = f"{turns[0].content}\n\n{CONTEXT_INSTRUCTION}{context}"
+    return turns
+
+
+def copy_turn(turn: common_pb2.ChatMessage) -> common_pb2.ChatMessage:
+    copied = common_pb2.ChatMessage()
+    copied.CopyFrom(turn)
+    return copied
 
 
 class InputTokenPredictor:
@@ -299,7 +550,7 @@ class InputTokenPredictor:
 
     @staticmethod
     def text_bytes(plan: Plan) -> int:
-        return len(plan.prompt.encode()) + len((plan.system_prompt or DEFAULT_SYSTEM_PROMPT).encode())
+        return plan.text_bytes()
 
     def predict(self, plan: Plan) -> int:
         size = self.text_bytes(plan)
@@ -487,8 +738,14 @@ class Gateway:
         aliases: Mapping[str, Sequence[str]] | None = None,
         usage: UsageMeter | None = None,
         loads: LoadBook | None = None,
+        local_templates: Mapping[str, ChatTemplate] | None = None,
     ) -> None:
         self.peers = peers
+        # Chat templates by tokenizer name (a route's `tokenizer`): learned from the tokenizer
+        # service, and those read from the models folder at start (for while it is away).
+        self.templates: dict[str, ChatTemplate] = {}
+        self.local_templates = dict(local_templates or {})
+        self._learning: dict[str, asyncio.Task[None]] = {}
         self.config = config
         self.window = window
         # issue 26: admission from the engines' own load (`loads`, fed by WatchLoad), the window
@@ -927,11 +1184,22 @@ class Gateway:
         # --- end of the cache scope ------------------------------------------------------------
         with plan.timed("tokenizer"):
             prompt, input_tokens = await self._render(plan, sources, deadline, route.tokenizer)
+            # Over the prompt limit: the retrieved chunks go first (the lowest-scored first), and
+            # only a prompt over it without any context is refused.
+            while input_tokens > self.config.max_prompt_tokens and sources:
+                sources = sources[:-1]
+                plan.degrade("context_trimmed")
+                prompt, input_tokens = await self._render(plan, sources, deadline, route.tokenizer)
         if "tokenizer_estimate" not in plan.degradations:
             (plan.predictor or self.predictor).observe(plan, input_tokens, context_bytes(sources))
         if input_tokens > self.config.max_prompt_tokens:
             raise InvalidArgument(
-                [("prompt", f"{input_tokens} tokens with context; the limit is {self.config.max_prompt_tokens}")]
+                [
+                    (
+                        "messages" if plan.turns else "prompt",
+                        f"{input_tokens} tokens rendered; the limit is {self.config.max_prompt_tokens}",
+                    )
+                ]
             )
         with plan.timed("admission"):
             admission = await self._admit(plan, input_tokens, model, deadline, route.name)
@@ -945,7 +1213,8 @@ class Gateway:
         request_id = uuid.uuid4().hex
         with plan.timed("inference"):
             generated = 0
-            async for message in self.peers.generate(prompt, plan.sampling, request_id, deadline, route.name):
+            form = plan.response_format if plan.response_format.type else None
+            async for message in self.peers.generate(prompt, plan.sampling, request_id, deadline, route.name, form):
                 # Tokens as they come (a backend that sends text only: a message is a token); the
                 # final usage settles the count.
                 step = len(message.token_ids) or (1 if message.text else 0)
@@ -984,25 +1253,63 @@ class Gateway:
         # after, in the background: the caller's answer never waits for it.
         if plan.use_cache and finish in CACHEABLE_FINISH and text and "tokenizer_estimate" not in plan.degradations:
             self._store_later(plan, self._scope(plan, model, collection, version or scope.collection_version), response)
+        if plan.tool_mode:  # stored as generated (the call's text); answered as a tool call
+            stored, response = response, gateway_pb2.GenerateResponse()
+            response.CopyFrom(stored)
+            as_tool_calls(plan, response)
         yield Final(response, plan.timings)
 
     async def _render(
         self, plan: Plan, sources: list[common_pb2.ScoredChunk], deadline: Deadline, tokenizer: str = ""
     ) -> tuple[list[int] | str, int]:
         """The prompt as token ids and its exact length (`tokenizer`: whose, "" = the tokenizer
-        service's default); while the tokenizer is down, ChatML text and a local estimate
-        (inference tokenizes the text itself)."""
+        service's default). While the tokenizer is down: the text rendered here with that
+        model's own template (learned from the tokenizer while it answered, else read from the
+        model's folder at start), and a local estimate (inference tokenizes the text itself)."""
         messages = build_messages(plan, sources)
         try:
             rendered = await self.peers.chat_template(messages, deadline, tokenizer)
-            return list(rendered.ids), len(rendered.ids)
         except DOWNSTREAM_ERRORS as exc:
             if isinstance(exc, PeerCallError) and exc.code not in BREAKER_FAILURE_CODES:
                 raise
-            log.warning("tokenizer unavailable, estimating tokens locally: %s", exc.message)
+            log.warning("tokenizer unavailable, rendering and estimating tokens locally: %s", exc.message)
             plan.degrade("tokenizer_estimate")
-            text = render_chatml(messages)
+            text = self._render_locally(plan, messages, tokenizer)
             return text, (plan.predictor or self.predictor).estimate(plan, context_bytes(sources), text)
+        self._learn_template(tokenizer)
+        return list(rendered.ids), len(rendered.ids)
+
+    def _render_locally(self, plan: Plan, messages: list[common_pb2.ChatMessage], tokenizer: str) -> str:
+        template = self.templates.get(tokenizer) or self.local_templates.get(tokenizer)
+        if template is None:
+            # Neither learned nor on this host: ChatML, the template most chat models use, and
+            # the response says the model's own was not known.
+            plan.degrade("chat_template_unknown")
+            return render_chatml(messages)
+        try:
+            return template.render(messages)
+        except TemplateRefused as exc:
+            raise InvalidArgument([("messages", f"the model's chat template refused them: {exc}")]) from exc
+
+    def _learn_template(self, tokenizer: str) -> None:
+        """Asks the tokenizer, once per model in the background, for the chat template the
+        gateway renders with while the tokenizer is away."""
+        if tokenizer in self.templates or tokenizer in self._learning:
+            return
+
+        async def learn() -> None:
+            try:
+                found = await self.peers.get_chat_template(Deadline.after(BACKGROUND_DEADLINE_S), tokenizer)
+                self.templates[tokenizer] = ChatTemplate(found.template, dict(found.special_tokens))
+            except (*DOWNSTREAM_ERRORS, LlmeshError, ValueError) as exc:
+                log.warning("could not learn the chat template of %r: %s", tokenizer, exc)
+            finally:
+                self._learning.pop(tokenizer, None)
+
+        task = asyncio.get_running_loop().create_task(learn())
+        self._learning[tokenizer] = task
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _wait_while_cache_answers(
         self, lookup: asyncio.Future[cache_pb2.CacheLookupResponse], until: float

@@ -51,6 +51,7 @@ FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_STOP_SEQUENCE: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -362,7 +363,13 @@ class Answer:
     def whole(self, response: gateway_pb2.GenerateResponse) -> dict[str, Any]:
         finish = FINISH_REASONS.get(response.finish_reason, "stop")
         if self.chat:
-            message = {"role": "assistant", "content": response.text, "refusal": None}
+            message: dict[str, Any] = {"role": "assistant", "content": response.text, "refusal": None}
+            if response.tool_calls:
+                message["content"] = None
+                message["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in response.tool_calls
+                ]
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": response.text, "logprobs": None, "finish_reason": finish}

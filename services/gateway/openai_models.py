@@ -8,6 +8,7 @@ Parameters llmesh does not implement are refused with a 400 naming them, never i
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -17,10 +18,8 @@ from llmesh.v1 import common_pb2, gateway_pb2
 
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
-SYSTEM_ROLES = ("system", "developer")
-# How earlier turns of a conversation are put before the last user message (the gateway's
-# pipeline answers one question, with an optional system prompt).
-TURN_LABELS = {"user": "User", "assistant": "Assistant"}
+# OpenAI's "developer" turn is the system turn of models that know no such role.
+ROLE_OF = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 class Strict(BaseModel):
@@ -49,19 +48,100 @@ class TextPart(Strict):
     text: str
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str
+
+
+class ToolCallParam(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    # Sent back by clients that echo an assistant message as they received it.
+    refusal: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
+    def turn(self) -> common_pb2.ChatMessage:
+        """The gateway's turn: the same role (developer: system), content, name and tool fields."""
+        return common_pb2.ChatMessage(
+            role=ROLE_OF[self.role],
+            content=self.text(),
+            name=self.name or "",
+            tool_call_id=self.tool_call_id or "",
+            tool_calls=[
+                common_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                for c in self.tool_calls or ()
+            ],
+        )
+
+
+class JsonSchemaFormat(Strict):
+    name: str = ""
+    description: str | None = None
+    # OpenAI calls it `schema`; `schema_` here because pydantic's BaseModel has a `schema`.
+    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class FunctionDef(Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+    def proto(self) -> common_pb2.Tool:
+        f = self.function
+        parameters = json.dumps(f.parameters, sort_keys=True, separators=(",", ":")) if f.parameters else ""
+        return common_pb2.Tool(
+            name=f.name, description=f.description or "", parameters=parameters, strict=bool(f.strict)
+        )
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
 
 class ResponseFormat(Strict):
-    type: Literal["text"]
+    """OpenAI's `response_format`, and llmesh's own `regex` and `choice` (as vLLM offers them)."""
+
+    type: Literal["text", "json_object", "json_schema", "regex", "choice"]
+    json_schema: JsonSchemaFormat | None = None
+    regex: str | None = None
+    choices: list[str] | None = None
+
+    def proto(self) -> common_pb2.ResponseFormat:
+        form = common_pb2.ResponseFormat(type=self.type, regex=self.regex or "", choices=self.choices or [])
+        if self.json_schema is not None:
+            form.json_schema = json.dumps(self.json_schema.schema_, sort_keys=True, separators=(",", ":"))
+            form.name = self.json_schema.name
+            form.strict = bool(self.json_schema.strict)
+        elif self.type == "json_schema":
+            form.json_schema = ""  # the gateway names the missing schema
+        return form
 
 
 class Sampling(Strict):
@@ -97,7 +177,12 @@ class Sampling(Strict):
         return bad
 
     def generate_request(
-        self, prompt: str, system_prompt: str, tenant: str, max_tokens: int | None
+        self,
+        prompt: str,
+        system_prompt: str,
+        tenant: str,
+        max_tokens: int | None,
+        messages: list[common_pb2.ChatMessage] | None = None,
     ) -> gateway_pb2.GenerateRequest:
         sampling = common_pb2.SamplingParams(
             max_new_tokens=max_tokens or 0,
@@ -117,6 +202,7 @@ class Sampling(Strict):
             lane=self.llmesh.lane,
             # `model` routes: one of the gateway's models by name (checked against /v1/models first).
             model=self.model,
+            messages=messages or [],
         )
         if self.llmesh.use_cache is not None:
             request.use_cache = self.llmesh.use_cache
@@ -136,8 +222,9 @@ class ChatCompletionRequest(Sampling):
     # Refused unless unset or off: llmesh has no tool calls, log probabilities or audio.
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # At most one call is made: "allowed" in parallel, never more than one.
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
@@ -151,33 +238,33 @@ class ChatCompletionRequest(Sampling):
         bad = super().unsupported()
         if self.logprobs:
             bad.append(("logprobs", "is not supported"))
-        for name in ("top_logprobs", "tools", "tool_choice", "functions", "function_call", "audio", "prediction"):
+        for name in ("top_logprobs", "functions", "function_call", "audio", "prediction"):
             if getattr(self, name) is not None:
                 bad.append((name, "is not supported"))
-        if self.parallel_tool_calls:
-            bad.append(("parallel_tool_calls", "is not supported"))
+        if self.stream and self.tools and self.tool_choice not in (None, "none"):
+            bad.append(("stream", "a tool call is answered whole: stream=false with tool_choice"))
         if self.store:
             bad.append(("store", "is not supported"))
         return bad
 
     def to_generate(self, tenant: str) -> gateway_pb2.GenerateRequest:
-        """System and developer messages become the system prompt; the last message must be the
-        user's question. Earlier turns go before it as a transcript, so the cache key, retrieval
-        query and prompt all carry the whole conversation."""
+        """The messages as the gateway's turns, one for one and in order (a developer message is
+        a system turn); the gateway checks the conversation and the model's template renders it."""
         bad = self.unsupported()
-        system = [m.text() for m in self.messages if m.role in SYSTEM_ROLES]
-        turns = [m for m in self.messages if m.role not in SYSTEM_ROLES]
-        if not turns or turns[-1].role != "user":
-            bad.append(("messages", "the last message other than system messages must have role 'user'"))
         if bad:
             raise InvalidArgument(bad)
-        *history, question = turns
-        prompt = question.text()
-        if history:
-            transcript = "\n".join(f"{TURN_LABELS[m.role]}: {m.text()}" for m in history)
-            prompt = f"{transcript}\nUser: {prompt}"
         max_tokens = self.max_completion_tokens or self.max_tokens
-        return self.generate_request(prompt, "\n\n".join(system), tenant, max_tokens)
+        request = self.generate_request("", "", tenant, max_tokens, [m.turn() for m in self.messages])
+        if self.response_format is not None and self.response_format.type != "text":
+            request.response_format.CopyFrom(self.response_format.proto())
+        request.tools.extend(t.proto() for t in self.tools or ())
+        if isinstance(self.tool_choice, NamedToolChoice):
+            request.tool_choice.CopyFrom(
+                common_pb2.ToolChoice(mode="function", function=self.tool_choice.function.name)
+            )
+        elif self.tool_choice is not None:
+            request.tool_choice.mode = self.tool_choice
+        return request
 
 
 class CompletionRequest(Sampling):
@@ -219,6 +306,8 @@ PARAMS = {
     "sampling.stop": "stop",
     "sampling.seed": "seed",
     "system_prompt": "messages",
+    "tool_choice.mode": "tool_choice",
+    "tool_choice.function": "tool_choice",
     "top_k": "llmesh.top_k",
     "collection": "llmesh.collection",
     "tenant": "llmesh.tenant",

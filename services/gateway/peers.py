@@ -417,6 +417,16 @@ class Peers:
             self.budgets.tokenizer,
         )
 
+    async def get_chat_template(self, deadline: Deadline, model: str = "") -> tokenizer_pb2.GetChatTemplateResponse:
+        """The model's chat template itself (`model`: whose tokenizer, "" = the default)."""
+        request = tokenizer_pb2.GetChatTemplateRequest(model=model)
+        return await _unary(
+            self.breakers["tokenizer"],
+            lambda timeout: self.tokenizer.GetChatTemplate(request, timeout=timeout),
+            deadline,
+            self.budgets.tokenizer,
+        )
+
     async def model_info(self, deadline: Deadline, model: str = "") -> inference_pb2.ModelInfo:
         request = inference_pb2.GetModelInfoRequest()
         stub = self.inferences[model]
@@ -434,11 +444,15 @@ class Peers:
         request_id: str,
         deadline: Deadline,
         model: str = "",
+        response_format: common_pb2.ResponseFormat | None = None,
     ) -> AsyncIterator[inference_pb2.InferenceResponse]:
         """Token ids normally; rendered text when the tokenizer is down (inference tokenizes it).
-        `model`: whose inference service (a key of `models`)."""
+        `model`: whose inference service (a key of `models`); `response_format`: the form the
+        answer must take (None: free text)."""
         stub = self.inferences[model]
         request = inference_pb2.InferenceRequest(sampling=sampling, request_id=request_id)
+        if response_format is not None:
+            request.response_format.CopyFrom(response_format)
         if isinstance(prompt, str):
             request.text = prompt
         else:

@@ -11,6 +11,8 @@ from opentelemetry import trace
 
 from llmesh import redis_server
 from llmesh.channels import peer_credentials, remaining_seconds
+from llmesh.chat_template import ChatTemplate, load_template
+from llmesh.models import resolve
 from llmesh.settings import Settings, SettingsError, model_routes
 from llmesh.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway import metrics
@@ -126,6 +128,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return await self.gateway.list_models(deadline)
 
 
+def local_templates(s: Settings, routes: list[str]) -> dict[str, ChatTemplate]:
+    """The chat templates of the routes' models found in the models folder on this host (a
+    route "" is the tokenizer's default model); what the gateway renders with while the tokenizer
+    is away and before it has learned them from it. None there (the usual deployment) is fine."""
+    found: dict[str, ChatTemplate] = {}
+    for route in routes:
+        try:
+            found[route] = load_template(resolve(s.models_path, route or s.tokenizer_model))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
 class GatewayApp:
     service_names = (gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,)
 
@@ -209,7 +224,15 @@ class GatewayApp:
         )
         try:
             self.gateway = Gateway(
-                self.peers, config, self.window, list(models), default_model, s.model_aliases, usage, self.loads
+                self.peers,
+                config,
+                self.window,
+                list(models),
+                default_model,
+                s.model_aliases,
+                usage,
+                loads=self.loads,
+                local_templates=local_templates(s, list(models)),
             )
         except ValueError as exc:
             raise SettingsError(f"invalid settings: LLMESH_MODEL_ALIASES: {exc}") from None

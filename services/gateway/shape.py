@@ -2,7 +2,7 @@
 filter and its scope are built from.
 
 A request's answer depends on the question, on everything else the model is given (the system
-prompt today; turns, a response format, tools as the contract grows), on how it decodes
+prompt, every turn of a conversation, the response format and its schema), on how it decodes
 (sampling), on which model answers (its key: name, id, weights digest, dtype), on the tenant
 (entries never cross tenants), and on the retrieval actually used (collection, version, chunks
 asked for, minimum score). Two requests share a cache entry only when all of these are equal.
@@ -16,7 +16,10 @@ shape byte for byte (its deterministic serialization), so nothing in it is silen
 
 The semantic tier compares only the user's question, and only among entries whose every other
 part of the scope (this shape included) is identical; `semantic_allowed` says when a request
-may be answered by a similar question at all.
+may be answered by a similar question at all: only a single question (the gateway writes a
+conversation that is only a question in the one-turn shorthand first, `core.one_turn_form`), never
+a turn of a conversation, where a similar last question after other earlier turns is another
+request.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ OUTSIDE_SHAPE: dict[str, str] = {
 
 # Fields whose presence makes a request more than one question (earlier turns of a
 # conversation): such a request is never answered by the semantic tier, only by an exact entry.
-MULTI_TURN_FIELDS: tuple[str, ...] = ()
+MULTI_TURN_FIELDS: tuple[str, ...] = ("messages",)
 
 
 def answer_shape(request: gateway_pb2.GenerateRequest, system_prompt: str) -> bytes:

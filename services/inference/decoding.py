@@ -5,6 +5,7 @@ Pure Python over a `tokenizers.Tokenizer`; no torch and no gRPC here.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -19,6 +20,22 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 @dataclass(frozen=True)
+class ResponseFormatSpec:
+    """The form an answer must take (`ResponseFormat` of the proto, as plain data)."""
+
+    kind: str  # "json_object", "json_schema", "regex" or "choice"
+    schema: str = ""
+    strict: bool = False
+    name: str = ""
+    regex: str = ""
+    choices: tuple[str, ...] = ()
+
+    def cache_key(self) -> str:
+        """What the compiled grammar depends on (not the schema's name)."""
+        return json.dumps([self.kind, self.schema, self.regex, list(self.choices)])
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Decoding parameters as a request states them (0 means "default" where the proto says so)."""
 
@@ -28,6 +45,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    response_format: ResponseFormatSpec | None = None
 
 
 @dataclass(frozen=True)

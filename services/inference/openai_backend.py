@@ -363,7 +363,7 @@ class OpenAIBackend:
             raise
         replica = self._pick()
         prompt: list[int] | str = prompt_ids if self.config.prompt_as == "tokens" else self.tokenizer.decode(prompt_ids)
-        body = completion_body(self.config.model, prompt, resolved)
+        body = completion_body(self.config.model, prompt, resolved, response_format=params.response_format)
         return OpenAIStream(self._stream(replica, body, resolved, len(prompt_ids), request_id))
 
     def _start_span(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmesh import errors
-from services.inference.decoding import ResolvedParams
+from services.inference.decoding import ResolvedParams, ResponseFormatSpec
 from services.inference.engine import FINISH_LENGTH, FINISH_STOP, FINISH_STOP_SEQUENCE
 
 #: Our request field for each OpenAI parameter, so a rejected parameter names the field the caller set.
@@ -30,8 +30,26 @@ DEFAULT_RETRY_AFTER_S = 1.0
 MAX_RETRY_AFTER_S = 300.0
 
 
+def format_fields(form: ResponseFormatSpec) -> dict[str, Any]:
+    """A response format as vLLM's /v1/completions takes it: OpenAI's `response_format` for JSON,
+    its `structured_outputs` for a regex or a choice (SGLang and TGI name theirs differently)."""
+    if form.kind == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if form.kind == "json_schema":
+        schema = {"name": form.name or "answer", "schema": json.loads(form.schema), "strict": form.strict}
+        return {"response_format": {"type": "json_schema", "json_schema": schema}}
+    if form.kind == "regex":
+        return {"structured_outputs": {"regex": form.regex}}
+    return {"structured_outputs": {"choice": list(form.choices)}}
+
+
 def completion_body(
-    model: str, prompt: list[int] | str, params: ResolvedParams, *, stream: bool = True
+    model: str,
+    prompt: list[int] | str,
+    params: ResolvedParams,
+    *,
+    stream: bool = True,
+    response_format: ResponseFormatSpec | None = None,
 ) -> dict[str, Any]:
     """The /v1/completions request: parameters map one to one; usage comes with the last chunk."""
     body: dict[str, Any] = {
@@ -50,6 +68,8 @@ def completion_body(
         body["stop"] = list(params.stop)
     if params.ignore_eos:
         body["ignore_eos"] = True  # vLLM, SGLang and llama.cpp extension
+    if response_format is not None:
+        body.update(format_fields(response_format))
     return body
 
 

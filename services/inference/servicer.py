@@ -17,7 +17,7 @@ from llmesh.server import Readiness
 from llmesh.settings import Settings
 from llmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.backend import InferenceBackend
-from services.inference.decoding import SamplingParams
+from services.inference.decoding import ResponseFormatSpec, SamplingParams
 from services.inference.engine import (
     FINISH_CANCELLED,
     FINISH_LENGTH,
@@ -44,8 +44,25 @@ FINISH_REASONS = {
 }
 
 
-def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+def format_from_proto(form: common_pb2.ResponseFormat) -> ResponseFormatSpec | None:
+    """None for free text ("" or "text")."""
+    if form.type in ("", "text"):
+        return None
+    return ResponseFormatSpec(
+        kind=form.type,
+        schema=form.json_schema,
+        strict=form.strict,
+        name=form.name,
+        regex=form.regex,
+        choices=tuple(form.choices),
+    )
+
+
+def sampling_from_proto(
+    msg: common_pb2.SamplingParams, form: common_pb2.ResponseFormat | None = None
+) -> SamplingParams:
     return SamplingParams(
+        response_format=format_from_proto(form) if form is not None else None,
         max_new_tokens=msg.max_new_tokens,
         temperature=msg.temperature,
         top_p=msg.top_p,
@@ -144,7 +161,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.InferenceRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.InferenceResponse]:
         manager = self._manager.get()
-        params = sampling_from_proto(request.sampling)
+        params = sampling_from_proto(request.sampling, request.response_format)
         which = request.WhichOneof("input")
         if which == "text":
             encoder = manager.encoder

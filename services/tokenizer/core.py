@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from llmesh.chat_template import ROLES, TemplateRefused, load_template
 from llmesh.errors import InvalidArgument, NotFound
+from llmesh.v1 import common_pb2
 
 MAX_CHUNK_TOKENS = 8192
-ROLES = ("system", "user", "assistant")
 
 
 @dataclass(frozen=True)
@@ -29,14 +29,7 @@ class TokenizerCore:
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.max_text_bytes = max_text_bytes
-        config = json.loads((model_dir / "tokenizer_config.json").read_text())
-        template_file = model_dir / "chat_template.jinja"
-        source = template_file.read_text() if template_file.is_file() else config.get("chat_template")
-        if not source:
-            raise ValueError(f"{model_dir}: the tokenizer has no chat template")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-        self.template = env.from_string(source)
-        self.special = {k: config.get(k, "") for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        self.template = load_template(model_dir)
 
     def _check_text(self, text: str, field: str) -> None:
         if len(text.encode("utf-8", "surrogatepass")) > self.max_text_bytes:
@@ -57,18 +50,18 @@ class TokenizerCore:
             self._check_text(text, f"texts[{i}]")
         return [len(e.ids) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
-    def chat_template(self, messages: list[tuple[str, str]], add_generation_prompt: bool) -> str:
+    def chat_template(self, messages: Sequence[common_pb2.ChatMessage], add_generation_prompt: bool) -> str:
+        """The model's own template over the turns as they are (tool turns and tool calls included)."""
         if not messages:
             raise InvalidArgument([("messages", "at least one message is required")])
-        for i, (role, content) in enumerate(messages):
-            if role not in ROLES:
+        for i, message in enumerate(messages):
+            if message.role not in ROLES:
                 raise InvalidArgument([(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}")])
-            self._check_text(content, f"messages[{i}].content")
-        return self.template.render(
-            messages=[{"role": r, "content": c} for r, c in messages],
-            add_generation_prompt=add_generation_prompt,
-            **self.special,
-        )
+            self._check_text(message.content, f"messages[{i}].content")
+        try:
+            return self.template.render(messages, add_generation_prompt)
+        except TemplateRefused as exc:  # e.g. the template's own raise_exception: roles out of order
+            raise InvalidArgument([("messages", f"the model's chat template refused them: {exc}")]) from exc
 
     def chunk(self, text: str, chunk_tokens: int, overlap_tokens: int) -> tuple[list[Chunk], int]:
         """Windows of at most chunk_tokens tokens; each starts overlap_tokens before the previous

@@ -47,13 +47,16 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         return tokenizer_pb2.CountResponse(counts=counts, total=sum(counts))
 
     async def ApplyChatTemplate(self, request, context):  # type: ignore[no-untyped-def]
-        messages = [(m.role, m.content) for m in request.messages]
         core = self.core(request.model)
-        text = core.chat_template(messages, request.add_generation_prompt)
+        text = core.chat_template(request.messages, request.add_generation_prompt)
         ids = await _run(core.encode, text, False, size=len(text))
         return tokenizer_pb2.ApplyChatTemplateResponse(
             text=text, ids=ids if request.tokenize else [], token_count=len(ids)
         )
+
+    async def GetChatTemplate(self, request, context):  # type: ignore[no-untyped-def]
+        template = self.core(request.model).template
+        return tokenizer_pb2.GetChatTemplateResponse(template=template.source, special_tokens=template.special)
 
     async def Chunk(self, request, context):  # type: ignore[no-untyped-def]
         chunks, total = await _run(

@@ -80,6 +80,9 @@ def random_request(rng: random.Random) -> Request:
     request.sampling.CopyFrom(random_sampling(rng))
     if rng.random() < 0.5:
         request.use_retrieval = rng.random() < 0.7
+    if rng.random() < 0.2:
+        request.tools.extend(TOOLS)
+        request.tool_choice.CopyFrom(rng.choice(CHOICES))
     return request
 
 
@@ -159,6 +162,61 @@ def _set_top_k(r: Request, rng: random.Random) -> None:
     r.top_k = _other(rng, r.top_k or CONFIG.default_top_k, [1, 4, 8, 20])  # type: ignore[assignment]
 
 
+def _converse(r: Request, rng: random.Random) -> None:
+    """The same question after an earlier exchange (or another earlier exchange)."""
+    question = r.prompt or r.messages[-1].content
+    system = r.system_prompt or (r.messages[0].content if r.messages and r.messages[0].role == "system" else "")
+    del r.messages[:]
+    if system:
+        r.messages.add(role="system", content=system)
+    r.messages.add(role="user", content="earlier " + words(rng, 2))
+    r.messages.add(role="assistant", content=words(rng, 3))
+    r.messages.add(role="user", content=question)
+    r.prompt, r.system_prompt = "", ""
+
+
+FORMATS = [
+    common_pb2.ResponseFormat(type="json_object"),
+    common_pb2.ResponseFormat(type="json_schema", json_schema='{"type": "object"}'),
+    common_pb2.ResponseFormat(type="json_schema", json_schema='{"type": "array"}', strict=True),
+    common_pb2.ResponseFormat(type="regex", regex="[0-9]+"),
+    common_pb2.ResponseFormat(type="choice", choices=["yes", "no"]),
+]
+
+
+def _set_format(r: Request, rng: random.Random) -> None:
+    current = r.response_format if r.HasField("response_format") else None
+    r.response_format.CopyFrom(_other(rng, current, FORMATS))  # type: ignore[arg-type]
+
+
+TOOLS = [
+    common_pb2.Tool(name="weather", parameters='{"type": "object", "properties": {"city": {"type": "string"}}}'),
+    common_pb2.Tool(name="search", description="Search the web."),
+]
+CHOICES = [
+    common_pb2.ToolChoice(mode="required"),
+    common_pb2.ToolChoice(mode="function", function="weather"),
+    common_pb2.ToolChoice(mode="function", function="search"),
+    common_pb2.ToolChoice(mode="none"),
+]
+
+
+def tool_call(r: Request) -> bool:
+    return r.tool_choice.mode in ("required", "function")
+
+
+def _set_tools(r: Request, rng: random.Random) -> None:
+    if not r.tools:
+        r.tools.extend(TOOLS)
+        r.tool_choice.CopyFrom(common_pb2.ToolChoice(mode="none"))
+    else:
+        r.tools[-1].description = r.tools[-1].description + " " + words(rng, 1)
+
+
+def _set_choice(r: Request, rng: random.Random) -> None:
+    r.tool_choice.CopyFrom(_other(rng, r.tool_choice, CHOICES))  # type: ignore[arg-type]
+
+
 def _flip_retrieval(r: Request, rng: random.Random) -> None:
     r.use_retrieval = not validate(r, CONFIG).use_retrieval
 
@@ -178,6 +236,10 @@ CHANGES: dict[str, Change] = {
     "sampling.top_p": (sampled, _set_top_p),
     "sampling.seed": (sampled, _set_seed),
     "sampling.stop": (always, _set_stop),
+    "messages": (always, _converse),
+    "response_format": (lambda r: not tool_call(r), _set_format),
+    "tools": (always, _set_tools),
+    "tool_choice": (lambda r: bool(r.tools), _set_choice),
     "sampling.ignore_eos": (always, lambda r, rng: setattr(r.sampling, "ignore_eos", not r.sampling.ignore_eos)),
 }
 
@@ -217,6 +279,21 @@ SAME: dict[str, Change] = {
             r.sampling.stop.extend(list(r.sampling.stop)),
             r.sampling.stop.reverse(),
         ),
+    ),
+    "a question as one turn": (
+        always,
+        lambda r, rng: (
+            r.messages.extend(
+                ([common_pb2.ChatMessage(role="system", content=r.system_prompt)] if r.system_prompt else [])
+                + [common_pb2.ChatMessage(role="user", content=r.prompt)]
+            ),
+            setattr(r, "prompt", ""),
+            setattr(r, "system_prompt", ""),
+        ),
+    ),
+    "response_format text spelled out": (
+        always,
+        lambda r, rng: r.response_format.CopyFrom(common_pb2.ResponseFormat(type=rng.choice(["", "text"]))),
     ),
     "collection default spelled out": (
         lambda r: r.collection in ("", CONFIG.default_collection),

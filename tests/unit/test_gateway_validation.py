@@ -4,7 +4,7 @@ import pytest
 
 from llmesh.errors import InvalidArgument
 from llmesh.v1 import common_pb2, gateway_pb2
-from services.gateway.core import GatewayConfig, InputTokenPredictor, build_messages, validate
+from services.gateway.core import DEFAULT_SYSTEM_PROMPT, GatewayConfig, InputTokenPredictor, build_messages, validate
 
 CONFIG = GatewayConfig(
     default_collection="docs",
@@ -113,3 +113,86 @@ def test_the_local_estimate_uses_the_context_rate_not_the_short_questions_rate()
     estimate = predictor.estimate(plan, 2000, rendered)
     assert exact <= estimate <= 1.15 * exact
     assert estimate < 0.6 * (size + 2000) * 0.5  # the question's rate over every byte: far more
+
+
+def turn(role: str, content: str = "", **kw: object) -> common_pb2.ChatMessage:
+    return common_pb2.ChatMessage(role=role, content=content, **kw)  # type: ignore[arg-type]
+
+
+def test_a_conversation_keeps_its_turns_and_its_question_is_the_last_user_turn() -> None:
+    request = gateway_pb2.GenerateRequest(
+        messages=[
+            turn("system", "Be brief."),
+            turn("user", "My name is Ann."),
+            turn("assistant", "Hello Ann."),
+            turn("user", "What is my name?"),
+        ]
+    )
+    plan = validate(request, CONFIG)
+    assert plan.prompt == "What is my name?" and not plan.semantic
+    sources = [common_pb2.ScoredChunk(document_id="d1", text="Ann is a pilot.", score=0.9)]
+    messages = build_messages(plan, sources)
+    assert [(m.role, m.content.split("\n")[0]) for m in messages] == [
+        ("system", "Be brief."),
+        ("user", "My name is Ann."),
+        ("assistant", "Hello Ann."),
+        ("user", "What is my name?"),
+    ]
+    # The one rule: context joins the system turn.
+    assert "[1] Ann is a pilot." in messages[0].content and "pilot" not in messages[-1].content
+
+
+def test_a_conversation_without_a_system_turn_gets_the_default_one() -> None:
+    plan = validate(
+        gateway_pb2.GenerateRequest(messages=[turn("user", "a"), turn("assistant", "b"), turn("user", "c")]), CONFIG
+    )
+    messages = build_messages(plan, [])
+    assert [m.role for m in messages] == ["system", "user", "assistant", "user"]
+    assert messages[0].content == DEFAULT_SYSTEM_PROMPT
+
+
+def test_a_question_as_one_turn_is_the_shorthand_and_may_be_answered_semantically() -> None:
+    as_turns = validate(gateway_pb2.GenerateRequest(messages=[turn("system", "S."), turn("user", "Q?")]), CONFIG)
+    shorthand = validate(gateway_pb2.GenerateRequest(prompt="Q?", system_prompt="S."), CONFIG)
+    assert as_turns.semantic and not as_turns.turns
+    assert (as_turns.prompt, as_turns.system_prompt, as_turns.shape) == ("Q?", "S.", shorthand.shape)
+
+
+@pytest.mark.parametrize(
+    ("messages", "extra", "fields"),
+    [
+        ([turn("user", "a"), turn("assistant", "b")], {}, {"messages"}),
+        ([turn("assistant", "b")], {}, {"messages"}),
+        ([turn("robot", "a"), turn("user", "q")], {}, {"messages[0].role"}),
+        ([turn("user", "a"), turn("tool", "r", tool_call_id="x")], {}, {"messages[1].tool_call_id"}),
+        ([turn("user", "q")], {"prompt": "q"}, {"prompt"}),
+        ([turn("user", "a"), turn("user", "q")], {"system_prompt": "s"}, {"system_prompt"}),
+        ([turn("user", " "), turn("assistant", "b"), turn("user", "q")], {}, {"messages[0].content"}),
+        (
+            [turn("user", "q", tool_calls=[common_pb2.ToolCall(id="1", name="f")]), turn("user", "q")],
+            {},
+            {"messages[0].tool_calls"},
+        ),
+    ],
+)
+def test_bad_conversations_are_refused_naming_the_field(
+    messages: list[common_pb2.ChatMessage], extra: dict[str, str], fields: set[str]
+) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        validate(gateway_pb2.GenerateRequest(messages=messages, **extra), CONFIG)  # type: ignore[arg-type]
+    assert {f for f, _ in info.value.violations} == fields
+
+
+def test_a_tool_turn_answering_an_earlier_call_is_accepted() -> None:
+    call = common_pb2.ToolCall(id="call_1", name="weather", arguments='{"city": "Paris"}')
+    plan = validate(
+        gateway_pb2.GenerateRequest(
+            messages=[
+                turn("user", "Weather in Paris?"),
+                turn("assistant", "", tool_calls=[call]),
+                turn("tool", "18C", tool_call_id="call_1"),
+            ]
+        ),
+        CONFIG,
+    )
+    assert plan.prompt == "Weather in Paris?" and len(plan.turns) == 3

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
 from llmesh.errors import InvalidArgument
+from services.gateway.core import one_turn_form
 from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, param_name
 
 
@@ -15,7 +18,11 @@ def chat(**body: object) -> ChatCompletionRequest:
 
 def test_one_user_message_is_the_prompt_as_a_grpc_caller_sends_it() -> None:
     request = chat(messages=[{"role": "user", "content": "What is 2 plus 2?"}]).to_generate("acme")
-    assert request.prompt == "What is 2 plus 2?" and request.system_prompt == "" and request.tenant == "acme"
+    assert [(t.role, t.content) for t in request.messages] == [("user", "What is 2 plus 2?")]
+    assert request.tenant == "acme"
+    # The gateway writes a conversation that is only a question as the one-turn shorthand.
+    shorthand = one_turn_form(request)
+    assert shorthand.prompt == "What is 2 plus 2?" and shorthand.system_prompt == "" and not shorthand.messages
     # Omitted sampling is greedy, as in the gRPC API (and so shares its cache entries).
     assert request.sampling.temperature == 0 and request.sampling.max_new_tokens == 0
     assert not request.HasField("use_cache") and not request.HasField("use_retrieval")
@@ -38,8 +45,15 @@ def test_system_messages_history_parts_and_extension() -> None:
         stop="END",
         llmesh={"collection": "docs", "use_cache": False, "use_retrieval": True, "top_k": 3, "lane": "batch"},
     ).to_generate("default")
-    assert request.system_prompt == "Be brief.\n\nUse French."
-    assert request.prompt == "User: Hi\nAssistant: Bonjour\nUser: How are you?"
+    # Every message is a turn of its own, in order: nothing is folded into another.
+    assert not request.prompt and not request.system_prompt
+    assert [(t.role, t.content) for t in request.messages] == [
+        ("system", "Be brief."),
+        ("system", "Use French."),
+        ("user", "Hi"),
+        ("assistant", "Bonjour"),
+        ("user", "How are you?"),
+    ]
     s = request.sampling
     assert (s.max_new_tokens, round(s.temperature, 3), round(s.top_p, 3), s.seed, list(s.stop)) == (
         16,
@@ -67,10 +81,9 @@ def test_completion_prompt_string_or_one_item_list() -> None:
 @pytest.mark.parametrize(
     ("body", "fields"),
     [
-        ({"n": 3, "logprobs": True, "tools": [{}]}, {"n", "logprobs", "tools"}),
+        ({"n": 3, "logprobs": True, "functions": [{}]}, {"n", "logprobs", "functions"}),
         ({"presence_penalty": 0.5, "logit_bias": {"1": 2}}, {"presence_penalty", "logit_bias"}),
         ({"stream_options": {"include_usage": True}}, {"stream_options"}),
-        ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, {"messages"}),
     ],
 )
 def test_unsupported_parameters_are_named_not_ignored(body: dict, fields: set[str]) -> None:
@@ -91,7 +104,7 @@ def test_defaults_of_unsupported_parameters_are_accepted() -> None:
         response_format={"type": "text"},
         user="someone",
     )
-    assert request.include_usage and request.to_generate("default").prompt == "a"
+    assert request.include_usage and request.to_generate("default").messages[0].content == "a"
     with pytest.raises(InvalidArgument):
         CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"]}).to_generate("default")
 
@@ -100,7 +113,7 @@ def test_defaults_of_unsupported_parameters_are_accepted() -> None:
     "body",
     [
         {"messages": []},
-        {"messages": [{"role": "tool", "content": "x"}]},
+        {"messages": [{"role": "robot", "content": "x"}]},
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         {"messages": [{"role": "user", "content": "a"}], "unknown_field": 1},
         {"messages": [{"role": "user", "content": "a"}], "max_tokens": -1},
@@ -118,3 +131,43 @@ def test_gateway_field_paths_map_to_api_parameters() -> None:
     assert param_name("prompt", "messages") == "messages"
     assert param_name("prompt", "prompt") == "prompt"
     assert param_name("collection", "prompt") == "llmesh.collection"
+
+
+def test_tool_turns_and_calls_are_carried_as_they_are() -> None:
+    request = chat(
+        messages=[
+            {"role": "user", "content": "Weather in Paris?", "name": "ann"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "weather", "arguments": '{"city":"Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "18C, sunny"},
+        ]
+    ).to_generate("default")
+    user, assistant, tool = request.messages
+    assert (user.role, user.name) == ("user", "ann")
+    assert [(c.id, c.name, c.arguments) for c in assistant.tool_calls] == [("call_1", "weather", '{"city":"Paris"}')]
+    assert (tool.role, tool.tool_call_id, tool.content) == ("tool", "call_1", "18C, sunny")
+
+
+def test_response_formats_map_onto_the_contract() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    request = chat(
+        messages=[{"role": "user", "content": "a"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "A", "schema": schema, "strict": True}},
+    ).to_generate("default")
+    form = request.response_format
+    assert (form.type, form.name, form.strict, json.loads(form.json_schema)) == ("json_schema", "A", True, schema)
+    as_object = chat(messages=[{"role": "user", "content": "a"}], response_format={"type": "json_object"})
+    assert as_object.to_generate("default").response_format.type == "json_object"
+    choice = chat(messages=[{"role": "user", "content": "a"}], response_format={"type": "choice", "choices": ["x"]})
+    assert list(choice.to_generate("default").response_format.choices) == ["x"]
+    text = chat(messages=[{"role": "user", "content": "a"}], response_format={"type": "text"})
+    assert not text.to_generate("default").HasField("response_format")

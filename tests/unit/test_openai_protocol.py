@@ -125,3 +125,23 @@ def test_a_rejected_parameter_names_our_field() -> None:
     assert isinstance(by_text, errors.InvalidArgument) and by_text.violations[0][0] == "sampling.seed"
     unknown = error_for_status(400, {}, b"plain text")
     assert isinstance(unknown, errors.InvalidArgument) and unknown.violations[0][0] == "sampling"
+
+
+def test_response_formats_are_passed_as_vllm_takes_them() -> None:
+    from services.inference.decoding import ResponseFormatSpec
+    from services.inference.openai_protocol import completion_body as body_of
+
+    resolved = ResolvedParams(max_new_tokens=8, temperature=0.0, top_p=1.0, seed=None, stop=(), ignore_eos=False)
+    schema = ResponseFormatSpec("json_schema", schema='{"type": "object"}', strict=True, name="thing")
+    assert body_of("m", [1], resolved, response_format=schema)["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "thing", "schema": {"type": "object"}, "strict": True},
+    }
+    assert body_of("m", [1], resolved, response_format=ResponseFormatSpec("json_object"))["response_format"] == {
+        "type": "json_object"
+    }
+    regex = body_of("m", [1], resolved, response_format=ResponseFormatSpec("regex", regex="[0-9]+"))
+    assert regex["structured_outputs"] == {"regex": "[0-9]+"}
+    choice = body_of("m", [1], resolved, response_format=ResponseFormatSpec("choice", choices=("a", "b")))
+    assert choice["structured_outputs"] == {"choice": ["a", "b"]}
+    assert "response_format" not in body_of("m", [1], resolved)

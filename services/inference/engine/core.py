@@ -33,7 +33,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -52,9 +52,12 @@ from services.inference.engine.kv_manager import BlockManager, KVStats
 from services.inference.engine.load import EngineLoad
 from services.inference.engine.model import LoadedModel, ModelDescription
 from services.inference.engine.runner import ModelRunner, Sampling
-from services.inference.engine.sampling import choose
+from services.inference.engine.sampling import Constraints, choose
 from services.inference.engine.scheduler import Admission, BatchState, Scheduler
 from services.inference.engine.stream import Emitter, RequestStream, SequenceState, _Sink, tracer
+
+if TYPE_CHECKING:
+    from services.inference.engine.grammar import Grammars
 
 log = logging.getLogger("llmesh.inference.engine")
 
@@ -66,6 +69,9 @@ class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig, name: str = "") -> None:
         self.model = model
         self.config = config
+        # Constrained decoding (engine/grammar.py): built on first use; llguidance loads only then.
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
         self.name = name or model.verified.version
         self.tag = f"{self.name}.{secrets.token_hex(2)}"
         seq_tokens = config.max_seq_tokens(model.max_context_tokens)
@@ -295,7 +301,11 @@ class Engine:
         resolved = resolve_params(params, prompt_ids, self.limits)
         seed = resolved.seed if resolved.seed is not None else secrets.randbits(64)
         now = time.monotonic()
+        grammar = None
+        if params.response_format is not None:  # compiled (or from the LRU) and checked now
+            grammar = self.grammars().row(params.response_format, resolved.max_new_tokens)
         return SequenceState(
+            grammar=grammar,
             prompt_ids=prompt_ids,
             params=resolved,
             request_id=request_id,
@@ -482,7 +492,18 @@ class Engine:
 
     # ----------------------------------------------------------------- model steps
 
+    def grammars(self) -> Grammars:
+        """The model's grammar library, built on the first request with a response format."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from services.inference.engine.grammar import Grammars
+
+                model = self.model
+                self._grammars = Grammars(model.tokenizer, model.vocab_size, model.eos_ids)
+            return self._grammars
+
     def _sampling(self, seqs: list[SequenceState]) -> Sampling:
+        """Sampling of the batch rows 0..len(seqs)-1 (row i is seqs[i])."""
         picked = [(row, s) for row, s in enumerate(seqs) if not s.params.greedy]
         return (
             [row for row, _ in picked],
@@ -490,7 +511,18 @@ class Engine:
             [s.params.top_p for _, s in picked],
             [s.seed for _, s in picked],
             [len(s.generated) for _, s in picked],
+            self._constraints(seqs),
         )
+
+    def _constraints(self, seqs: list[SequenceState]) -> Constraints | None:
+        """The token masks of the rows under a grammar (None when no row has one)."""
+        constrained = [(row, s.grammar) for row, s in enumerate(seqs) if s.grammar is not None]
+        if not constrained:
+            return None
+        bitmask = torch.zeros((len(constrained), constrained[0][1].grammars.words), dtype=torch.int32)
+        for i, (_, grammar) in enumerate(constrained):
+            grammar.fill_mask(bitmask, i)
+        return [row for row, _ in constrained], bitmask
 
     def _register(self, seq: SequenceState) -> None:
         """Puts the full blocks of what `seq` has in the cache into the prefix cache."""
@@ -623,9 +655,12 @@ class Engine:
         eos = self.model.eos_ids
         items: list[tuple[SequenceState, int, str | None]] = []
         for seq, token in pairs:
+            if seq.grammar is not None:  # the grammar may put the row on its closing path
+                token = seq.grammar.take(token, seq.params.max_new_tokens - len(seq.generated) - 1)
             seq.generated.append(token)
             reason = None
-            if token in eos and not seq.params.ignore_eos:
+            # A complete structured answer ends with the EOS its grammar then allows (ignore_eos or not).
+            if token in eos and (not seq.params.ignore_eos or seq.grammar is not None):
                 reason = FINISH_STOP
             elif len(seq.generated) >= seq.params.max_new_tokens:
                 reason = FINISH_LENGTH

@@ -7,6 +7,7 @@ so a seeded request gets the same tokens in any batch (and alone), and the draw 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _M32 = 0xFFFFFFFF
@@ -57,6 +58,35 @@ def sample_rows(
     return picked.clamp_(max=cdf.shape[1] - 1)[:, 0]
 
 
+# Rows under a grammar: (their rows in the batch, their allowed tokens as an int32 bitmask
+# [rows, ceil(vocab / 32)], bit t % 32 of word t // 32 set for an allowed token t).
+Constraints = tuple[list[int], torch.Tensor]
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A bitmask [rows, words] as booleans [rows, vocab] (tokens past the mask: not allowed).
+    Unpacked by numpy on the host (a tenth of the time of shifts in torch on this CPU)."""
+    bits = np.unpackbits(bitmask.cpu().numpy().view(np.uint8), axis=1, bitorder="little").view(np.bool_)
+    allowed = torch.from_numpy(bits[:, :vocab])
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    return allowed
+
+
+def constrain(logits: torch.Tensor, constraints: Constraints | None) -> torch.Tensor:
+    """Float32 logits with every token a row's grammar does not allow at -inf (its own row only)."""
+    logits = logits.float()
+    if constraints is None or not constraints[0]:
+        return logits
+    rows, bitmask = constraints
+    index = torch.tensor(rows, device=logits.device)
+    allowed = allowed_tokens(bitmask, logits.shape[1]).to(logits.device)
+    masked = logits.index_select(0, index)
+    masked.masked_fill_(~allowed, float("-inf"))
+    logits[index] = masked
+    return logits
+
+
 def choose(
     logits: torch.Tensor,
     sampled_rows: list[int],
@@ -64,11 +94,14 @@ def choose(
     top_p: list[float],
     seeds: list[int],
     counters: list[int],
+    constraints: Constraints | None = None,
 ) -> torch.Tensor:
-    """Greedy tokens for every row of `logits`, replaced by a sampled token in `sampled_rows`.
-    The argmax runs in float32 (an exact widening, so the same index): the CPU's bfloat16 argmax
-    takes twice as long as the conversion and the float32 argmax together."""
-    chosen = torch.argmax(logits.float(), dim=-1)
+    """Greedy tokens for every row of `logits`, replaced by a sampled token in `sampled_rows`;
+    rows in `constraints` choose among the tokens their grammar allows. The argmax runs in
+    float32 (an exact widening, so the same index): the CPU's bfloat16 argmax takes twice as long
+    as the conversion and the float32 argmax together."""
+    logits = constrain(logits, constraints)
+    chosen = torch.argmax(logits, dim=-1)
     if not sampled_rows:
         return chosen
     device = logits.device

@@ -34,6 +34,7 @@ from services.inference.engine.kv_manager import BlockTable
 
 if TYPE_CHECKING:
     from services.inference.engine.core import Engine
+    from services.inference.engine.grammar import RowGrammar
 
 log = logging.getLogger("llmesh.inference.engine")
 tracer = trace.get_tracer("llmesh.inference")
@@ -106,6 +107,8 @@ class SequenceState:
     prefill_started_ns: int = 0
     #: Tokens emitted to the client so far (emitter).
     emitted: int = 0
+    #: Worker: the row's grammar when its answer has a response format (engine/grammar.py).
+    grammar: RowGrammar | None = None
 
     @property
     def reserved_tokens(self) -> int:

@@ -1,0 +1,289 @@
+"""Structured answers benchmark: what constrained decoding costs on the builtin engine, whether every
+answer is valid, and the same load on vLLM's CPU build with its structured output, side by side.
+
+On SmolLM2 through the mesh (tokenizer, inference, gateway; cache and retrieval off), in one run:
+
+* unconstrained_tok_s / json_schema_tok_s   32 concurrent streams of 64 new tokens, free text
+                      (EOS ignored) and under a JSON Schema with a free string (the answer runs
+                      to its budget and closes there); output tokens / wall time of the wave
+* ttft_*_p50_s        time to first token of each wave
+* compile_cold_ms / compile_cached_ms   llguidance grammar compile per schema (median over the
+                      schemas of bench/schemas.py), cold (fresh library) and from the LRU
+* schemas_valid / schemas_total   replies over the schemas of bench/schemas.py, at max_tokens 48
+                      and 128, that parse and validate (refused: a schema whose shortest answer
+                      does not fit the budget, refused up front, never answered)
+* vllm_*              the same waves and schemas straight to vLLM's /v1/completions with
+                      `response_format` json_schema (its structured output), same prompts
+
+Target (`passes`): json_schema_tok_s >= 0.8 x unconstrained_tok_s; schemas_valid == answered.
+
+Run: `.venv/bin/python -m bench.structured` (a few minutes on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import grpc
+import httpx
+import jsonschema
+from tokenizers import Tokenizer
+
+from bench.common import machine, print_table, write_result
+from bench.mesh import bench_mesh
+from bench.schemas import SCHEMAS
+from llmesh.testing import VLLM_MODEL_NAME, VllmServer, real_models_dir
+from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+
+STREAMS = 32
+NEW_TOKENS = 64
+BUDGETS = (48, 128)
+CLOSED = "127.0.0.1:1"
+MESH_SERVICES = ("tokenizer", "inference", "gateway")
+QUESTION = "Write a short note about the sea, number {i}."
+LONG_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"title": {"type": "string"}, "note": {"type": "string"}},
+    "required": ["title", "note"],
+}
+
+
+def request(
+    question: str, max_new: int, schema: dict[str, Any] | None, ignore_eos: bool
+) -> gateway_pb2.GenerateRequest:
+    r = gateway_pb2.GenerateRequest(
+        prompt=question,
+        use_cache=False,
+        use_retrieval=False,
+        sampling=common_pb2.SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos),
+    )
+    if schema is not None:
+        r.response_format.CopyFrom(common_pb2.ResponseFormat(type="json_schema", json_schema=json.dumps(schema)))
+    return r
+
+
+async def mesh_wave(target: str, schema: dict[str, Any] | None) -> dict[str, float]:
+    """STREAMS concurrent streams through the gateway; tok/s over the wave and TTFT p50."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+
+        async def one(i: int) -> tuple[float, int]:
+            started = time.perf_counter()
+            first = 0.0
+            produced = 0
+            async for event in stub.GenerateStream(
+                request(QUESTION.format(i=i), NEW_TOKENS, schema, True), timeout=600
+            ):
+                if event.delta and not first:
+                    first = time.perf_counter() - started
+                if event.HasField("final"):
+                    produced = event.final.usage.output_tokens
+            return first, produced
+
+        await one(0)  # warm: the grammar compiled, the model's first batch shapes seen
+        started = time.perf_counter()
+        results = await asyncio.gather(*(one(i) for i in range(STREAMS)))
+        wall = time.perf_counter() - started
+    return {"tok_s": sum(p for _, p in results) / wall, "ttft_p50_s": statistics.median(f for f, _ in results)}
+
+
+async def mesh_schemas(target: str) -> dict[str, int]:
+    """Every schema at every budget, all at once; answered replies that parse and validate."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+
+        async def one(question: str, schema: dict[str, Any], budget: int) -> str:
+            try:
+                reply = await stub.Generate(request(question, budget, schema, False), timeout=600)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in (err.details() or ""):
+                    return "refused"
+                raise
+            return "valid" if _valid(reply.text, schema) else "invalid"
+
+        outcomes = await asyncio.gather(*(one(q, s, b) for q, s in SCHEMAS for b in BUDGETS))
+    return _tally(outcomes)
+
+
+async def vllm_wave(base_url: str, prompts: list[list[int]], schema: dict[str, Any] | None) -> dict[str, float]:
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def one(ids: list[int]) -> tuple[float, int]:
+            body: dict[str, Any] = {
+                "model": VLLM_MODEL_NAME,
+                "prompt": ids,
+                "max_tokens": NEW_TOKENS,
+                "temperature": 0.0,
+                "ignore_eos": schema is None,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            if schema is not None:
+                body["response_format"] = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+            started = time.perf_counter()
+            first = 0.0
+            produced = 0
+            async with client.stream("POST", f"{base_url}/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if not first and any(c.get("text") for c in chunk.get("choices") or ()):
+                        first = time.perf_counter() - started
+                    if chunk.get("usage"):
+                        produced = int(chunk["usage"]["completion_tokens"])
+            return first, produced
+
+        await one(prompts[0])
+        started = time.perf_counter()
+        results = await asyncio.gather(*(one(p) for p in prompts))
+        wall = time.perf_counter() - started
+    return {"tok_s": sum(p for _, p in results) / wall, "ttft_p50_s": statistics.median(f for f, _ in results)}
+
+
+async def vllm_schemas(base_url: str, prompts: dict[str, list[int]]) -> dict[str, int]:
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def one(question: str, schema: dict[str, Any], budget: int) -> str:
+            body = {
+                "model": VLLM_MODEL_NAME,
+                "prompt": prompts[question],
+                "max_tokens": budget,
+                "temperature": 0.0,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+            }
+            response = await client.post(f"{base_url}/completions", json=body)
+            if response.status_code != 200:
+                return "refused"
+            return "valid" if _valid(response.json()["choices"][0]["text"], schema) else "invalid"
+
+        outcomes = await asyncio.gather(*(one(q, s, b) for q, s in SCHEMAS for b in BUDGETS))
+    return _tally(outcomes)
+
+
+def _valid(text: str, schema: dict[str, Any]) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def _tally(outcomes: Sequence[str]) -> dict[str, int]:
+    return {k: sum(1 for o in outcomes if o == k) for k in ("valid", "invalid", "refused")} | {"total": len(outcomes)}
+
+
+def compile_times(models: Path) -> dict[str, float]:
+    from services.inference.decoding import ResponseFormatSpec
+    from services.inference.engine.grammar import Grammars
+
+    tokenizer = Tokenizer.from_file(str(models / "smollm2" / "current" / "tokenizer.json"))
+    grammars = Grammars(tokenizer, tokenizer.get_vocab_size(with_added_tokens=True), frozenset({2}))
+    cold, cached = [], []
+    for _, schema in SCHEMAS:
+        spec = ResponseFormatSpec(kind="json_schema", schema=json.dumps(schema))
+        started = time.perf_counter()
+        grammars.row(spec, 256)
+        cold.append((time.perf_counter() - started) * 1000)
+        started = time.perf_counter()
+        grammars.row(spec, 256)
+        cached.append((time.perf_counter() - started) * 1000)
+    return {"compile_cold_ms": statistics.median(cold), "compile_cached_ms": statistics.median(cached)}
+
+
+async def rendered(tokenizer_target: str, questions: list[str]) -> list[list[int]]:
+    """The token ids the gateway sends for each question (vLLM gets the very same prompts)."""
+    from services.gateway.core import GatewayConfig, build_messages, validate
+
+    config = GatewayConfig("docs", 4, 0.25, 32768, 1536, 512, 128)
+    async with grpc.aio.insecure_channel(tokenizer_target) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerStub(channel)
+        out = []
+        for question in questions:
+            messages = build_messages(validate(request(question, NEW_TOKENS, None, False), config), [])
+            answer = await stub.ApplyChatTemplate(
+                tokenizer_pb2.ApplyChatTemplateRequest(messages=messages, add_generation_prompt=True, tokenize=True)
+            )
+            out.append(list(answer.ids))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's side")
+    args = parser.parse_args(argv)
+    begun = time.perf_counter()
+    models = real_models_dir()
+    result: dict[str, Any] = {"streams": STREAMS, "new_tokens": NEW_TOKENS, "budgets": list(BUDGETS)}
+    result.update(compile_times(models))
+    env = {
+        "LLMESH_MODELS_DIR": str(models),
+        "LLMESH_CACHE_TARGET": CLOSED,
+        "LLMESH_RETRIEVAL_TARGET": CLOSED,
+        "LLMESH_NICE": "0",
+        "LLMESH_INFERENCE_MODEL": "smollm2",
+        "LLMESH_MAX_BATCH_SIZE": str(STREAMS),
+    }
+    questions = [QUESTION.format(i=i) for i in range(STREAMS)]
+    with bench_mesh(env, services=MESH_SERVICES) as mesh:
+        free = asyncio.run(mesh_wave(mesh.target("gateway"), None))
+        constrained = asyncio.run(mesh_wave(mesh.target("gateway"), LONG_SCHEMA))
+        tally = asyncio.run(mesh_schemas(mesh.target("gateway")))
+        prompts = asyncio.run(rendered(mesh.target("tokenizer"), questions + [q for q, _ in SCHEMAS]))
+    result |= {
+        "unconstrained_tok_s": free["tok_s"],
+        "json_schema_tok_s": constrained["tok_s"],
+        "ttft_unconstrained_p50_s": free["ttft_p50_s"],
+        "ttft_json_schema_p50_s": constrained["ttft_p50_s"],
+        "schemas_valid": tally["valid"],
+        "schemas_invalid": tally["invalid"],
+        "schemas_refused": tally["refused"],
+        "schemas_total": tally["total"],
+        "schema_count": len(SCHEMAS),
+    }
+    if not args.no_vllm and VllmServer.available():
+        with tempfile.TemporaryDirectory(prefix="llmesh-bench-structured-") as tmp:
+            vllm = VllmServer((models / "smollm2" / "current").resolve(), Path(tmp) / "vllm.log")
+            vllm.start()
+            try:
+                vllm.wait_ready()
+                wave = prompts[:STREAMS]
+                by_question = dict(zip([q for q, _ in SCHEMAS], prompts[STREAMS:], strict=True))
+                v_free = asyncio.run(vllm_wave(vllm.base_url, wave, None))
+                v_schema = asyncio.run(vllm_wave(vllm.base_url, wave, LONG_SCHEMA))
+                v_tally = asyncio.run(vllm_schemas(vllm.base_url, by_question))
+            finally:
+                vllm.stop()
+        result |= {
+            "vllm_unconstrained_tok_s": v_free["tok_s"],
+            "vllm_json_schema_tok_s": v_schema["tok_s"],
+            "vllm_ttft_unconstrained_p50_s": v_free["ttft_p50_s"],
+            "vllm_ttft_json_schema_p50_s": v_schema["ttft_p50_s"],
+            "vllm_schemas_valid": v_tally["valid"],
+            "vllm_schemas_invalid": v_tally["invalid"],
+            "vllm_schemas_refused": v_tally["refused"],
+        }
+    result["passes"] = {
+        "json_schema_at_least_0.8x": result["json_schema_tok_s"] >= 0.8 * result["unconstrained_tok_s"],
+        "every_answer_valid": result["schemas_invalid"] == 0,
+    }
+    result["duration_s"] = time.perf_counter() - begun
+    result["load_avg_1m"] = round(os.getloadavg()[0], 2)
+    result["machine"] = machine()
+    print_table({k: v for k, v in result.items() if not isinstance(v, dict)}, "structured answers")
+    print(f"wrote {write_result('structured', result)}")
+
+
+if __name__ == "__main__":
+    main()
