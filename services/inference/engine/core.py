@@ -26,6 +26,7 @@ request gets UNAVAILABLE, `submit` refuses, and `closed` turns the service NOT_S
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -61,6 +62,19 @@ log = logging.getLogger("llmesh.inference.engine")
 # torch.cuda.OutOfMemoryError is this class too.
 _OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
 
+#: One lock per CUDA device, held by every engine's worker around each iteration and by a
+#: warm-up around its graph capture: capture forbids other work on the device, and during a
+#: model switch the old engine still serves there. Reentrant: warm-up's own iterations take it.
+_DEVICE_LOCKS: dict[str, threading.RLock] = {}
+_DEVICE_LOCKS_GUARD = threading.Lock()
+
+
+def device_lock(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    with _DEVICE_LOCKS_GUARD:
+        return _DEVICE_LOCKS.setdefault(str(device), threading.RLock())
+
 
 class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig, name: str = "") -> None:
@@ -95,6 +109,7 @@ class Engine:
         )
         self.scheduler = Scheduler(config, self.kv, self.max_prefill_tokens, self._end, self._retry_after)
         self._thread: threading.Thread | None = None
+        self._device = device_lock(model.device)
         # Worker state.
         self._running: list[SequenceState] = []
         self._chunking: SequenceState | None = None
@@ -176,7 +191,8 @@ class Engine:
         with torch.inference_mode():
             for attempt in range(2 if self.runner.use_graphs else 1):
                 if attempt:
-                    self.runner.capture()
+                    with self._device:  # no other engine's step on the device while capturing
+                        self.runner.capture()
                     seqs = [
                         self._new_sequence(
                             s.prompt_ids, SamplingParams(max_new_tokens=4, ignore_eos=True), "warm-up", None, True
@@ -351,7 +367,8 @@ class Engine:
                     admission = self.scheduler.next_work(self._batch_state())
                     if admission is None:
                         return
-                    self._iteration(admission)
+                    with self._device:
+                        self._iteration(admission)
                     admission = None
         except BaseException as exc:
             log.exception("inference worker died; closing the engine")
