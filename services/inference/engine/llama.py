@@ -110,7 +110,17 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 
 class LlamaDecoder:
-    def __init__(self, hf: Any, kv: PagedKVCache, rows_hint: int, max_positions: int, pack: bool | None = None) -> None:
+    def __init__(
+        self,
+        hf: Any,
+        kv: PagedKVCache,
+        rows_hint: int,
+        max_positions: int,
+        pack: bool | None = None,
+        share_weights: bool = True,
+    ) -> None:
+        """`share_weights`: in float32 the HF modules' weights become views of the fused ones
+        (one copy); False leaves the model untouched (a throwaway forward: the quality guard)."""
         cfg = hf.config
         base = getattr(hf, hf.base_model_prefix)
         dtype = base.embed_tokens.weight.dtype
@@ -133,8 +143,9 @@ class LlamaDecoder:
         with torch.no_grad():
             for layer in base.layers:
                 att, mlp = layer.self_attn, layer.mlp
-                qkv = _fuse([att.q_proj, att.k_proj, att.v_proj], share=not self.pack)
-                gate_up = _fuse([mlp.gate_proj, mlp.up_proj], share=not self.pack)
+                share = share_weights and not self.pack
+                qkv = _fuse([att.q_proj, att.k_proj, att.v_proj], share=share)
+                gate_up = _fuse([mlp.gate_proj, mlp.up_proj], share=share)
                 self.layers.append(
                     (
                         layer.input_layernorm.weight,
@@ -217,3 +228,23 @@ class LlamaDecoder:
             gate_up = gate_up_proj(self._norm(x, ln2))
             x = down_proj.add(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], x)
         return self._norm(x, self.final_norm).view(rows, tokens, self.hidden)
+
+
+def serving_logits(hf: Any, ids: list[int], device: torch.device) -> torch.Tensor | None:
+    """The logits [tokens, vocab] of every position of `ids` through this forward (one row
+    prefilled over a scratch pool of blocks), None where `supported` says it does not serve:
+    the perplexity guard measures the forward that serves (services.inference.quality)."""
+    if supported(hf, device) is not None:
+        return None
+    block = 16
+    blocks = -(-len(ids) // block) + 1  # and the null block
+    dtype = getattr(hf, hf.base_model_prefix).embed_tokens.weight.dtype
+    kv = PagedKVCache(hf.config, blocks, block, dtype, device)
+    decoder = LlamaDecoder(hf, kv, 1, blocks * block, share_weights=False)
+    n = len(ids)
+    rows = torch.arange(block, block + n, device=device)  # blocks 1.. in order
+    kv.plan(rows, rows[None])
+    positions = torch.arange(n, device=device)[None]
+    mask = torch.ones((n, n), dtype=torch.bool, device=device).tril_()[None, None]
+    hidden = decoder.prefill(torch.tensor([ids], device=device), positions, mask)
+    return decoder.lm_head(hidden[0])
