@@ -129,6 +129,8 @@ class Engine:
         self.dead = False
         self.steps = 0
         self.preemptions = 0
+        #: Share of admitted prompt tokens served from the prefix cache (EWMA over admissions).
+        self.prefix_hit_rate: float | None = None
         self._reported = KVStats(0, 0, 0, 0, 0, 0)
         self._report_kv()
 
@@ -209,6 +211,7 @@ class Engine:
                 raise RuntimeError(f"warm-up failed: {failure}") from failure
         self.kv.forget_cached()
         self._report_kv()
+        self.prefix_hit_rate = None
 
     def close(self, reason: str = "the model was unloaded") -> None:
         """Stops the worker; anything still queued or running gets UNAVAILABLE."""
@@ -266,7 +269,7 @@ class Engine:
             waiting_prompt_tokens=waiting_tokens,
             step_seconds=self.step_s,
             prefill_tokens_per_second=self.prefill_tok_s,
-            prefix_hit_rate=stats.hit_tokens / stats.query_tokens if stats.query_tokens else 0.0,
+            prefix_hit_rate=self.prefix_hit_rate or 0.0,
             prefix_hashes=self.kv.prefix_hashes(),
         )
 
@@ -437,7 +440,10 @@ class Engine:
         if stats.hit_tokens > last.hit_tokens:
             metrics.PREFIX_HIT_TOKENS.inc(stats.hit_tokens - last.hit_tokens)
         if stats.query_tokens > last.query_tokens:
-            metrics.PREFIX_QUERY_TOKENS.inc(stats.query_tokens - last.query_tokens)
+            queried = stats.query_tokens - last.query_tokens
+            metrics.PREFIX_QUERY_TOKENS.inc(queried)
+            # Recent, not lifetime: a router wants where reuse happens now.
+            self.prefix_hit_rate = _ewma(self.prefix_hit_rate, (stats.hit_tokens - last.hit_tokens) / queried)
         if stats.evictions > last.evictions:
             metrics.PREFIX_EVICTIONS.inc(stats.evictions - last.evictions)
         self._reported = stats
