@@ -115,7 +115,9 @@ async def builtin_ttft(stub: inference_pb2_grpc.InferenceStub, ids: list[int], m
     return first - sent, text
 
 
-async def builtin_phase(target: str, chat: Chat, systems: list[str], conversation: bool) -> dict[str, float]:
+async def builtin_phase(
+    target: str, chat: Chat, systems: list[str], conversation_system: str | None
+) -> dict[str, float]:
     out: dict[str, float] = {}
     async with grpc.aio.insecure_channel(target) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
@@ -128,8 +130,9 @@ async def builtin_phase(target: str, chat: Chat, systems: list[str], conversatio
         fresh = [(await builtin_ttft(stub, chat.ids(_messages(s, QUESTIONS[0]))))[0] for s in systems[1:]]
         out["repeat_ttft_p50_s"] = statistics.median(repeats)
         out["fresh_ttft_p50_s"] = statistics.median(fresh)
-        if conversation:
-            messages = [{"role": "system", "content": systems[-1] + " (conversation)"}]
+        if conversation_system is not None:
+            # A system prompt of its own: turn 1 reuses nothing the earlier phases cached.
+            messages = [{"role": "system", "content": conversation_system}]
             for turn in range(TURNS):
                 messages.append({"role": "user", "content": QUESTIONS[turn]})
                 ttft, answer = await builtin_ttft(stub, chat.ids(messages), ANSWER_TOKENS)
@@ -198,11 +201,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     loads: dict[str, float] = {}
     env = {"LLMESH_MODELS_DIR": str(models), "LLMESH_INFERENCE_MODEL": "smollm2", "LLMESH_NICE": "0"}
     with Mesh(services=("inference",), env=env) as mesh:
-        result.update(asyncio.run(builtin_phase(mesh.target("inference"), chat, systems, conversation=True)))
+        conversation = system_prompt("Conversation", args.system_tokens, chat.count)
+        result.update(asyncio.run(builtin_phase(mesh.target("inference"), chat, systems, conversation)))
     loads["builtin"] = round(os.getloadavg()[0], 2)
     print_table(result, "builtin engine, prefix caching on")
     with Mesh(services=("inference",), env={**env, "LLMESH_PREFIX_CACHING": "0"}) as mesh:
-        off = asyncio.run(builtin_phase(mesh.target("inference"), chat, systems, conversation=False))
+        off = asyncio.run(builtin_phase(mesh.target("inference"), chat, systems, None))
     loads["builtin_no_prefix"] = round(os.getloadavg()[0], 2)
     for key in ("first_ttft_s", "repeat_ttft_p50_s", "fresh_ttft_p50_s"):
         result[f"{key.removesuffix('_s')}_no_prefix_s"] = off[key]

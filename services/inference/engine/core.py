@@ -10,7 +10,8 @@ kv_manager.py); each iteration it
    tokens), reusing each prompt's cached prefix, and prefills the rest of the short ones
    together and the next chunk of a long one;
 3. gives every running row room for its next token (preempting the newest rows when the pool
-   is empty) and runs one decode step for all of them (runner.py);
+   is empty) and runs one decode step for all of them (runner.py), with the long prompt's next
+   chunk in the same forward where the own forward serves (a mixed step);
 4. frees the rows that ended (EOS, length), and hands the step's tokens to the emitter thread
    (stream.py), which detokenizes and delivers them.
 
@@ -408,10 +409,13 @@ class Engine:
                 self._chunking = admission.chunked
             if group:
                 self._prefill(group)
-            if self._chunking is not None:
-                self._prefill_chunk()
-            if self._running:
-                self._decode()
+            if self._chunking is not None and self._running and self.runner.can_mix:
+                self._mixed_step()
+            else:
+                if self._chunking is not None:
+                    self._prefill_chunk()
+                if self._running:
+                    self._decode()
             if self._membership_changed:
                 self._new_segment()
         except Exception as exc:  # a bug or a device error: fail this batch, keep serving
@@ -571,16 +575,64 @@ class Engine:
                 return  # retried next iteration
             self._end(seq, None, _oom_failure(), "error")
             return
-        seq.prefilled = seq.length = start + n
-        self._register(seq)
         if n >= 16:
             self.prefill_tok_s = _ewma(self.prefill_tok_s, n / (time.perf_counter() - started))
-        if seq.prefilled < len(ids):
+        self._chunk_done(seq, start + n, logits)
+
+    def _chunk_done(self, seq: SequenceState, end: int, logits: torch.Tensor) -> None:
+        """Bookkeeping after a chunk of `seq`'s prompt up to `end` was prefilled; its first
+        token once the prompt is complete."""
+        seq.prefilled = seq.length = end
+        self._register(seq)
+        ids = seq.prefill_ids
+        if end < len(ids):
             return
         tokens = choose(logits, *self._sampling([seq])).tolist()
         self._chunking = None
         self._started([seq], seq.prefill_started_ns, len(ids), len(ids))
         self._accept([(seq, tokens[0])])
+
+    def _mixed_step(self) -> None:
+        """One forward for every decoding row and the next chunk of the long prompt (chunked
+        prefill inside the step, vLLM's way): the running rows wait for no separate prefill
+        forward, and the chunk (about one step's worth, scheduler.py) shares the step's
+        matmuls."""
+        self._make_room()
+        seq = self._chunking
+        running = list(self._running)  # the chunk's sequence joins self._running when complete
+        if seq is None or not running:  # preemption emptied one side: the plain path
+            if seq is not None:
+                self._prefill_chunk()
+            if running:
+                self._decode()
+            return
+        start = seq.prefilled
+        n = min(self.scheduler.chunk_tokens(self._batch_state()), len(seq.prefill_ids) - start)
+        if not seq.prefill_started_ns:
+            seq.prefill_started_ns = time.time_ns()
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook("prefill", 1)
+                self.fault_hook("decode", len(running))
+            rows = [(s.generated[-1], s.length, s.blocks.blocks) for s in running if s.blocks is not None]
+            decode_logits, chunk_logits = self.runner.mixed(rows, self._prefill_row(seq, start + n))
+            tokens = self._choose_tokens(decode_logits, running)
+        except _OOM_ERRORS:
+            metrics.OOM_RETRIES.inc()
+            self._empty_device_cache()
+            if len(running) > 1:
+                self._halve_running()
+            else:
+                self._requeue([seq])  # the prompt waits; the row decodes alone next
+            return
+        self._chunk_done(seq, start + n, chunk_logits)
+        # Not a decode step's time (the chunk is in it): step_s sizes the chunks, and counting
+        # them in would grow each next chunk.
+        self._decoded(running, tokens, None)
+
+    def _choose_tokens(self, logits: torch.Tensor, running: list[SequenceState]) -> list[int]:
+        """The decode rows' tokens from their logits (the sampler's one call site per step)."""
+        return choose(logits, *self._sampling(running))[: len(running)].tolist()
 
     def _started(self, group: list[SequenceState], started_ns: int, tokens: int, padded: int) -> None:
         for seq in group:
@@ -630,12 +682,16 @@ class Engine:
                 self._on_decode_oom()
                 if not self._running:
                     return
+        self._decoded(running, tokens, started)
+
+    def _decoded(self, running: list[SequenceState], tokens: list[int], started: float | None) -> None:
         bt = self.kv.block_tokens
         for seq in running:
             seq.length += 1
             if seq.length % bt == 0:
                 self._register(seq)
-        self.step_s = _ewma(self.step_s, time.perf_counter() - started)
+        if started is not None:
+            self.step_s = _ewma(self.step_s, time.perf_counter() - started)
         self.steps += 1
         self._segment_steps += 1
         self._accept(list(zip(running, tokens, strict=True)))
