@@ -214,8 +214,11 @@ class VllmServer:
         max_model_len: int = 2048,
         eager: bool = False,
         otlp_endpoint: str = "",
+        extra_args: tuple[str, ...] = (),
     ) -> None:
-        """eager=True skips vLLM's torch.compile step (minutes on 2 cores, redone at every start
+        """`extra_args`: more vLLM flags (bench.prefix: `--enable-prefix-caching`).
+
+        eager=True skips vLLM's torch.compile step (minutes on 2 cores, redone at every start
         because its compile cache fails to load in 0.32.0): for tests, which check behaviour."""
         self.model_dir = model_dir
         self.log_path = log_path
@@ -223,6 +226,7 @@ class VllmServer:
         self.otlp_endpoint = otlp_endpoint  # vLLM exports its request spans there (OTLP/gRPC)
         self.kv_cache_gib = kv_cache_gib
         self.max_model_len = max_model_len
+        self.extra_args = extra_args
         self.port = free_port()
         self.process: Any = None
 
@@ -267,6 +271,7 @@ class VllmServer:
             str(self.port),
             *(["--enforce-eager"] if self.eager else []),
             *(["--otlp-traces-endpoint", self.otlp_endpoint] if self.otlp_endpoint else []),
+            *self.extra_args,
         ]
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -30,6 +30,7 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -103,11 +104,18 @@ def text_ids(tokenizer: Tokenizer, limit: int) -> list[int]:
     return tokenizer.encode(fixed_text(), add_special_tokens=False).ids[:limit]
 
 
-def perplexity(model: Any, ids: list[int], device: torch.device) -> float:
-    """exp(mean next-token negative log-likelihood) over `ids`, one forward, logits in float32."""
+#: The logits [tokens, vocab] of every position of a prompt through the forward that serves the
+#: model (the engine's own one), or None where the model's own forward serves.
+ServingForward = Callable[[Any, list[int], torch.device], "torch.Tensor | None"]
+
+
+def perplexity(model: Any, ids: list[int], device: torch.device, forward: ServingForward | None = None) -> float:
+    """exp(mean next-token negative log-likelihood) over `ids`, one forward, logits in float32.
+    `forward`: the forward that serves (the guard measures what serves), else the model's own."""
     with torch.inference_mode():
         x = torch.tensor([ids], dtype=torch.long, device=device)
-        logits = model(input_ids=x).logits[0, :-1].float()
+        served = forward(model, ids, device) if forward is not None else None
+        logits = (served if served is not None else model(input_ids=x).logits[0])[:-1].float()
         nll = F.cross_entropy(logits, x[0, 1:])
     return math.exp(float(nll))
 
@@ -167,15 +175,22 @@ def convert(model: Any, dtype: torch.dtype, quantize: str) -> Any:
 
 
 def measure(
-    model_fp32: Any, ids: list[int], device: torch.device, dtype: torch.dtype, quantize: str, digest: str
+    model_fp32: Any,
+    ids: list[int],
+    device: torch.device,
+    dtype: torch.dtype,
+    quantize: str,
+    digest: str,
+    forward: ServingForward | None = None,
 ) -> tuple[Any, QualityCheck]:
-    """Reference perplexity on `model_fp32`, then `convert` it and measure again. Returns the
-    converted model (the float32 one is consumed) and the check."""
+    """Reference perplexity on `model_fp32`, then `convert` it and measure again (both through
+    `forward`, the one that serves, where given). Returns the converted model (the float32 one
+    is consumed) and the check."""
     started = time.perf_counter()
-    reference = perplexity(model_fp32, ids, device)
+    reference = perplexity(model_fp32, ids, device, forward)
     model = convert(model_fp32, dtype, quantize)
     if quantize == QUANTIZE_NONE:
-        served = perplexity(model, ids, device)
+        served = perplexity(model, ids, device, forward)
     else:
         from services.inference.quantize import int8_everywhere
 
@@ -202,6 +217,7 @@ def load_guarded(
     quantize: str,
     tokenizer: Tokenizer,
     max_tokens: int,
+    forward: ServingForward | None = None,
 ) -> tuple[Any, torch.dtype, QualityCheck | None]:
     """Loads the model in the chosen dtype (and quantization) if it passes the guard.
 
@@ -217,7 +233,7 @@ def load_guarded(
     if check is None:
         ids = text_ids(tokenizer, max_tokens)
         model, check = measure(
-            load_weights(verified, device, torch.float32), ids, device, dtype, quantize, verified.digest
+            load_weights(verified, device, torch.float32), ids, device, dtype, quantize, verified.digest, forward
         )
         log.info(
             "perplexity guard for %s %s measured in %.1fs: %s",

@@ -86,9 +86,9 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = quality.perplexity
 
-    def counting(model: Any, ids: list[int], device: torch.device) -> float:
+    def counting(model: Any, ids: list[int], device: torch.device, forward: Any = None) -> float:
         calls.append(len(ids))
-        return real(model, ids, device)
+        return real(model, ids, device, forward)
 
     monkeypatch.setattr(quality, "perplexity", counting)
     return calls
@@ -107,6 +107,22 @@ def test_the_guard_refuses_an_explicit_dtype_that_drifts(tiny: Path) -> None:
     check = _stored(tiny)["cpu/bfloat16/none"]
     assert check["perplexity"] > 1.02 * check["reference_perplexity"]
     assert check["digest"] == verify(tiny).digest  # the version still verifies with quality.json beside it
+
+
+def test_the_guard_measures_the_forward_that_serves(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The own Llama forward (engine/llama.py) serves on CPU, not transformers' forward: a fault
+    # in it alone (here: its bfloat16 prefill drifts) must fail the guard.
+    from services.inference.engine import llama
+
+    real = llama.LlamaDecoder.prefill
+
+    def drifting(self: llama.LlamaDecoder, *args: Any) -> torch.Tensor:
+        hidden = real(self, *args)
+        return hidden * 4.0 if hidden.dtype == torch.bfloat16 else hidden
+
+    monkeypatch.setattr(llama.LlamaDecoder, "prefill", drifting)
+    with pytest.raises(QualityError, match=r"refusing bfloat16 on cpu"):
+        LoadedModel(verify(tiny), "cpu", "bfloat16")
 
 
 @pytest.mark.usefixtures("drift")

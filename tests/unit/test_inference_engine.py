@@ -570,3 +570,42 @@ async def test_reused_blocks_and_padded_buckets_keep_every_row_equal_to_its_solo
         assert max(batches) >= 1  # some steps ran padding rows
     finally:
         eng.close()
+
+
+async def test_prompt_chunks_ride_in_the_decode_step(loaded: LoadedModel) -> None:
+    # While rows decode, a long prompt's chunks go through the same forward as the decode rows
+    # (one forward per iteration), never as a separate prefill forward.
+    eng = side_engine(loaded, max_batch_size=4, max_prompt_tokens=512, prefix_caching=False)
+    long_prompt = eng.encode("Tell me about the sea, the sky and everything in between. " * 36)
+    forwards: list[str] = []
+    runner = eng.runner
+    for name in ("prefill", "mixed", "decode"):
+        real = getattr(runner, name)
+
+        def counted(*args: object, _name: str = name, _real: object = real) -> object:
+            forwards.append(_name)
+            return _real(*args)  # type: ignore[operator]
+
+        setattr(runner, name, counted)
+
+    def hook(kind: str, batch: int) -> None:
+        eng.prefill_tok_s, eng.step_s = 4000.0, 0.01  # chunks of the smallest size, 128
+
+    try:
+        eng.fault_hook = hook
+        short = eng.submit(prompts(eng)[1], SamplingParams(max_new_tokens=60, ignore_eos=True))
+        got = 0
+        long_task = None
+        async for event in short:
+            got += len(event.token_ids)
+            if got == 2:
+                forwards.clear()
+                long_task = asyncio.create_task(
+                    run(eng, long_prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
+                )
+        assert long_task is not None
+        await long_task
+        assert forwards.count("mixed") >= len(long_prompt) // MIN_PREFILL_CHUNK
+        assert "prefill" not in forwards
+    finally:
+        eng.close()

@@ -143,3 +143,29 @@ def test_nan_left_in_reused_blocks_is_never_read(loaded: LoadedModel) -> None:
     for buf in (*runner.kv.keys, *runner.kv.values):
         buf[BLOCK:].fill_(float("nan"))  # every block but the null block
     assert greedy_run(runner, ps, tables, 6) == clean
+
+
+def test_a_mixed_step_equals_a_decode_step_and_a_chunk_apart(loaded: LoadedModel) -> None:
+    ps = prompts(loaded)
+    long_prompt = loaded.encode("Tell me about the sea, the sky and everything in between, " * 3)
+    apart = ModelRunner(loaded, 128, BLOCK, 96, (1, 2, 4), cuda_graphs=False)
+    mixed = ModelRunner(loaded, 128, BLOCK, 96, (1, 2, 4), cuda_graphs=False)
+    assert mixed.can_mix
+    tables = interleaved_tables(apart, 5, 64)
+    rows_tables, chunk_table = tables[:4], tables[4]
+    with torch.inference_mode():
+        for runner in (apart, mixed):
+            runner.prefill([(p, 0, t) for p, t in zip(ps, rows_tables, strict=True)])
+            runner.prefill([(long_prompt[:20], 0, chunk_table)])
+        rows = [(5 + i, len(p), t) for i, (p, t) in enumerate(zip(ps, rows_tables, strict=True))]
+        chunk = (long_prompt[20:37], 20, chunk_table)
+        decode_expected = apart.step_logits(rows)[:4]
+        chunk_expected = apart.prefill([chunk])
+        decode_got, chunk_got = mixed.mixed(rows, chunk)
+    torch.testing.assert_close(decode_got, decode_expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(chunk_got, chunk_expected, rtol=1e-4, atol=1e-4)
+    written = [len(p) + 1 for p in ps] + [37]
+    for a, b in zip(apart.kv.keys, mixed.kv.keys, strict=True):  # the same tokens written
+        for t, n in zip([*rows_tables, chunk_table], written, strict=True):
+            rows_of = torch.tensor([block * BLOCK + i for block in t for i in range(BLOCK)][:n])
+            torch.testing.assert_close(a[rows_of], b[rows_of], rtol=1e-4, atol=1e-5)

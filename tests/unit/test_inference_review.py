@@ -1,6 +1,7 @@
 """Findings of the review of the engine (issue 28), each pinned by a test: the idle flag and a
 request arriving meanwhile, a worker dying while a prefill group is taken, a stop string found
-only when the decoder flushes, 64-bit seeds, and the EOS token counted and sent."""
+only when the decoder flushes, 64-bit seeds, the EOS token counted and sent, and a row whose
+stop fired not prefilled again after an out-of-memory split."""
 
 from __future__ import annotations
 
@@ -167,5 +168,37 @@ async def test_the_eos_token_is_sent_as_it_is_counted(loaded: LoadedModel, monke
         assert last.finish_reason == "stop"
         assert tokens == greedy[: first + 1]
         assert last.output_tokens == len(tokens)
+    finally:
+        eng.close()
+
+
+async def test_a_row_whose_stop_fired_is_not_prefilled_again_after_an_oom_split(loaded: LoadedModel) -> None:
+    import torch
+
+    eng = side_engine(loaded, max_batch_size=2)
+    try:
+        ids = eng.encode("Hello")
+        params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+        events: list[str] = []
+
+        def hook(kind: str, batch: int) -> None:
+            events.append(f"{kind}:{batch}")
+            if kind == "decode" and batch == 2 and "oom" not in events:
+                # The newest row's stop string was found (by the emitter) just before this step,
+                # which runs out of memory: the split requeues that row.
+                eng._running[-1].stop_hit = True
+                events.append("oom")
+                raise torch.OutOfMemoryError("injected")
+
+        first = eng.submit(ids, params)
+        await first.__anext__()
+        await first.__anext__()
+        eng.fault_hook = hook
+        second = eng.submit(ids, params)
+        tokens = [t async for e in first for t in e.token_ids]
+        assert len(tokens) == 38  # the first row went on to its end
+        assert "oom" in events
+        assert not any(e.startswith("prefill") for e in events[events.index("oom") :])
+        second.cancel()
     finally:
         eng.close()

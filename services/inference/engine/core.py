@@ -10,7 +10,8 @@ kv_manager.py); each iteration it
    tokens), reusing each prompt's cached prefix, and prefills the rest of the short ones
    together and the next chunk of a long one;
 3. gives every running row room for its next token (preempting the newest rows when the pool
-   is empty) and runs one decode step for all of them (runner.py);
+   is empty) and runs one decode step for all of them (runner.py), with the long prompt's next
+   chunk in the same forward where the own forward serves (a mixed step);
 4. frees the rows that ended (EOS, length), and hands the step's tokens to the emitter thread
    (stream.py), which detokenizes and delivers them.
 
@@ -26,6 +27,7 @@ request gets UNAVAILABLE, `submit` refuses, and `closed` turns the service NOT_S
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -64,6 +66,19 @@ log = logging.getLogger("llmesh.inference.engine")
 # torch.cuda.OutOfMemoryError is this class too.
 _OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
 
+#: One lock per CUDA device, held by every engine's worker around each iteration and by a
+#: warm-up around its graph capture: capture forbids other work on the device, and during a
+#: model switch the old engine still serves there. Reentrant: warm-up's own iterations take it.
+_DEVICE_LOCKS: dict[str, threading.RLock] = {}
+_DEVICE_LOCKS_GUARD = threading.Lock()
+
+
+def device_lock(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    with _DEVICE_LOCKS_GUARD:
+        return _DEVICE_LOCKS.setdefault(str(device), threading.RLock())
+
 
 class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig, name: str = "") -> None:
@@ -101,6 +116,7 @@ class Engine:
         )
         self.scheduler = Scheduler(config, self.kv, self.max_prefill_tokens, self._end, self._retry_after)
         self._thread: threading.Thread | None = None
+        self._device = device_lock(model.device)
         # Worker state.
         self._running: list[SequenceState] = []
         self._chunking: SequenceState | None = None
@@ -120,6 +136,8 @@ class Engine:
         self.dead = False
         self.steps = 0
         self.preemptions = 0
+        #: Share of admitted prompt tokens served from the prefix cache (EWMA over admissions).
+        self.prefix_hit_rate: float | None = None
         self._reported = KVStats(0, 0, 0, 0, 0, 0)
         self._report_kv()
 
@@ -182,7 +200,8 @@ class Engine:
         with torch.inference_mode():
             for attempt in range(2 if self.runner.use_graphs else 1):
                 if attempt:
-                    self.runner.capture()
+                    with self._device:  # no other engine's step on the device while capturing
+                        self.runner.capture()
                     seqs = [
                         self._new_sequence(
                             s.prompt_ids, SamplingParams(max_new_tokens=4, ignore_eos=True), "warm-up", None, True
@@ -199,6 +218,7 @@ class Engine:
                 raise RuntimeError(f"warm-up failed: {failure}") from failure
         self.kv.forget_cached()
         self._report_kv()
+        self.prefix_hit_rate = None
 
     def close(self, reason: str = "the model was unloaded") -> None:
         """Stops the worker; anything still queued or running gets UNAVAILABLE."""
@@ -256,7 +276,7 @@ class Engine:
             waiting_prompt_tokens=waiting_tokens,
             step_seconds=self.step_s,
             prefill_tokens_per_second=self.prefill_tok_s,
-            prefix_hit_rate=stats.hit_tokens / stats.query_tokens if stats.query_tokens else 0.0,
+            prefix_hit_rate=self.prefix_hit_rate or 0.0,
             prefix_hashes=self.kv.prefix_hashes(),
         )
 
@@ -361,7 +381,8 @@ class Engine:
                     admission = self.scheduler.next_work(self._batch_state())
                     if admission is None:
                         return
-                    self._iteration(admission)
+                    with self._device:
+                        self._iteration(admission)
                     admission = None
         except BaseException as exc:
             log.exception("inference worker died; closing the engine")
@@ -398,10 +419,13 @@ class Engine:
                 self._chunking = admission.chunked
             if group:
                 self._prefill(group)
-            if self._chunking is not None:
-                self._prefill_chunk()
-            if self._running:
-                self._decode()
+            if self._chunking is not None and self._running and self.runner.can_mix:
+                self._mixed_step()
+            else:
+                if self._chunking is not None:
+                    self._prefill_chunk()
+                if self._running:
+                    self._decode()
             if self._membership_changed:
                 self._new_segment()
         except Exception as exc:  # a bug or a device error: fail this batch, keep serving
@@ -430,7 +454,10 @@ class Engine:
         if stats.hit_tokens > last.hit_tokens:
             metrics.PREFIX_HIT_TOKENS.inc(stats.hit_tokens - last.hit_tokens)
         if stats.query_tokens > last.query_tokens:
-            metrics.PREFIX_QUERY_TOKENS.inc(stats.query_tokens - last.query_tokens)
+            queried = stats.query_tokens - last.query_tokens
+            metrics.PREFIX_QUERY_TOKENS.inc(queried)
+            # Recent, not lifetime: a router wants where reuse happens now.
+            self.prefix_hit_rate = _ewma(self.prefix_hit_rate, (stats.hit_tokens - last.hit_tokens) / queried)
         if stats.evictions > last.evictions:
             metrics.PREFIX_EVICTIONS.inc(stats.evictions - last.evictions)
         self._reported = stats
@@ -580,16 +607,64 @@ class Engine:
                 return  # retried next iteration
             self._end(seq, None, _oom_failure(), "error")
             return
-        seq.prefilled = seq.length = start + n
-        self._register(seq)
         if n >= 16:
             self.prefill_tok_s = _ewma(self.prefill_tok_s, n / (time.perf_counter() - started))
-        if seq.prefilled < len(ids):
+        self._chunk_done(seq, start + n, logits)
+
+    def _chunk_done(self, seq: SequenceState, end: int, logits: torch.Tensor) -> None:
+        """Bookkeeping after a chunk of `seq`'s prompt up to `end` was prefilled; its first
+        token once the prompt is complete."""
+        seq.prefilled = seq.length = end
+        self._register(seq)
+        ids = seq.prefill_ids
+        if end < len(ids):
             return
         tokens = choose(logits, *self._sampling([seq])).tolist()
         self._chunking = None
         self._started([seq], seq.prefill_started_ns, len(ids), len(ids))
         self._accept([(seq, tokens[0])])
+
+    def _mixed_step(self) -> None:
+        """One forward for every decoding row and the next chunk of the long prompt (chunked
+        prefill inside the step, vLLM's way): the running rows wait for no separate prefill
+        forward, and the chunk (about one step's worth, scheduler.py) shares the step's
+        matmuls."""
+        self._make_room()
+        seq = self._chunking
+        running = list(self._running)  # the chunk's sequence joins self._running when complete
+        if seq is None or not running:  # preemption emptied one side: the plain path
+            if seq is not None:
+                self._prefill_chunk()
+            if running:
+                self._decode()
+            return
+        start = seq.prefilled
+        n = min(self.scheduler.chunk_tokens(self._batch_state()), len(seq.prefill_ids) - start)
+        if not seq.prefill_started_ns:
+            seq.prefill_started_ns = time.time_ns()
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook("prefill", 1)
+                self.fault_hook("decode", len(running))
+            rows = [(s.generated[-1], s.length, s.blocks.blocks) for s in running if s.blocks is not None]
+            decode_logits, chunk_logits = self.runner.mixed(rows, self._prefill_row(seq, start + n))
+            tokens = self._choose_tokens(decode_logits, running)
+        except _OOM_ERRORS:
+            metrics.OOM_RETRIES.inc()
+            self._empty_device_cache()
+            if len(running) > 1:
+                self._halve_running()
+            else:
+                self._requeue([seq])  # the prompt waits; the row decodes alone next
+            return
+        self._chunk_done(seq, start + n, chunk_logits)
+        # Not a decode step's time (the chunk is in it): step_s sizes the chunks, and counting
+        # them in would grow each next chunk.
+        self._decoded(running, tokens, None)
+
+    def _choose_tokens(self, logits: torch.Tensor, running: list[SequenceState]) -> list[int]:
+        """The decode rows' tokens from their logits (the sampler's one call site per step)."""
+        return choose(logits, *self._sampling(running))[: len(running)].tolist()
 
     def _started(self, group: list[SequenceState], started_ns: int, tokens: int, padded: int) -> None:
         for seq in group:
@@ -639,12 +714,16 @@ class Engine:
                 self._on_decode_oom()
                 if not self._running:
                     return
+        self._decoded(running, tokens, started)
+
+    def _decoded(self, running: list[SequenceState], tokens: list[int], started: float | None) -> None:
         bt = self.kv.block_tokens
         for seq in running:
             seq.length += 1
             if seq.length % bt == 0:
                 self._register(seq)
-        self.step_s = _ewma(self.step_s, time.perf_counter() - started)
+        if started is not None:
+            self.step_s = _ewma(self.step_s, time.perf_counter() - started)
         self.steps += 1
         self._segment_steps += 1
         self._accept(list(zip(running, tokens, strict=True)))

@@ -78,6 +78,22 @@ class PagedKVCache:
         vb.index_copy_(0, self._write, values)
         return self._gathered(kb), self._gathered(vb)
 
+    def write_tokens(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Writes the forward's new tokens [tokens, kv_heads, head_dim] at the planned rows (a
+        mixed step: its rows then gather with `gather`)."""
+        assert self._write is not None
+        self.keys[layer_idx].index_copy_(0, self._write, keys)
+        self.values[layer_idx].index_copy_(0, self._write, values)
+
+    def gather(self, layer_idx: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows `index` [rows, width] of a layer as [rows, kv_heads, width, head_dim] views."""
+        rows, width = index.shape
+        shape = (rows, width, self._kv_heads, self._head_dim)
+        flat = index.view(-1)
+        k = self.keys[layer_idx].index_select(0, flat).view(shape).transpose(1, 2)
+        v = self.values[layer_idx].index_select(0, flat).view(shape).transpose(1, 2)
+        return k, v
+
     def _gathered(self, buf: torch.Tensor) -> torch.Tensor:
         assert self._gather is not None
         rows, width = self._gather.shape

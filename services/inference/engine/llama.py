@@ -110,7 +110,17 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 
 class LlamaDecoder:
-    def __init__(self, hf: Any, kv: PagedKVCache, rows_hint: int, max_positions: int, pack: bool | None = None) -> None:
+    def __init__(
+        self,
+        hf: Any,
+        kv: PagedKVCache,
+        rows_hint: int,
+        max_positions: int,
+        pack: bool | None = None,
+        share_weights: bool = True,
+    ) -> None:
+        """`share_weights`: in float32 the HF modules' weights become views of the fused ones
+        (one copy); False leaves the model untouched (a throwaway forward: the quality guard)."""
         cfg = hf.config
         base = getattr(hf, hf.base_model_prefix)
         dtype = base.embed_tokens.weight.dtype
@@ -133,8 +143,9 @@ class LlamaDecoder:
         with torch.no_grad():
             for layer in base.layers:
                 att, mlp = layer.self_attn, layer.mlp
-                qkv = _fuse([att.q_proj, att.k_proj, att.v_proj], share=not self.pack)
-                gate_up = _fuse([mlp.gate_proj, mlp.up_proj], share=not self.pack)
+                share = share_weights and not self.pack
+                qkv = _fuse([att.q_proj, att.k_proj, att.v_proj], share=share)
+                gate_up = _fuse([mlp.gate_proj, mlp.up_proj], share=share)
                 self.layers.append(
                     (
                         layer.input_layernorm.weight,
@@ -191,6 +202,62 @@ class LlamaDecoder:
             x = down_proj.add(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], x)
         return self.lm_head(self._norm(x, self.final_norm))
 
+    def mixed(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        decode_rows: int,
+        decode_gather: torch.Tensor,
+        decode_mask: torch.Tensor,
+        chunk_gather: torch.Tensor,
+        chunk_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward for a decode batch and a prompt chunk together (the cache's write rows
+        planned for all their tokens): `ids`, `positions` [tokens], the decode rows' tokens
+        first. The projections and the MLP run once over all tokens; attention runs per part
+        (the decode rows batched, the chunk causal over its own columns). Returns the decode
+        rows' logits [decode_rows, vocab] and the chunk's last logits [1, vocab]."""
+        tokens = ids.shape[0]
+        rows, chunk = decode_rows, tokens - decode_rows
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        q_size, kv_size = heads * dim, kv_heads * dim
+        cos = self.cos[positions][:, None, :]  # [tokens, 1, dim]
+        sin = self.sin[positions][:, None, :]
+        kv = self.kv
+        x = F.embedding(ids, self.embed)
+        for index, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
+            if self.before_layer is not None:
+                self.before_layer(index, x[:, None])
+            qkv = qkv_proj(self._norm(x, ln1))
+            q = self._rotate(qkv[:, :q_size].view(tokens, heads, dim), cos, sin)
+            k = self._rotate(qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, dim), cos, sin)
+            v = qkv[:, q_size + kv_size :].view(tokens, kv_heads, dim)
+            kv.write_tokens(index, k, v)
+            keys, values = kv.gather(index, decode_gather)
+            decoded = F.scaled_dot_product_attention(
+                q[:rows].view(rows, kv_heads, heads // kv_heads, dim),
+                keys,
+                values,
+                attn_mask=decode_mask,
+                scale=self.scaling,
+            )
+            keys, values = kv.gather(index, chunk_gather)
+            chunked = F.scaled_dot_product_attention(
+                q[rows:].transpose(0, 1)[None],
+                keys,
+                values,
+                attn_mask=chunk_mask,
+                scale=self.scaling,
+                enable_gqa=heads != kv_heads,
+            )
+            attn = torch.cat((decoded.reshape(rows, q_size), chunked[0].transpose(0, 1).reshape(chunk, q_size)))
+            x = o_proj.add(attn, x)
+            gate_up = gate_up_proj(self._norm(x, ln2))
+            x = down_proj.add(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], x)
+        normed = self._norm(torch.cat((x[:rows], x[-1:])), self.final_norm)
+        logits = self.lm_head(normed)
+        return logits[:rows], logits[rows:]
+
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The final-normed hidden states [rows, tokens, hidden] of a prefill forward (the KV
         cache's plan set, as for the HF forward). `ids`, `positions`: [rows,
@@ -217,3 +284,23 @@ class LlamaDecoder:
             gate_up = gate_up_proj(self._norm(x, ln2))
             x = down_proj.add(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], x)
         return self._norm(x, self.final_norm).view(rows, tokens, self.hidden)
+
+
+def serving_logits(hf: Any, ids: list[int], device: torch.device) -> torch.Tensor | None:
+    """The logits [tokens, vocab] of every position of `ids` through this forward (one row
+    prefilled over a scratch pool of blocks), None where `supported` says it does not serve:
+    the perplexity guard measures the forward that serves (services.inference.quality)."""
+    if supported(hf, device) is not None:
+        return None
+    block = 16
+    blocks = -(-len(ids) // block) + 1  # and the null block
+    dtype = getattr(hf, hf.base_model_prefix).embed_tokens.weight.dtype
+    kv = PagedKVCache(hf.config, blocks, block, dtype, device)
+    decoder = LlamaDecoder(hf, kv, 1, blocks * block, share_weights=False)
+    n = len(ids)
+    rows = torch.arange(block, block + n, device=device)  # blocks 1.. in order
+    kv.plan(rows, rows[None])
+    positions = torch.arange(n, device=device)[None]
+    mask = torch.ones((n, n), dtype=torch.bool, device=device).tril_()[None, None]
+    hidden = decoder.prefill(torch.tensor([ids], device=device), positions, mask)
+    return decoder.lm_head(hidden[0])

@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 
 from llmesh.hardware import DtypeChoice, choose_dtype, dtype_name
 from llmesh.models import VerifiedModel
+from services.inference.engine.llama import serving_logits
 from services.inference.quality import load_guarded
 
 log = logging.getLogger("llmesh.inference.engine")
@@ -56,8 +57,9 @@ class LoadedModel:
         self.tokenizer = Tokenizer.from_file(str(verified.path / "tokenizer.json"))
         # The perplexity guard (services.inference.quality) may refuse the dtype: float32 then.
         choice = DtypeChoice(chosen, dtype != "auto", f"LLMESH_DTYPE={dtype}")
+        # The guard measures the forward that serves: the own Llama forward where it applies.
         self.model, self.dtype, self.quality = load_guarded(
-            verified, self.device, choice, quantize, self.tokenizer, 1024
+            verified, self.device, choice, quantize, self.tokenizer, 1024, serving_logits
         )
         self.quantize = quantize
         #: ModelInfo.dtype and the gateway's cache scope: "bfloat16", "bfloat16+int8"...

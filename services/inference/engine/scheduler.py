@@ -12,8 +12,9 @@ still prefilled as fast as they come:
 * a step's worth of prefill, `chunk_tokens`, is the prompt tokens that take about one decode
   step (measured prefill tokens/s x measured step time), at least MIN_PREFILL_CHUNK (128: a
   chat request's prompt is prefilled whole, with the other arrivals, not chunk by chunk). A prompt
-  longer than that is prefilled in chunks of that size, one chunk per iteration between decode
-  steps, so a long prompt stalls the running rows for about one step at a time;
+  longer than that is prefilled in chunks of that size, one chunk per iteration, inside the
+  decode step's forward where the engine can mix them (else between decode steps), so a long
+  prompt stalls the running rows for about one step at a time;
 * prompts that fit one chunk are prefilled whole, together, up to a budget that grows with the
   queue: one step's worth per two waiting requests (at least one step's worth), so under a
   churning closed loop of short requests the queue is emptied as fast as it fills;
