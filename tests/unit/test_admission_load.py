@@ -149,3 +149,23 @@ async def test_a_server_that_does_not_tell_its_batch_room_has_room_while_it_queu
     book.update("", report(running=16, waiting=200, **vllm))
     _, refusal = admission.reserve(ASK, 100, 30.0)
     assert refusal is not None and refusal.reason == REASON_QUEUE_WAIT
+
+
+async def test_requests_on_their_way_hold_their_place_in_the_queue() -> None:
+    # Checked before their hops (retrieval, tokenizer), they reach the engine later: requests
+    # checked meanwhile queue behind them, not beside them in the same free rows.
+    clock = FakeClock()
+    admission, book = controller(clock, initial=1e9)
+    book.update("", report(running=0))
+    holds = []
+    for _ in range(4):
+        hold, refusal = admission.reserve(ASK, 100, 30.0)
+        assert refusal is None and hold is not None
+        holds.append(hold)
+    fifth = admission.predicted_wait(ASK, 100)
+    assert fifth is not None and fifth.seconds > 0
+    for hold in holds:
+        hold.release()
+    assert book.model("").reserved == 0
+    free = admission.predicted_wait(ASK, 100)
+    assert free is not None and free.seconds == 0

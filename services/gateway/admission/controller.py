@@ -128,7 +128,12 @@ class AdmissionController:
             refusal = self._judge(wait, deadline_left)
             if refusal is not None:
                 return None, refusal
-            return self._precheck(ask, predicted_tokens, hold=not waiting_for_cache, in_flight_limit=False)
+            held, refusal = self._precheck(ask, predicted_tokens, hold=not waiting_for_cache, in_flight_limit=False)
+            if held is not None:
+                load = self.loads.model(ask.route)
+                load.reserve()
+                held.on_release = load.unreserve
+            return held, refusal
         expected = self.capacity(ask.model).drain_seconds(predicted_tokens * ask.max_new_tokens)
         if expected > deadline_left:
             return None, self._too_slow(expected, deadline_left)

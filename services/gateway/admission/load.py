@@ -102,6 +102,9 @@ class ModelLoad:
         self.replicas: dict[str, ReplicaReport] = {}
         #: Requests this gateway admitted that no report has shown yet (an estimate).
         self.pending = 0
+        #: Requests that passed the check before their hops and hold their place until admitted:
+        #: on their way to this engine, so later requests queue behind them.
+        self.reserved = 0
         #: Of its requests in flight, the ones that ended since the last report.
         self._ended_since_report = 0
         self.mean_output_tokens = DEFAULT_OUTPUT_TOKENS
@@ -135,6 +138,12 @@ class ModelLoad:
     def dispatched(self) -> None:
         self.pending += 1
 
+    def reserve(self) -> None:
+        self.reserved += 1
+
+    def unreserve(self) -> None:
+        self.reserved = max(0, self.reserved - 1)
+
     def ended(self, output_tokens: int, seconds_per_token: float | None = None) -> None:
         self._ended_since_report += 1
         if output_tokens > 0:
@@ -151,7 +160,7 @@ class ModelLoad:
         replicas = self.fresh(now)
         # What this gateway sent since the reports is spread over them (it cannot tell where
         # a channel's balancer put it).
-        pending = self.pending / max(1, len(replicas))
+        pending = (self.pending + self.reserved) / max(1, len(replicas))
         for r in replicas:
             wait = self._wait(r, prompt_tokens, max_new_tokens, pending)
             if best is None or wait.seconds < best.seconds:

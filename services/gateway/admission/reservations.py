@@ -15,7 +15,7 @@ class Hold:
     (retrieval, tokenizer). Later prechecks and plans count it, so a burst that arrives together
     is shed at once instead of each request paying for its hops before finding the window full."""
 
-    __slots__ = ("_window", "model", "released", "tenant", "weight")
+    __slots__ = ("_window", "model", "on_release", "released", "tenant", "weight")
 
     def __init__(self, window: WeightWindow, tenant: str, weight: int, model: str = "") -> None:
         self._window = window
@@ -23,12 +23,16 @@ class Hold:
         self.weight = weight
         self.model = model
         self.released = False
+        # Called once when released (the load book stops counting it as on its way).
+        self.on_release: Callable[[], None] | None = None
 
     def release(self) -> None:
         """Idempotent; called before the exact admission and when the request ends."""
         if not self.released:
             self.released = True
             self._window._unhold(self)
+            if self.on_release is not None:
+                self.on_release()
 
 
 class Ticket:
