@@ -53,7 +53,8 @@ async def test_watch_load_reports_at_once_and_on_change(models_dir: Path, tiny_m
             first = await watch.read()
             assert first.reported and first.model_id and first.replica
             assert (first.running, first.waiting, first.max_running, first.sequence) == (0, 0, 4, 1)
-            assert first.kv_blocks_free == first.kv_blocks_total == 4
+            # KV in blocks: all free while idle (cached prefixes count as free, being evictable).
+            assert first.kv_blocks_free == first.kv_blocks_total > 0 and first.block_tokens > 0
             request = inference_pb2.InferenceRequest(
                 text="Hello there", sampling=common_pb2.SamplingParams(max_new_tokens=200, ignore_eos=True)
             )
@@ -61,7 +62,7 @@ async def test_watch_load_reports_at_once_and_on_change(models_dir: Path, tiny_m
             busy = await watch.read()  # pushed on change, not at the 30 s interval
             while busy.running == 0:
                 busy = await watch.read()
-            assert busy.running == 1 and busy.kv_blocks_free == 3 and busy.sequence > first.sequence
+            assert busy.running == 1 and busy.kv_blocks_free < first.kv_blocks_total and busy.sequence > first.sequence
             generate.cancel()
             watch.cancel()
             bad = stub.WatchLoad(inference_pb2.WatchLoadRequest(min_interval_seconds=-1))
