@@ -234,6 +234,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "LLMESH_NICE": "0",
         "LLMESH_INFERENCE_MODEL": "smollm2",
         "LLMESH_MAX_BATCH_SIZE": str(STREAMS),
+        # The waves measure decoding, not admission: no learned in-flight limit sheds them.
+        "LLMESH_ADMISSION_ADAPTIVE": "false",
     }
     questions = [QUESTION.format(i=i) for i in range(STREAMS)]
     with bench_mesh(env, services=MESH_SERVICES) as mesh:
