@@ -28,12 +28,12 @@ import torch
 from services.inference.engine.kv import SlotKVCache
 from services.inference.engine.llama import LlamaDecoder, supported
 from services.inference.engine.model import LoadedModel
-from services.inference.engine.sampling import Constraints, choose
+from services.inference.engine.sampling import Adjustments, Constraints, choose
 
 log = logging.getLogger("llmesh.inference.engine")
 
 #: (batch rows that sample, temperatures, top_p, seeds, token counters)
-Sampling = tuple[list[int], list[float], list[float], list[int], list[int], Constraints | None]
+Sampling = tuple[list[int], list[float], list[float], list[int], list[int], Constraints | None, Adjustments | None]
 
 #: Rows of the staged decode inputs: token ids, positions, write columns, valid lengths.
 _IDS, _POS, _COL, _LEN = range(4)
