@@ -40,6 +40,7 @@ import httpx
 import jsonschema
 from tokenizers import Tokenizer
 
+from bench.backends import retry_delay
 from bench.common import machine, print_table, write_result
 from bench.mesh import bench_mesh
 from bench.schemas import SCHEMAS
@@ -51,6 +52,10 @@ NEW_TOKENS = 64
 BUDGETS = (48, 128)
 CLOSED = "127.0.0.1:1"
 MESH_SERVICES = ("tokenizer", "inference", "gateway")
+# The schema replies go out this many at a time (a client's worth of concurrency), retried after
+# the delay a shed or an open breaker names, as a client should.
+SCHEMA_CONCURRENCY = 16
+RETRIED = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 QUESTION = "Write a short note about the sea, number {i}."
 LONG_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -103,13 +108,20 @@ async def mesh_schemas(target: str) -> dict[str, int]:
     async with grpc.aio.insecure_channel(target) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
 
+        lanes = asyncio.Semaphore(SCHEMA_CONCURRENCY)
+
         async def one(question: str, schema: dict[str, Any], budget: int) -> str:
-            try:
-                reply = await stub.Generate(request(question, budget, schema, False), timeout=600)
-            except grpc.aio.AioRpcError as err:
-                if err.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in (err.details() or ""):
-                    return "refused"
-                raise
+            async with lanes:
+                for attempt in range(8):
+                    try:
+                        reply = await stub.Generate(request(question, budget, schema, False), timeout=600)
+                        break
+                    except grpc.aio.AioRpcError as err:
+                        if err.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in (err.details() or ""):
+                            return "refused"
+                        if err.code() not in RETRIED or attempt == 7:
+                            raise
+                        await asyncio.sleep(retry_delay(err, 1.0))
             return "valid" if _valid(reply.text, schema) else "invalid"
 
         outcomes = await asyncio.gather(*(one(q, s, b) for q, s in SCHEMAS for b in BUDGETS))
@@ -241,6 +253,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with bench_mesh(env, services=MESH_SERVICES) as mesh:
         free = asyncio.run(mesh_wave(mesh.target("gateway"), None))
         constrained = asyncio.run(mesh_wave(mesh.target("gateway"), LONG_SCHEMA))
+        print_table({"unconstrained": free, "json_schema": constrained}, "builtin waves")
         tally = asyncio.run(mesh_schemas(mesh.target("gateway")))
         prompts = asyncio.run(rendered(mesh.target("tokenizer"), questions + [q for q, _ in SCHEMAS]))
     result |= {

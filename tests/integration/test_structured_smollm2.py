@@ -49,7 +49,13 @@ async def test_every_structured_reply_of_smollm2_parses_and_validates(models_dir
         ):
             stub = gateway_pb2_grpc.GatewayStub(ch)
 
+            lanes = asyncio.Semaphore(8)  # a client's worth of concurrency: no queue timeouts on 2 cores
+
             async def one(question: str, schema: dict | None) -> str:
+                async with lanes:
+                    return await ask_one(question, schema)
+
+            async def ask_one(question: str, schema: dict | None) -> str:
                 form = (
                     common_pb2.ResponseFormat(type="json_schema", json_schema=json.dumps(schema))
                     if schema is not None
