@@ -83,24 +83,23 @@ async def mesh_wave(target: str, schema: dict[str, Any] | None) -> dict[str, flo
     async with grpc.aio.insecure_channel(target) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
 
-        async def one(i: int) -> tuple[float, int]:
+        async def one(i: int) -> tuple[float, int, float]:
             started = time.perf_counter()
             first = 0.0
             produced = 0
-            async for event in stub.GenerateStream(
-                request(QUESTION.format(i=i), NEW_TOKENS, schema, True), timeout=600
-            ):
+            ask = request(QUESTION.format(i=i), NEW_TOKENS, schema, True)
+            async for event in stub.GenerateStream(ask, timeout=600):
                 if event.delta and not first:
                     first = time.perf_counter() - started
                 if event.HasField("final"):
                     produced = event.final.usage.output_tokens
-            return first, produced
+            return first, produced, time.perf_counter() - started
 
         await one(0)  # warm: the grammar compiled, the model's first batch shapes seen
         started = time.perf_counter()
         results = await asyncio.gather(*(one(i) for i in range(STREAMS)))
         wall = time.perf_counter() - started
-    return {"tok_s": sum(p for _, p in results) / wall, "ttft_p50_s": statistics.median(f for f, _ in results)}
+    return _wave(results, wall)
 
 
 async def mesh_schemas(target: str) -> dict[str, int]:
