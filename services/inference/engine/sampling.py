@@ -135,6 +135,8 @@ def constrain(logits: torch.Tensor, constraints: Constraints | None) -> torch.Te
     rows, bitmask = constraints
     index = torch.tensor(rows, device=logits.device)
     allowed = allowed_tokens(bitmask, logits.shape[1]).to(logits.device)
+    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
+        return logits.masked_fill_(~allowed, float("-inf"))  # every row constrained: in place
     masked = logits.index_select(0, index)
     masked.masked_fill_(~allowed, float("-inf"))
     logits[index] = masked
