@@ -84,6 +84,16 @@ async def mesh_wave(target: str, schema: dict[str, Any] | None) -> dict[str, flo
         stub = gateway_pb2_grpc.GatewayStub(channel)
 
         async def one(i: int) -> tuple[float, int, float]:
+            for attempt in range(8):  # a shed or an open breaker: retried after its delay
+                try:
+                    return await one_try(i)
+                except grpc.aio.AioRpcError as err:
+                    if err.code() not in RETRIED or attempt == 7:
+                        raise
+                    await asyncio.sleep(retry_delay(err, 1.0))
+            raise AssertionError("unreachable")
+
+        async def one_try(i: int) -> tuple[float, int, float]:
             started = time.perf_counter()
             first = 0.0
             produced = 0
