@@ -65,6 +65,9 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MAX_TOP_K = 20
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_BYTES = 64
+MAX_SAMPLING_TOP_K = 1 << 20
+MAX_STOP_TOKEN_IDS = 16
+MAX_LOGIT_BIAS = 300
 MAX_MODEL_BYTES = 256
 MAX_TURNS = 256
 TURN_ROLES = ("system", "user", "assistant", "tool")
@@ -421,6 +424,20 @@ def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Pla
         bad.append(("sampling.temperature", "must be in [0, 2]"))
     if not (0.0 <= s.top_p <= 1.0) or math.isnan(s.top_p):
         bad.append(("sampling.top_p", "must be in [0, 1]"))
+    if not (0.0 <= s.min_p <= 1.0) or math.isnan(s.min_p):
+        bad.append(("sampling.min_p", "must be in [0, 1]"))
+    if s.top_k > MAX_SAMPLING_TOP_K:
+        bad.append(("sampling.top_k", f"at most {MAX_SAMPLING_TOP_K}"))
+    if not (0.0 <= s.repetition_penalty <= 2.0) or math.isnan(s.repetition_penalty):
+        bad.append(("sampling.repetition_penalty", "must be in (0, 2] (0 or 1: off)"))
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if not (-2.0 <= value <= 2.0) or math.isnan(value):
+            bad.append((f"sampling.{name}", "must be in [-2, 2]"))
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        bad.append(("sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS}"))
+    if len(s.logit_bias) > MAX_LOGIT_BIAS or any(not (-100.0 <= b <= 100.0) for b in s.logit_bias.values()):
+        bad.append(("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, each bias in [-100, 100]"))
     if len(s.stop) > MAX_STOP_SEQUENCES:
         bad.append(("sampling.stop", f"at most {MAX_STOP_SEQUENCES} stop sequences"))
     for i, stop in enumerate(s.stop):
@@ -441,9 +458,20 @@ def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Pla
     if not sampling.max_new_tokens:
         sampling.max_new_tokens = config.default_max_new_tokens
     if sampling.temperature == 0.0:
-        # Greedy: top_p and seed change nothing; clear them so equal requests share a cache entry.
+        # Greedy: top_p, top_k, min_p and seed change nothing; clear them so equal requests share
+        # a cache entry.
         sampling.top_p = 0.0
+        sampling.top_k = 0
+        sampling.min_p = 0.0
         sampling.ClearField("seed")
+    if sampling.repetition_penalty == 1.0:
+        sampling.repetition_penalty = 0.0  # 1 and 0 both mean off
+    if len(sampling.stop_token_ids) > 1:
+        ids = sorted(set(sampling.stop_token_ids))
+        del sampling.stop_token_ids[:]
+        sampling.stop_token_ids.extend(ids)
+    for token in [t for t, b in sampling.logit_bias.items() if b == 0.0]:
+        del sampling.logit_bias[token]  # a zero bias changes nothing
     return Plan(
         prompt=prompt,
         system_prompt=request.system_prompt,

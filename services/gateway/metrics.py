@@ -44,3 +44,7 @@ HTTP_DURATION = Histogram(
     ["route"],
     buckets=LATENCY_BUCKETS,
 )
+HTTP_DISCONNECTS = Counter(
+    "llmesh_gateway_http_disconnects",
+    "Non-streaming HTTP requests whose client went away before the answer (the generation was cancelled).",
+)

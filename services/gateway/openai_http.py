@@ -235,7 +235,15 @@ class OpenAiApi:
             assert isinstance(exc, HTTPException)
             return error_response(exc.status_code, str(exc.detail), None, None, dict(exc.headers or {}))
 
-        handlers = {LlmeshError: on_llmesh_error, ValidationError: on_invalid, HTTPException: on_http}
+        async def on_gone(request: Request, exc: Exception) -> Response:
+            return Response(b"", 499)  # nginx's "client closed request": never sent, only logged
+
+        handlers = {
+            LlmeshError: on_llmesh_error,
+            ValidationError: on_invalid,
+            HTTPException: on_http,
+            ClientGone: on_gone,
+        }
         return ObservedHttp(Starlette(routes=routes, exception_handlers=handlers), max_body_bytes)
 
     def _authenticated(self, request: Request) -> None:
@@ -281,11 +289,7 @@ class OpenAiApi:
         # An async generator: closed (the pipeline cancelled) when the caller goes away mid-stream.
         events = cast(AsyncGenerator[Delta | Final, None], self.gateway.generate(generate, deadline, caller))
         if not body.stream:
-            final = None
-            async for event in events:
-                if isinstance(event, Final):
-                    final = event
-            assert final is not None
+            final = await self._whole(request, events)
             headers = {"server-timing": server_timing(final.timings)}
             return Response(_json(answer.whole(final.response)), 200, headers, "application/json")
         # The first event comes before any byte is sent: a refusal (shed, bad field) is a status.
@@ -295,6 +299,46 @@ class OpenAiApi:
             raise LlmeshError("the pipeline ended without an answer") from None
         stream = answer.stream(first, events, body.include_usage, _prompt_param(request))
         return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def _whole(self, request: Request, events: AsyncGenerator[Delta | Final, None]) -> Final:
+        """The final event of a non-streaming answer; a client that disconnects meanwhile cancels
+        the generation (its engine row and its admission weight are freed at once, as a stream's
+        are), instead of the answer being made for no one."""
+
+        async def last() -> Final:
+            final = None
+            async for event in events:
+                if isinstance(event, Final):
+                    final = event
+            if final is None:
+                raise LlmeshError("the pipeline ended without an answer")
+            return final
+
+        answer = asyncio.ensure_future(last())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not answer.done():
+                answer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await answer
+                await events.aclose()
+        if answer.cancelled():
+            metrics.HTTP_DISCONNECTS.inc()
+            raise ClientGone
+        return answer.result()
+
+
+class ClientGone(Exception):
+    """The client went away before its answer: nothing is sent."""
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body was read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        continue
 
 
 def model_card(model: str) -> dict[str, Any]:

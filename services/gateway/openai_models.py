@@ -157,21 +157,29 @@ class Sampling(Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     llmesh: LlmeshOptions = Field(default_factory=lambda: LlmeshOptions())
-    # Accepted at their defaults only (refused otherwise, see `unsupported`).
-    n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's extensions, accepted as it accepts them.
+    top_k: int | None = Field(default=None, ge=-1, le=UINT32_MAX)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    # Accepted at its default only (refused otherwise, see `unsupported`).
+    n: int | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = []
         if self.n not in (None, 1):
             bad.append(("n", "only n=1 is supported"))
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                bad.append((name, "is not supported (leave it 0)"))
-        if self.logit_bias:
-            bad.append(("logit_bias", "is not supported"))
+        for token in self.logit_bias or {}:
+            if not token.isdigit() or int(token) > UINT32_MAX:
+                bad.append(("logit_bias", f"keys are token ids, not {token!r}"))
+                break
+        for token_id in self.stop_token_ids or ():
+            if not 0 <= token_id <= UINT32_MAX:
+                bad.append(("stop_token_ids", "token ids are non-negative"))
+                break
         if self.stream_options is not None and not self.stream:
             bad.append(("stream_options", "only allowed with stream=true"))
         return bad
@@ -192,6 +200,15 @@ class Sampling(Strict):
         )
         if self.seed is not None:
             sampling.seed = self.seed
+        sampling.top_k = max(0, self.top_k or 0)  # vLLM's -1 is off, as 0 is
+        sampling.min_p = self.min_p or 0.0
+        sampling.repetition_penalty = self.repetition_penalty or 0.0
+        sampling.presence_penalty = self.presence_penalty or 0.0
+        sampling.frequency_penalty = self.frequency_penalty or 0.0
+        sampling.stop_token_ids.extend(self.stop_token_ids or ())
+        for token, bias in (self.logit_bias or {}).items():
+            if token.isdigit() and int(token) <= UINT32_MAX:
+                sampling.logit_bias[int(token)] = bias
         request = gateway_pb2.GenerateRequest(
             prompt=prompt,
             system_prompt=system_prompt,
@@ -305,6 +322,13 @@ PARAMS = {
     "sampling.top_p": "top_p",
     "sampling.stop": "stop",
     "sampling.seed": "seed",
+    "sampling.top_k": "top_k",
+    "sampling.min_p": "min_p",
+    "sampling.repetition_penalty": "repetition_penalty",
+    "sampling.presence_penalty": "presence_penalty",
+    "sampling.frequency_penalty": "frequency_penalty",
+    "sampling.stop_token_ids": "stop_token_ids",
+    "sampling.logit_bias": "logit_bias",
     "system_prompt": "messages",
     "tool_choice.mode": "tool_choice",
     "tool_choice.function": "tool_choice",

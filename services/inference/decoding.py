@@ -46,6 +46,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     response_format: ResponseFormatSpec | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,10 +74,25 @@ class ResolvedParams:
     seed: int | None
     stop: tuple[str, ...]
     ignore_eos: bool
+    top_k: int = 0
+    min_p: float = 0.0
+    # 1.0 = off.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: frozenset[int] = frozenset()
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties or biases change this row's logits before it chooses."""
+        return bool(
+            self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty or self.logit_bias
+        )
 
 
 def resolve_params(params: SamplingParams, prompt_ids: list[int], limits: Limits) -> ResolvedParams:
@@ -126,6 +148,7 @@ def resolve_params(params: SamplingParams, prompt_ids: list[int], limits: Limits
             bad.append((f"sampling.stop[{i}]", "must not be empty"))
         elif len(s.encode("utf-8", "surrogatepass")) > MAX_STOP_BYTES:
             bad.append((f"sampling.stop[{i}]", f"longer than {MAX_STOP_BYTES} bytes"))
+    _check_adjustments(params, limits, bad)
     if bad:
         raise InvalidArgument(bad)
     return ResolvedParams(
@@ -135,7 +158,45 @@ def resolve_params(params: SamplingParams, prompt_ids: list[int], limits: Limits
         seed=params.seed,
         stop=stop,
         ignore_eos=bool(params.ignore_eos),
+        top_k=int(params.top_k),
+        min_p=float(params.min_p),
+        repetition_penalty=float(params.repetition_penalty) or 1.0,
+        presence_penalty=float(params.presence_penalty),
+        frequency_penalty=float(params.frequency_penalty),
+        stop_token_ids=frozenset(params.stop_token_ids),
+        logit_bias=tuple(sorted(params.logit_bias)),
     )
+
+
+MAX_STOP_TOKEN_IDS = 16
+MAX_LOGIT_BIAS = 300
+
+
+def _check_adjustments(params: SamplingParams, limits: Limits, bad: list[tuple[str, str]]) -> None:
+    """top_k, min_p, the penalties, stop token ids and logit_bias (OpenAI's and vLLM's ranges)."""
+    if not 0 <= params.top_k <= limits.vocab_size:
+        bad.append(("sampling.top_k", f"must be in [0, {limits.vocab_size}] (0: off)"))
+    if not (math.isfinite(params.min_p) and 0.0 <= params.min_p <= 1.0):
+        bad.append(("sampling.min_p", "must be in [0, 1] (0: off)"))
+    if not (math.isfinite(params.repetition_penalty) and 0.0 <= params.repetition_penalty <= 2.0):
+        bad.append(("sampling.repetition_penalty", "must be in (0, 2] (0 or 1: off)"))
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+            bad.append((f"sampling.{name}", "must be in [-2, 2]"))
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        bad.append(("sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS}"))
+    if any(not 0 <= t < limits.vocab_size for t in params.stop_token_ids):
+        bad.append(("sampling.stop_token_ids", f"token ids are below the vocabulary size {limits.vocab_size}"))
+    if len(params.logit_bias) > MAX_LOGIT_BIAS:
+        bad.append(("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS} tokens"))
+    for token, bias in params.logit_bias:
+        if not 0 <= token < limits.vocab_size:
+            bad.append(("sampling.logit_bias", f"token id {token} is outside the vocabulary"))
+            break
+        if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+            bad.append(("sampling.logit_bias", "each bias must be in [-100, 100]"))
+            break
 
 
 class IncrementalDecoder:

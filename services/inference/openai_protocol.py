@@ -23,6 +23,18 @@ FIELD_OF_PARAM = {
     "top_p": "sampling.top_p",
     "seed": "sampling.seed",
     "stop": "sampling.stop",
+    **{
+        name: f"sampling.{name}"
+        for name in (
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "stop_token_ids",
+            "logit_bias",
+        )
+    },
     "ignore_eos": "sampling.ignore_eos",
     "prompt": "input",
 }
@@ -68,6 +80,21 @@ def completion_body(
         body["stop"] = list(params.stop)
     if params.ignore_eos:
         body["ignore_eos"] = True  # vLLM, SGLang and llama.cpp extension
+    # Every other sampling field the request carries (OpenAI's, and vLLM's extensions).
+    if params.top_k:
+        body["top_k"] = params.top_k
+    if params.min_p:
+        body["min_p"] = params.min_p
+    if params.repetition_penalty != 1.0:
+        body["repetition_penalty"] = params.repetition_penalty
+    if params.presence_penalty:
+        body["presence_penalty"] = params.presence_penalty
+    if params.frequency_penalty:
+        body["frequency_penalty"] = params.frequency_penalty
+    if params.stop_token_ids:
+        body["stop_token_ids"] = sorted(params.stop_token_ids)
+    if params.logit_bias:
+        body["logit_bias"] = {str(t): b for t, b in params.logit_bias}
     if response_format is not None:
         body.update(format_fields(response_format))
     return body

@@ -69,6 +69,13 @@ def sampling_from_proto(
         seed=msg.seed if msg.HasField("seed") else None,
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 

@@ -5,6 +5,8 @@ cache never lets two conversations share an entry."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -13,9 +15,11 @@ from pathlib import Path
 from typing import Literal
 
 import grpc
+import httpx
 import jsonschema
 import openai
 import pytest
+from prometheus_client import REGISTRY
 from pydantic import BaseModel, Field
 
 from llmesh.server import ServiceHost
@@ -49,6 +53,7 @@ class Mesh:
     gateway: ServiceHost
     stub: gateway_pb2_grpc.GatewayStub
     retrieval: RecordingRetrieval
+    inference: ServiceHost
 
     async def settle(self) -> None:
         await self.gateway.app.gateway.settle()  # type: ignore[attr-defined]
@@ -67,6 +72,7 @@ async def mesh(
         "LLMESH_DATA_DIR": str(tmp_path_factory.mktemp("conversations")),
         "LLMESH_INFERENCE_MODEL": "tiny",
         "LLMESH_REDIS_URL": module_redis_url,
+        "LLMESH_MAX_NEW_TOKENS": "1500",
         "QDRANT_URL": "",
     }
     fake = RecordingRetrieval()
@@ -90,7 +96,7 @@ async def mesh(
             }
             async with hosted("gateway", GatewayApp, gateway_env) as gw:
                 async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
-                    yield Mesh(gw, gateway_pb2_grpc.GatewayStub(channel), fake)
+                    yield Mesh(gw, gateway_pb2_grpc.GatewayStub(channel), fake, inf)
     finally:
         await server.stop(grace=0.5)
 
@@ -349,3 +355,33 @@ async def test_two_tool_lists_never_share_an_entry(mesh: Mesh) -> None:
     again = await mesh.stub.Generate(ask([weather]), timeout=60)
     assert again.cache.hit and [c.arguments for c in again.tool_calls] == [c.arguments for c in first.tool_calls]
     assert again.finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS
+
+
+async def wait_until(predicate, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    """Polls a condition the servers reach by themselves (no event to wait on across processes)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_non_streaming_client_that_disconnects_frees_its_row_and_its_weight(mesh: Mesh) -> None:
+    engine = mesh.inference.app.manager.get().engine  # type: ignore[attr-defined]
+    gateway = mesh.gateway.app.gateway  # type: ignore[attr-defined]
+    gone = REGISTRY.get_sample_value("llmesh_gateway_http_disconnects_total") or 0.0
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"Write forever ({uuid.uuid4().hex[:6]})."}],
+        "max_tokens": 1500,
+        "temperature": 1.0,
+        "llmesh": {"use_retrieval": False, "use_cache": False},
+    }
+    async with httpx.AsyncClient(timeout=60) as client:
+        request = asyncio.create_task(client.post(f"{mesh.http_base}/chat/completions", json=body))
+        await wait_until(lambda: engine.running_count == 1)
+        request.cancel()  # the client goes away: its connection closes
+        with contextlib.suppress(asyncio.CancelledError):
+            await request
+    model = gateway.routes[""].learned[1]
+    await wait_until(lambda: engine.running_count == 0 and gateway.window.in_flight(model) == 0)
+    assert (REGISTRY.get_sample_value("llmesh_gateway_http_disconnects_total") or 0.0) == gone + 1

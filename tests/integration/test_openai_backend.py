@@ -8,6 +8,7 @@ kills and restarts it runs last."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -113,6 +114,23 @@ async def test_streams_the_backends_answer_in_pieces(
             timeout=120,
         )
     assert "".join(pieces) == direct.json()["choices"][0]["text"]
+
+
+async def test_response_formats_pass_through_to_vllms_structured_output(stub: inference_pb2_grpc.InferenceStub) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    forms = {
+        "json_schema": common_pb2.ResponseFormat(type="json_schema", json_schema=json.dumps(schema)),
+        "choice": common_pb2.ResponseFormat(type="choice", choices=["yes", "no"]),
+        "regex": common_pb2.ResponseFormat(type="regex", regex="[0-9]{3}"),
+    }
+    answers = {}
+    for kind, form in forms.items():
+        message = request(48)
+        message.response_format.CopyFrom(form)
+        answers[kind] = "".join([m.text async for m in stub.Generate(message, timeout=120)])
+    assert isinstance(json.loads(answers["json_schema"])["city"], str)
+    assert answers["choice"] in ("yes", "no")
+    assert len(answers["regex"]) == 3 and answers["regex"].isdigit()
 
 
 async def test_usage_and_genai_span_come_from_the_backends_counts_and_vllm_continues_the_trace(

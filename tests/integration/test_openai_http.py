@@ -189,7 +189,12 @@ CHAT = [{"role": "user", "content": "hello"}]
         ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 40_000}]}, 400, "messages"),
         ({"model": MODEL, "messages": CHAT, "n": 2}, 400, "n"),
         ({"model": MODEL, "messages": CHAT, "logprobs": True}, 400, "logprobs"),
-        ({"model": MODEL, "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        # Tools without a tool choice is "auto", which the served models cannot do.
+        (
+            {"model": MODEL, "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            400,
+            "tool_choice",
+        ),
         ({"model": MODEL, "messages": [{"role": "assistant", "content": "hi"}]}, 400, "messages"),
     ],
     ids=[
@@ -200,7 +205,7 @@ CHAT = [{"role": "user", "content": "hello"}]
         "past-byte-limit",
         "n",
         "logprobs",
-        "tools",
+        "tools-auto",
         "no-user",
     ],
 )

@@ -217,6 +217,11 @@ def _set_choice(r: Request, rng: random.Random) -> None:
     r.tool_choice.CopyFrom(_other(rng, r.tool_choice, CHOICES))  # type: ignore[arg-type]
 
 
+def _set_float(r: Request, name: str, choices: list[float], rng: random.Random) -> None:
+    """Another of `choices` (all exact in float32) for a sampling field."""
+    setattr(r.sampling, name, _other(rng, getattr(r.sampling, name), choices))
+
+
 def _flip_retrieval(r: Request, rng: random.Random) -> None:
     r.use_retrieval = not validate(r, CONFIG).use_retrieval
 
@@ -240,6 +245,32 @@ CHANGES: dict[str, Change] = {
     "response_format": (lambda r: not tool_call(r), _set_format),
     "tools": (always, _set_tools),
     "tool_choice": (lambda r: bool(r.tools), _set_choice),
+    "sampling.top_k": (sampled, lambda r, rng: setattr(r.sampling, "top_k", r.sampling.top_k + rng.randint(1, 50))),
+    "sampling.min_p": (
+        sampled,
+        lambda r, rng: setattr(r.sampling, "min_p", _other(rng, r.sampling.min_p, [0.0, 0.05, 0.25])),
+    ),
+    "sampling.repetition_penalty": (
+        always,
+        lambda r, rng: setattr(
+            r.sampling, "repetition_penalty", _other(rng, r.sampling.repetition_penalty or 1.0, [1.0, 1.25, 1.5])
+        ),
+    ),
+    "sampling.presence_penalty": (
+        always,
+        lambda r, rng: setattr(
+            r.sampling, "presence_penalty", _other(rng, r.sampling.presence_penalty, [0.0, 0.5, -1.0])
+        ),
+    ),
+    "sampling.frequency_penalty": (
+        always,
+        lambda r, rng: _set_float(r, "frequency_penalty", [0.0, 0.5, -1.0], rng),
+    ),
+    "sampling.stop_token_ids": (always, lambda r, rng: r.sampling.stop_token_ids.append(1000 + rng.randint(0, 99))),
+    "sampling.logit_bias": (
+        always,
+        lambda r, rng: r.sampling.logit_bias.__setitem__(rng.randint(0, 999), rng.choice([-5.0, 2.5, 100.0])),
+    ),
     "sampling.ignore_eos": (always, lambda r, rng: setattr(r.sampling, "ignore_eos", not r.sampling.ignore_eos)),
 }
 
@@ -269,6 +300,15 @@ SAME: dict[str, Change] = {
         lambda r: not sampled(r),
         lambda r, rng: (setattr(r.sampling, "top_p", rng.choice([0.1, 0.5, 1.0])), setattr(r.sampling, "seed", 5)),
     ),
+    "greedy top_k and min_p": (
+        lambda r: not sampled(r),
+        lambda r, rng: (setattr(r.sampling, "top_k", 40), setattr(r.sampling, "min_p", 0.1)),
+    ),
+    "repetition penalty 1 or 0": (
+        lambda r: r.sampling.repetition_penalty in (0.0, 1.0),
+        lambda r, rng: setattr(r.sampling, "repetition_penalty", 1.0 - r.sampling.repetition_penalty),
+    ),
+    "a zero logit bias": (always, lambda r, rng: r.sampling.logit_bias.__setitem__(5000 + rng.randint(0, 9), 0.0)),
     "top_p 0 or 1": (
         lambda r: sampled(r) and r.sampling.top_p in (0.0, 1.0),
         lambda r, rng: setattr(r.sampling, "top_p", 1.0 - r.sampling.top_p),

@@ -83,3 +83,21 @@ async def test_a_format_that_cannot_fit_or_compile_is_refused_at_submit(engine: 
             engine.encode("x"), SamplingParams(max_new_tokens=6, response_format=ResponseFormatSpec("regex", regex="("))
         )
     assert info.value.violations[0][0] == "response_format.regex"
+
+
+async def test_stop_token_ids_and_logit_bias_in_the_engine(engine: Engine) -> None:
+    free = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    tokens, _, _ = await run(engine, "Tell me about the sea", free)
+    stop_at = tokens[3]
+    stopped, _, finish = await run(
+        engine, "Tell me about the sea", SamplingParams(max_new_tokens=12, ignore_eos=True, stop_token_ids=(stop_at,))
+    )
+    # Like EOS, the stop token is sent and counted as a token id (not as text) and ends the row.
+    assert stopped == tokens[: tokens.index(stop_at) + 1] and finish == "stop"
+    forced, _, _ = await run(
+        engine, "Tell me about the sea", SamplingParams(max_new_tokens=4, ignore_eos=True, logit_bias=((42, 100.0),))
+    )
+    assert forced == [42, 42, 42, 42]
+    with pytest.raises(InvalidArgument) as info:
+        engine.submit(engine.encode("x"), SamplingParams(max_new_tokens=4, presence_penalty=3.0, top_k=-1))
+    assert {f for f, _ in info.value.violations} == {"sampling.presence_penalty", "sampling.top_k"}

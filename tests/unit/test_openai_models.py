@@ -82,7 +82,7 @@ def test_completion_prompt_string_or_one_item_list() -> None:
     ("body", "fields"),
     [
         ({"n": 3, "logprobs": True, "functions": [{}]}, {"n", "logprobs", "functions"}),
-        ({"presence_penalty": 0.5, "logit_bias": {"1": 2}}, {"presence_penalty", "logit_bias"}),
+        ({"logit_bias": {"one": 2}, "n": 2}, {"logit_bias", "n"}),
         ({"stream_options": {"include_usage": True}}, {"stream_options"}),
     ],
 )
@@ -171,3 +171,27 @@ def test_response_formats_map_onto_the_contract() -> None:
     assert list(choice.to_generate("default").response_format.choices) == ["x"]
     text = chat(messages=[{"role": "user", "content": "a"}], response_format={"type": "text"})
     assert not text.to_generate("default").HasField("response_format")
+
+
+def test_every_sampling_field_maps_onto_the_contract() -> None:
+    s = (
+        chat(
+            messages=[{"role": "user", "content": "a"}],
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            logit_bias={"17": 3.0},
+            top_k=40,
+            min_p=0.1,
+            repetition_penalty=1.2,
+            stop_token_ids=[7, 9],
+        )
+        .to_generate("default")
+        .sampling
+    )
+    assert (s.top_k, round(s.min_p, 3), round(s.repetition_penalty, 3)) == (40, 0.1, 1.2)
+    assert (s.presence_penalty, s.frequency_penalty, dict(s.logit_bias), list(s.stop_token_ids)) == (
+        0.5,
+        -0.5,
+        {17: 3.0},
+        [7, 9],
+    )

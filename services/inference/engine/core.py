@@ -54,7 +54,7 @@ from services.inference.engine.kv_manager import BlockManager, KVStats
 from services.inference.engine.load import EngineLoad
 from services.inference.engine.model import LoadedModel, ModelDescription
 from services.inference.engine.runner import ModelRunner, Sampling
-from services.inference.engine.sampling import Constraints, choose
+from services.inference.engine.sampling import Adjustments, Constraints, RowAdjustment, choose
 from services.inference.engine.scheduler import Admission, BatchState, Scheduler
 from services.inference.engine.stream import Emitter, RequestStream, SequenceState, _Sink, tracer
 
@@ -78,6 +78,31 @@ def device_lock(device: torch.device) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
     with _DEVICE_LOCKS_GUARD:
         return _DEVICE_LOCKS.setdefault(str(device), threading.RLock())
+
+
+def _adjustments(seqs: list[SequenceState], rows: list[int]) -> Adjustments | None:
+    """Penalties, biases and top_k / min_p of the rows that ask for them (None when none does)."""
+    adjusted: list[RowAdjustment] = []
+    filters: dict[int, tuple[int, float]] = {}
+    for row, seq in zip(rows, seqs, strict=True):
+        p = seq.params
+        if p.adjusts_logits:
+            adjusted.append(
+                RowAdjustment(
+                    row=row,
+                    bias=p.logit_bias,
+                    repetition=p.repetition_penalty,
+                    presence=p.presence_penalty,
+                    frequency=p.frequency_penalty,
+                    seen=(*seq.prompt_ids, *seq.generated) if p.repetition_penalty != 1.0 else (),
+                    generated=tuple(seq.generated) if p.presence_penalty or p.frequency_penalty else (),
+                )
+            )
+        if not p.greedy and (p.top_k or p.min_p):
+            filters[row] = (p.top_k, p.min_p)
+    if not adjusted and not filters:
+        return None
+    return Adjustments(tuple(adjusted), filters)
 
 
 class Engine:
@@ -539,6 +564,7 @@ class Engine:
             [s.seed for _, s in picked],
             [len(s.generated) for _, s in picked],
             self._constraints(seqs),
+            _adjustments(seqs, list(range(len(seqs)))),
         )
 
     def _constraints(self, seqs: list[SequenceState]) -> Constraints | None:
@@ -741,6 +767,8 @@ class Engine:
             # A complete structured answer ends with the EOS its grammar then allows (ignore_eos or not).
             if token in eos and (not seq.params.ignore_eos or seq.grammar is not None):
                 reason = FINISH_STOP
+            elif token in seq.params.stop_token_ids:
+                reason = FINISH_STOP  # like EOS: the stop token is not part of the text
             elif len(seq.generated) >= seq.params.max_new_tokens:
                 reason = FINISH_LENGTH
             items.append((seq, token, reason))

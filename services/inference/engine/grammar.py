@@ -46,6 +46,10 @@ JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 CLOSERS = frozenset('"]}')
 STRUCT_CLOSERS = frozenset("]}")
 NUMBER_TAILS = (b"-", b".", b"e", b"E", b"+")
+# Inside a JSON string, the closing path is checked every this many tokens, and on every token
+# once fewer than its last length + TEXT_MARGIN tokens are left.
+CHECK_EVERY = 16
+TEXT_MARGIN = 8
 
 
 @dataclass
@@ -169,6 +173,21 @@ class RowGrammar:
         # On the closing path: every further token is the path's.
         self.closing = False
         self._bits = torch.zeros((1, grammars.words), dtype=torch.int32)
+        # The closing path's length at the last dry run, and tokens taken since without one.
+        self._last_distance = 0
+        self._unchecked = 0
+
+    def _inside_text(self, token: int, state: tuple[bool, bool], left: int) -> bool:
+        """The token is plain text inside a JSON string (no quote, no backslash; the string was
+        open before it and is after), with room to spare: the closing path stays a quote away
+        (a pattern or length bound moves it by a character or so, inside the margin). A dry run
+        still happens every CHECK_EVERY tokens."""
+        if not self.json_text or not (self.text_state[0] and state[0]) or self.text_state[1] or state[1]:
+            return False
+        piece = self.grammars.pieces[token]
+        if b'"' in piece or b"\\" in piece:
+            return False
+        return self._unchecked < CHECK_EVERY and left > self._last_distance + TEXT_MARGIN
 
     @property
     def stopped(self) -> bool:
@@ -203,11 +222,21 @@ class RowGrammar:
         if self.matcher.is_stopped():
             return token
         if not self.closing:
-            trial = self.matcher.deep_copy()
             state = self._advance(self.text_state, token)
-            if trial.consume_token(token) and not trial.is_error() and self.distance(trial, state, left) is not None:
-                self.matcher, self.text_state = trial, state
+            if self._inside_text(token, state, left):
+                # Text inside a JSON string, far from the budget's end: it cannot move the
+                # closing path (a quote still closes), so the dry run is skipped.
+                self.matcher.consume_token(token)
+                self.text_state = state
+                self._unchecked += 1
                 return token
+            trial = self.matcher.deep_copy()
+            if trial.consume_token(token) and not trial.is_error():
+                needed = self.distance(trial, state, left)
+                if needed is not None:
+                    self.matcher, self.text_state = trial, state
+                    self._last_distance, self._unchecked = needed, 0
+                    return token
             path = self.path_token(self.matcher, self.text_state)
             if path is None:  # nothing valid at all (cannot happen under the mask): keep the model's
                 path = token

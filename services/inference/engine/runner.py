@@ -35,12 +35,12 @@ from services.inference.engine.kv import PagedKVCache
 from services.inference.engine.kv_manager import NULL_BLOCK
 from services.inference.engine.llama import LlamaDecoder, supported
 from services.inference.engine.model import LoadedModel
-from services.inference.engine.sampling import Constraints, choose
+from services.inference.engine.sampling import Adjustments, Constraints, choose
 
 log = logging.getLogger("llmesh.inference.engine")
 
-#: (batch rows that sample, temperatures, top_p, seeds, token counters, grammar masks)
-Sampling = tuple[list[int], list[float], list[float], list[int], list[int], Constraints | None]
+#: (batch rows that sample, temperatures, top_p, seeds, token counters, grammar masks, logit adjustments)
+Sampling = tuple[list[int], list[float], list[float], list[int], list[int], Constraints | None, Adjustments | None]
 #: A prefill row: (new token ids, position of the first, block table).
 PrefillRow = tuple[Sequence[int], int, Sequence[int]]
 #: A decode row: (input token, its position, block table).

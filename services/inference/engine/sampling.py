@@ -7,6 +7,8 @@ so a seeded request gets the same tokens in any batch (and alone), and the draw 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
@@ -38,6 +40,8 @@ def sample_rows(
     seeds: torch.Tensor,
     counters: torch.Tensor,
     nucleus_rows: bool = True,
+    top_k: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Temperature and nucleus sampling by inverse CDF for rows of `logits` [rows, vocab].
 
@@ -45,6 +49,12 @@ def sample_rows(
     makes in the logits then move its steps by as little, so the same draw picks the same token,
     where a re-sorted order would reshuffle near-equal tokens."""
     probs = torch.softmax(logits.float() / temperature.clamp(min=1e-5)[:, None], dim=-1)
+    if top_k is not None:  # 0: off for that row
+        ranked = probs.sort(dim=-1, descending=True).values
+        kth = ranked.gather(1, (top_k.clamp(min=1) - 1)[:, None])
+        probs = probs.masked_fill((probs < kth) & (top_k > 0)[:, None], 0.0)
+    if min_p is not None:
+        probs = probs.masked_fill(probs < (min_p * probs.max(dim=-1).values)[:, None], 0.0)
     if nucleus_rows:  # some row has top_p < 1 (the caller knows without a device sync)
         nucleus = top_p < 1.0
         ranked, order = probs.sort(dim=-1, descending=True)
@@ -61,6 +71,50 @@ def sample_rows(
 # Rows under a grammar: (their rows in the batch, their allowed tokens as an int32 bitmask
 # [rows, ceil(vocab / 32)], bit t % 32 of word t // 32 set for an allowed token t).
 Constraints = tuple[list[int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RowAdjustment:
+    """What changes one row's logits before it chooses: OpenAI's logit_bias and presence /
+    frequency penalties (over the tokens it generated), the repetition penalty (over its prompt
+    and answer, as Hugging Face and vLLM define it)."""
+
+    row: int
+    bias: tuple[tuple[int, float], ...] = ()
+    repetition: float = 1.0
+    presence: float = 0.0
+    frequency: float = 0.0
+    seen: tuple[int, ...] = ()
+    generated: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Adjustments:
+    """Per-row logit adjustments, and top_k / min_p of sampled rows (by batch row)."""
+
+    rows: tuple[RowAdjustment, ...] = ()
+    filters: dict[int, tuple[int, float]] = field(default_factory=dict)
+
+
+def adjust(logits: torch.Tensor, adjustments: Adjustments | None) -> torch.Tensor:
+    """Float32 logits with each row's penalties and biases applied (its own row only)."""
+    logits = logits.float()
+    if adjustments is None:
+        return logits
+    vocab = logits.shape[1]
+    for a in adjustments.rows:
+        row = logits[a.row]
+        if a.repetition != 1.0 and a.seen:
+            ids = torch.tensor(sorted(set(a.seen)), device=logits.device)
+            values = row.index_select(0, ids)
+            row.index_copy_(0, ids, torch.where(values > 0, values / a.repetition, values * a.repetition))
+        if (a.presence or a.frequency) and a.generated:
+            counts = torch.bincount(torch.tensor(a.generated, device=logits.device), minlength=vocab)[:vocab]
+            row -= a.frequency * counts + a.presence * (counts > 0)
+        if a.bias:
+            ids = torch.tensor([t for t, _ in a.bias], device=logits.device)
+            row.index_add_(0, ids, torch.tensor([b for _, b in a.bias], device=logits.device))
+    return logits
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -81,6 +135,8 @@ def constrain(logits: torch.Tensor, constraints: Constraints | None) -> torch.Te
     rows, bitmask = constraints
     index = torch.tensor(rows, device=logits.device)
     allowed = allowed_tokens(bitmask, logits.shape[1]).to(logits.device)
+    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
+        return logits.masked_fill_(~allowed, float("-inf"))  # every row constrained: in place
     masked = logits.index_select(0, index)
     masked.masked_fill_(~allowed, float("-inf"))
     logits[index] = masked
@@ -95,12 +151,13 @@ def choose(
     seeds: list[int],
     counters: list[int],
     constraints: Constraints | None = None,
+    adjustments: Adjustments | None = None,
 ) -> torch.Tensor:
     """Greedy tokens for every row of `logits`, replaced by a sampled token in `sampled_rows`;
     rows in `constraints` choose among the tokens their grammar allows. The argmax runs in
     float32 (an exact widening, so the same index): the CPU's bfloat16 argmax takes twice as long
     as the conversion and the float32 argmax together."""
-    logits = constrain(logits, constraints)
+    logits = constrain(adjust(logits, adjustments), constraints)
     chosen = torch.argmax(logits, dim=-1)
     if not sampled_rows:
         return chosen
@@ -113,6 +170,18 @@ def choose(
         torch.tensor(seeds, dtype=torch.long, device=device),
         torch.tensor(counters, dtype=torch.long, device=device),
         nucleus_rows=any(p < 1.0 for p in top_p),
+        **_filters(sampled_rows, adjustments, device),
     )
     chosen[index] = picked
     return chosen
+
+
+def _filters(rows: list[int], adjustments: Adjustments | None, device: torch.device) -> dict[str, torch.Tensor]:
+    """top_k and min_p tensors aligned with the sampled rows (none when no row filters)."""
+    if adjustments is None or not any(r in adjustments.filters for r in rows):
+        return {}
+    pairs = [adjustments.filters.get(r, (0, 0.0)) for r in rows]
+    return {
+        "top_k": torch.tensor([k for k, _ in pairs], dtype=torch.long, device=device),
+        "min_p": torch.tensor([p for _, p in pairs], dtype=torch.float32, device=device),
+    }
