@@ -21,7 +21,8 @@ the path: the inference service is called directly over gRPC, vLLM over /v1/comp
                          memory before blocks (one slot of max prompt + max new tokens each)
 
 * rag_rps, rag_ttft_p50_s, rag_ttft_p95_s (and *_no_prefix: a second mesh with
-                         LLMESH_PREFIX_CACHING=0, started after the first): RAG through the whole
+                         LLMESH_PREFIX_CACHING=0 up beside the first, the two measured in
+                         alternating --rag-round-seconds rounds): RAG through the whole
                          mesh (gateway gRPC GenerateStream, answer cache off so every request
                          generates): 32 closed-loop clients over 50 questions about 4 ingested
                          documents (top_k 4), 16-token answers, --rag-seconds each;
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -61,7 +63,7 @@ import httpx
 from bench.backends import direct_one
 from bench.batching import build_prompts
 from bench.common import RESULTS_DIR, machine, print_table, write_result
-from bench.mesh import bench_mesh
+from bench.mesh import BENCH_REDIS_DB, bench_mesh
 from llmesh.supervisor import Mesh
 from llmesh.testing import VllmServer, real_models_dir
 from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
@@ -244,80 +246,97 @@ def rag_questions() -> list[str]:
     return every[:50]
 
 
-async def rag_arm(target: str, system: str, clients: int, seconds: float, max_new: int) -> dict[str, float]:
-    """Ingests the documents, then `clients` closed-loop clients ask the questions in turn for
-    `seconds` (after one warm-up question each); req/s and TTFT (first streamed delta)."""
-    questions = rag_questions()
-    sampling = common_pb2.SamplingParams(max_new_tokens=max_new, ignore_eos=True)
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
-        ingested = await stub.Ingest(
+class RagArm:
+    """One mesh's side of the RAG loop: its gateway channel, and what its measured rounds saw."""
+
+    def __init__(self, target: str, metrics_port: int, system: str, max_new: int) -> None:
+        self.channel = grpc.aio.insecure_channel(target)
+        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+        self.metrics_port = metrics_port
+        self.system = system
+        self.sampling = common_pb2.SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+        self.ttfts: list[float] = []
+        self.prompt_tokens: list[int] = []
+        self.sources: list[int] = []
+        self.seconds = 0.0
+        self.query_tokens = 0.0
+        self.hit_tokens = 0.0
+        self.chunks = 0
+
+    async def ingest(self) -> None:
+        ingested = await self.stub.Ingest(
             gateway_pb2.IngestRequest(collection=RAG_COLLECTION, tenant=RAG_TENANT, documents=rag_documents()),
             timeout=300,
         )
+        self.chunks = ingested.chunks
 
-        def request(question: str) -> gateway_pb2.GenerateRequest:
-            return gateway_pb2.GenerateRequest(
-                prompt=question,
-                system_prompt=system,
-                sampling=sampling,
-                use_cache=False,
-                top_k=RAG_TOP_K,
-                collection=RAG_COLLECTION,
-                tenant=RAG_TENANT,
-            )
+    async def one(self, question: str) -> tuple[float, int, int]:
+        """(TTFT, prompt tokens, sources) of one streamed answer; a shed try is retried, the
+        clock restarting with the admitted try."""
+        request = gateway_pb2.GenerateRequest(
+            prompt=question,
+            system_prompt=self.system,
+            sampling=self.sampling,
+            use_cache=False,
+            top_k=RAG_TOP_K,
+            collection=RAG_COLLECTION,
+            tenant=RAG_TENANT,
+        )
+        while True:
+            sent = time.perf_counter()
+            first = None
+            final = None
+            try:
+                async for message in self.stub.GenerateStream(request, timeout=300):
+                    if message.HasField("delta") and first is None:
+                        first = time.perf_counter()
+                    if message.HasField("final"):
+                        final = message.final
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                await asyncio.sleep(0.05)
+                continue
+            assert final is not None and not final.cache.hit
+            return (first or time.perf_counter()) - sent, final.usage.input_tokens, len(final.sources)
 
-        async def one(question: str) -> tuple[float, float, int, int]:
-            """(TTFT, total seconds, prompt tokens, sources) of one streamed answer; a shed try is
-            retried after its delay, the clock restarting with the admitted try."""
-            while True:
-                sent = time.perf_counter()
-                first = None
-                final = None
-                try:
-                    async for message in stub.GenerateStream(request(question), timeout=300):
-                        if message.HasField("delta") and first is None:
-                            first = time.perf_counter()
-                        if message.HasField("final"):
-                            final = message.final
-                except grpc.aio.AioRpcError as err:
-                    if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        raise
-                    await asyncio.sleep(0.05)
-                    continue
-                done = time.perf_counter()
-                assert final is not None and not final.cache.hit
-                return (first or done) - sent, done - sent, final.usage.input_tokens, len(final.sources)
-
-        await one(questions[0])  # warm-up: retrieval, tokenizer and engine loaded
-        ttfts: list[float] = []
-        prompt_tokens: list[int] = []
-        sources: list[int] = []
-        stop_at = time.perf_counter() + seconds
+    async def round(self, clients: int, seconds: float, start: int) -> None:
+        """`clients` closed-loop clients for `seconds`, asking the questions in turn from `start`;
+        answers finished within the round are counted (the round lasts until the last one ends,
+        so no work is carried into the other arm's round)."""
+        questions = rag_questions()
+        before = prefix_counters(self.metrics_port)
         begun = time.perf_counter()
+        stop_at = begun + seconds
 
         async def client(k: int) -> None:
-            i = k
+            i = start + k
             while time.perf_counter() < stop_at:
-                ttft, _, tokens, found = await one(questions[i % len(questions)])
+                ttft, tokens, found = await self.one(questions[i % len(questions)])
                 if time.perf_counter() <= stop_at:
-                    ttfts.append(ttft)
-                    prompt_tokens.append(tokens)
-                    sources.append(found)
+                    self.ttfts.append(ttft)
+                    self.prompt_tokens.append(tokens)
+                    self.sources.append(found)
                 i += clients
 
         await asyncio.gather(*(client(k) for k in range(clients)))
-        elapsed = max(time.perf_counter() - begun, seconds)
-    ttfts.sort()
-    return {
-        "rps": len(ttfts) / elapsed,
-        "ttft_p50_s": ttfts[len(ttfts) // 2],
-        "ttft_p95_s": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))],
-        "requests": len(ttfts),
-        "prompt_tokens_mean": statistics.mean(prompt_tokens),
-        "sources_mean": statistics.mean(sources),
-        "chunks": ingested.chunks,
-    }
+        self.seconds += seconds
+        after = prefix_counters(self.metrics_port)
+        self.query_tokens += after["query"] - before["query"]
+        self.hit_tokens += after["hit"] - before["hit"]
+
+    def figures(self) -> dict[str, float]:
+        ttfts = sorted(self.ttfts)
+        return {
+            "rps": len(ttfts) / self.seconds,
+            "ttft_p50_s": ttfts[len(ttfts) // 2],
+            "ttft_p95_s": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))],
+            "requests": len(ttfts),
+            "prompt_tokens_mean": statistics.mean(self.prompt_tokens),
+            "sources_mean": statistics.mean(self.sources),
+            "prefix_hit_rate": self.hit_tokens / self.query_tokens if self.query_tokens else 0.0,
+            "chunks": self.chunks,
+        }
 
 
 def prefix_counters(port: int) -> dict[str, float]:
@@ -336,39 +355,58 @@ def prefix_counters(port: int) -> dict[str, float]:
 
 
 def rag_phase(args: argparse.Namespace, chat: Chat) -> dict[str, Any]:
-    """The RAG loop on two meshes one after the other: prefix caching on, then off."""
+    """The RAG loop on two meshes up side by side, prefix caching on and off, in alternating
+    rounds (on, off, off, on, ...) so that load from outside the run weighs on both alike."""
     system = system_prompt("Archive", args.rag_system_tokens, chat.count) if args.rag_system_tokens else ""
+    rounds = max(1, round(args.rag_seconds / args.rag_round_seconds))
     out: dict[str, Any] = {}
-    loads: dict[str, float] = {}
-    for suffix, caching in (("", "1"), ("_no_prefix", "0")):
-        env = {
-            "LLMESH_INFERENCE_MODEL": "smollm2",
-            "LLMESH_NICE": "0",
-            "LLMESH_PREFIX_CACHING": caching,
-            "LLMESH_MAX_BATCH_SIZE": str(args.rag_clients),
-        }
-        with bench_mesh(env) as mesh:
-            port = mesh.procs["inference"].metrics_port
-            before = prefix_counters(port)
-            arm = asyncio.run(
-                rag_arm(mesh.target("gateway"), system, args.rag_clients, args.rag_seconds, args.rag_tokens)
-            )
-            after = prefix_counters(port)
-        loads[f"rag{suffix}"] = round(os.getloadavg()[0], 2)
-        queried = after["query"] - before["query"]
-        arm["prefix_hit_rate"] = (after["hit"] - before["hit"]) / queried if queried else 0.0
-        print_table(arm, f"RAG through the mesh, prefix caching {'on' if caching == '1' else 'off'}")
+    with contextlib.ExitStack() as stack:
+        ports: dict[str, tuple[str, int]] = {}
+        for suffix, caching in (("", "1"), ("_no_prefix", "0")):
+            env = {
+                "LLMESH_INFERENCE_MODEL": "smollm2",
+                "LLMESH_NICE": "0",
+                "LLMESH_PREFIX_CACHING": caching,
+                "LLMESH_MAX_BATCH_SIZE": str(args.rag_clients),
+                # 32 clients' prompts of ~900 tokens queue for seconds on 2 cores: a first
+                # message that slow is the load asked for, not a failing service (the breaker's
+                # default 5 s would open it and the loop would measure the breaker).
+                "LLMESH_BREAKER_SLOW_CALL_SECONDS": "600",
+            }
+            mesh = stack.enter_context(bench_mesh(env, redis_db=BENCH_REDIS_DB + len(ports)))
+            ports[suffix] = (mesh.target("gateway"), mesh.procs["inference"].metrics_port)
+
+        async def run() -> dict[str, dict[str, float]]:
+            arms = {s: RagArm(t, p, system, args.rag_tokens) for s, (t, p) in ports.items()}
+            try:
+                for arm in arms.values():
+                    await arm.ingest()
+                    await arm.one(rag_questions()[-1])  # warm-up: every hop loaded
+                order = list(arms)
+                for r in range(rounds):
+                    for suffix in order if r % 2 == 0 else order[::-1]:
+                        await arms[suffix].round(args.rag_clients, args.rag_seconds / rounds, r * args.rag_clients)
+                        print(f"RAG round {r + 1}/{rounds}{suffix or ' (prefix caching on)'}", flush=True)
+                return {s: arm.figures() for s, arm in arms.items()}
+            finally:
+                for arm in arms.values():
+                    await arm.channel.close()
+
+        figures = asyncio.run(run())
+    for suffix, arm in figures.items():
+        print_table(arm, f"RAG through the mesh, prefix caching {'off' if suffix else 'on'}")
         for key, value in arm.items():
             out[f"rag_{key}{suffix}"] = value
     out["rag_clients"] = args.rag_clients
     out["rag_seconds"] = args.rag_seconds
+    out["rag_rounds"] = rounds
     out["rag_answer_tokens"] = args.rag_tokens
     out["rag_top_k"] = RAG_TOP_K
     out["rag_questions"] = len(rag_questions())
     out["rag_documents"] = len(RAG_PLACES)
     out["rag_system_prompt_tokens"] = chat.count(system) if system else 0
     out["rag_rps_over_no_prefix"] = out["rag_rps"] / out["rag_rps_no_prefix"]
-    out["_loads"] = loads
+    out["_loads"] = {"rag": round(os.getloadavg()[0], 2)}
     return out
 
 
@@ -383,6 +421,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "results file) or engine (everything but the RAG loop)",
     )
     parser.add_argument("--rag-seconds", type=float, default=40.0, help="measured seconds of each RAG arm")
+    parser.add_argument("--rag-round-seconds", type=float, default=10.0, help="seconds of one RAG round")
     parser.add_argument("--rag-clients", type=int, default=RAG_CLIENTS)
     parser.add_argument("--rag-tokens", type=int, default=RAG_ANSWER_TOKENS, help="tokens of each RAG answer")
     parser.add_argument(
