@@ -35,7 +35,8 @@ max_concurrent_64tok >= 2 x max_concurrent_64tok_slots; rag_rps >= 1.3 x rag_rps
 `--only rag` runs the RAG loop alone and keeps the other figures of bench/results/prefix.json.
 
 vLLM runs with --enforce-eager (its torch.compile step takes minutes on 2 cores and changes a
-prefill's speed little). Run: `.venv/bin/python -m bench.prefix` (about 5 minutes).
+prefill's speed little). Run: `.venv/bin/python -m bench.prefix` (about 10 minutes; the RAG loop
+alone, two meshes started and 2 x 40 s measured, about 6).
 """
 
 from __future__ import annotations
