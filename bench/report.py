@@ -40,6 +40,13 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "turn8_ttft_s",
         "max_concurrent_64tok",
         "max_concurrent_64tok_slots",
+        "rag_rps",
+        "rag_rps_no_prefix",
+        "rag_ttft_p50_s",
+        "rag_ttft_p50_s_no_prefix",
+        "rag_ttft_p95_s",
+        "rag_ttft_p95_s_no_prefix",
+        "rag_prefix_hit_rate",
     ),
     "cache": (
         "semantic_threshold",
