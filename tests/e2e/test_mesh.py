@@ -74,9 +74,16 @@ def test_real_answer_then_cache_hit(client: Mesh) -> None:
     assert first.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
     assert first.usage.input_tokens > 10 and first.usage.output_tokens > 0
     assert len(first.trace_id) == 32
-    second = client.ask("What is the capital of France?", max_new_tokens=48)
+    # The store runs after the answer, in the background: an ask racing it is answered afresh
+    # (and stored again). Each miss takes a whole generation, so three asks leave it ample time.
+    answers = [first.text]
+    for _ in range(3):
+        second = client.ask("What is the capital of France?", max_new_tokens=48)
+        if second.cache.hit:
+            break
+        answers.append(second.text)
     assert second.cache.hit and second.cache.tier == common_pb2.CACHE_TIER_EXACT
-    assert second.text == first.text
+    assert second.text in answers
     assert second.trace_id != first.trace_id
 
 
