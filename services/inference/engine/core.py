@@ -690,7 +690,7 @@ class Engine:
 
     def _choose_tokens(self, logits: torch.Tensor, running: list[SequenceState]) -> list[int]:
         """The decode rows' tokens from their logits (the sampler's one call site per step)."""
-        return choose(logits, *self._sampling(running))[: len(running)].tolist()
+        return choose(logits, *self._sampling(running), stage=self.runner.decode_stage)[: len(running)].tolist()
 
     def _started(self, group: list[SequenceState], started_ns: int, tokens: int, padded: int) -> None:
         for seq in group:

@@ -35,7 +35,7 @@ from services.inference.engine.kv import PagedKVCache
 from services.inference.engine.kv_manager import NULL_BLOCK
 from services.inference.engine.llama import LlamaDecoder, supported
 from services.inference.engine.model import LoadedModel
-from services.inference.engine.sampling import Adjustments, Constraints, choose
+from services.inference.engine.sampling import Adjustments, Constraints, StagedParams, choose
 
 log = logging.getLogger("llmesh.inference.engine")
 
@@ -68,6 +68,8 @@ class ModelRunner:
         #: Longest sequence (prompt + generated tokens) a row may hold.
         self.max_seq_tokens = max_seq_tokens
         self.max_blocks = -(-max_seq_tokens // block_tokens)
+        #: The decode batch's sampling parameters on the device, staged once per batch change.
+        self.decode_stage = StagedParams()
         self.buckets = buckets
         max_rows = buckets[-1]
         self.max_rows = max_rows
@@ -165,7 +167,7 @@ class ModelRunner:
         `eager_width` runs the step eagerly over that many columns even where a graph exists
         (to check a replay)."""
         logits = self.step_logits(rows, eager_width)
-        tokens = choose(logits, *sampling)
+        tokens = choose(logits, *sampling, stage=self.decode_stage)
         return tokens[: len(rows)].tolist()
 
     def step_logits(self, rows: Sequence[DecodeRow], eager_width: int | None = None) -> torch.Tensor:

@@ -8,6 +8,7 @@ so a seeded request gets the same tokens in any batch (and alone), and the draw 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,16 +57,66 @@ def sample_rows(
     if min_p is not None:
         probs = probs.masked_fill(probs < (min_p * probs.max(dim=-1).values)[:, None], 0.0)
     if nucleus_rows:  # some row has top_p < 1 (the caller knows without a device sync)
-        nucleus = top_p < 1.0
-        ranked, order = probs.sort(dim=-1, descending=True)
-        before = ranked.cumsum(dim=-1) - ranked  # mass of the more likely tokens
-        keep_sorted = (before < top_p[:, None]) | ~nucleus[:, None]
-        keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, order, keep_sorted)
-        probs = probs.masked_fill(~keep, 0.0)
+        probs = probs.masked_fill(~nucleus_keep(probs, top_p), 0.0)
     cdf = probs.cumsum(dim=-1)
     draws = uniform_draws(seeds, counters)
     picked = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True)
     return picked.clamp_(max=cdf.shape[1] - 1)[:, 0]
+
+
+#: Candidates the nucleus is looked for among before the whole vocabulary is sorted.
+NUCLEUS_CANDIDATES = 256
+
+
+def nucleus_keep(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The tokens each row's nucleus keeps (bool [rows, vocab]): those whose more likely tokens
+    hold less than top_p of the mass (every token where top_p >= 1).
+
+    On the CPU the nucleus is looked for among the NUCLEUS_CANDIDATES likeliest tokens (a
+    partial top-k, not a sort of the whole vocabulary); where they hold less than a row's top_p
+    the rows are sorted in full. Exact either way: a token outside the candidates has all of them before it, so more
+    than top_p of the mass, and the full sort would not keep it either."""
+    vocab = probs.shape[1]
+    nucleus = top_p < 1.0
+    # On an accelerator the full sort is cheap and the check below would sync with the host.
+    k = min(vocab, NUCLEUS_CANDIDATES) if probs.device.type == "cpu" else vocab
+    ranked, order = probs.topk(k, dim=-1, sorted=True)
+    if k < vocab and bool(((ranked.sum(dim=-1) < top_p) & nucleus).any()):
+        ranked, order = probs.sort(dim=-1, descending=True)
+    before = ranked.cumsum(dim=-1) - ranked  # mass of the more likely tokens
+    keep_ranked = (before < top_p[:, None]) | ~nucleus[:, None]
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, order, keep_ranked)
+    if keep_ranked.shape[1] < vocab:  # the rows without a nucleus keep every token
+        keep |= ~nucleus[:, None]
+    return keep
+
+
+class StagedParams:
+    """The sampled rows' fixed parameters on the device (batch rows, temperature, top_p, seeds),
+    built once per change of the batch and reused while it holds: a decode step then copies
+    only its token counters to the device, not five lists. One per decode loop (its owner's
+    worker thread only)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        #: How often the parameters were staged (a test reads it).
+        self.builds = 0
+
+    def get(
+        self, rows: list[int], temperature: list[float], top_p: list[float], seeds: list[int], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        key = (device, tuple(rows), tuple(temperature), tuple(top_p), tuple(seeds))
+        if key != self._key or self._tensors is None:
+            self._tensors = (
+                torch.tensor(rows, device=device),
+                torch.tensor(temperature, device=device),
+                torch.tensor(top_p, device=device),
+                torch.tensor(seeds, dtype=torch.long, device=device),
+            )
+            self._key = key
+            self.builds += 1
+        return self._tensors
 
 
 # Rows under a grammar: (their rows in the batch, their allowed tokens as an int32 bitmask
@@ -152,22 +203,27 @@ def choose(
     counters: list[int],
     constraints: Constraints | None = None,
     adjustments: Adjustments | None = None,
+    *,
+    stage: StagedParams | None = None,
 ) -> torch.Tensor:
     """Greedy tokens for every row of `logits`, replaced by a sampled token in `sampled_rows`;
     rows in `constraints` choose among the tokens their grammar allows. The argmax runs in
     float32 (an exact widening, so the same index): the CPU's bfloat16 argmax takes twice as long
-    as the conversion and the float32 argmax together."""
+    as the conversion and the float32 argmax together. `stage`: where a decode loop keeps its
+    batch's parameters on the device between steps (None: staged for this call only)."""
     logits = constrain(adjust(logits, adjustments), constraints)
     chosen = torch.argmax(logits, dim=-1)
     if not sampled_rows:
         return chosen
     device = logits.device
-    index = torch.tensor(sampled_rows, device=device)
+    index, temperatures, top_ps, seed_tensor = (stage or StagedParams()).get(
+        sampled_rows, temperature, top_p, seeds, device
+    )
     picked = sample_rows(
         logits.index_select(0, index),
-        torch.tensor(temperature, device=device),
-        torch.tensor(top_p, device=device),
-        torch.tensor(seeds, dtype=torch.long, device=device),
+        temperatures,
+        top_ps,
+        seed_tensor,
         torch.tensor(counters, dtype=torch.long, device=device),
         nucleus_rows=any(p < 1.0 for p in top_p),
         **_filters(sampled_rows, adjustments, device),
