@@ -550,7 +550,11 @@ DECLARED: tuple[Setting, ...] = (
     # Time budgets per optional hop: past it the gateway goes on without the hop.
     Setting("LLMESH_HOP_CACHE_LOOKUP_SECONDS", "0.25", "Budget of a cache lookup.", ("gateway",), _positive_float),
     Setting(
-        "LLMESH_HOP_CACHE_STORE_SECONDS", "0.5", "Budget of a background cache store.", ("gateway",), _positive_float
+        "LLMESH_HOP_CACHE_STORE_SECONDS",
+        "2",
+        "Budget of a background cache store (off the request path: a longer one costs no latency).",
+        ("gateway",),
+        _positive_float,
     ),
     Setting(
         "LLMESH_HOP_COLLECTION_INFO_SECONDS",

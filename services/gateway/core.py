@@ -122,7 +122,7 @@ class GatewayConfig:
     log_prompts: bool = False
     # How long a learned collection version is trusted before it is refreshed (in the background).
     version_ttl: float = 2.0
-    cache_store_budget: float = 0.5
+    cache_store_budget: float = 2.0
 
 
 @dataclass

@@ -55,6 +55,7 @@ async def test_every_call_sync_and_async(models_dir: Path, tiny_model: Path, tmp
             assert found.results[0].document_id == "doc-1"
             answer = await client.ask("What color is the lighthouse?", tenant="acme", max_new_tokens=8)
             assert answer.usage.output_tokens == 8 and [s.document_id for s in answer.sources] == ["doc-1"]
+            await gw.app.gateway.settle()  # type: ignore[attr-defined]  # the store runs after the answer
             again = await client.ask("What color is the lighthouse?", tenant="acme", max_new_tokens=8)
             assert again.cache.hit and again.text == answer.text
             parts = [m async for m in client.stream("Say something", tenant="acme", max_new_tokens=8)]

@@ -42,6 +42,9 @@ async def test_concurrent_hits_share_batched_lookups(
         "LLMESH_INFERENCE_MODEL": "tiny",
         "LLMESH_REDIS_URL": redis_url,
         "QDRANT_URL": "",
+        # The background store has half a second by default; a loaded 2-core runner can miss
+        # that on the first store (cold connection), and this test is about lookups, not stores.
+        "LLMESH_HOP_CACHE_STORE_SECONDS": "10",
     }
     try:
         async with (
@@ -60,6 +63,7 @@ async def test_concurrent_hits_share_batched_lookups(
                     stub = gateway_pb2_grpc.GatewayStub(channel)
                     first = {q: await stub.Generate(ask(q), timeout=60) for q in QUESTIONS}
                     assert not any(reply.cache.hit for reply in first.values())
+                    await gw.app.gateway.settle()  # type: ignore[attr-defined]  # the stores run after the answers
                     before = batches_handled()
                     asked = [QUESTIONS[i % len(QUESTIONS)] for i in range(96)]
                     replies = await asyncio.gather(*(stub.Generate(ask(q), timeout=60) for q in asked))

@@ -354,7 +354,7 @@ def generic_change(message: object, field: object, rng: random.Random) -> None:
     """Some other valid-looking value for a field the tables above do not know (a new field)."""
     fd = field  # a FieldDescriptor
     name = fd.name  # type: ignore[attr-defined]
-    if fd.label == fd.LABEL_REPEATED:  # type: ignore[attr-defined]
+    if is_repeated(fd):
         target = getattr(message, name)
         if fd.message_type is not None:  # type: ignore[attr-defined]
             target.add()
@@ -373,6 +373,13 @@ def generic_change(message: object, field: object, rng: random.Random) -> None:
     while value == current:
         value = _scalar(fd, rng)
     setattr(message, name, value)
+
+
+def is_repeated(fd: object) -> bool:
+    """FieldDescriptor.label went away in protobuf 7 (is_repeated replaced it)."""
+    if hasattr(fd, "is_repeated"):
+        return bool(fd.is_repeated)
+    return bool(fd.label == fd.LABEL_REPEATED)  # type: ignore[attr-defined]
 
 
 def _scalar(fd: object, rng: random.Random) -> object:
