@@ -65,6 +65,11 @@ class GatewayStub:
                 request_serializer=llmesh_dot_v1_dot_gateway__pb2.PurgeCacheRequest.SerializeToString,
                 response_deserializer=llmesh_dot_v1_dot_gateway__pb2.PurgeCacheResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/llmesh.v1.Gateway/Embed',
+                request_serializer=llmesh_dot_v1_dot_gateway__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=llmesh_dot_v1_dot_gateway__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -114,6 +119,13 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeddings of texts with the mesh's embedding model (the one retrieval searches with).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +158,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.PurgeCache,
                     request_deserializer=llmesh_dot_v1_dot_gateway__pb2.PurgeCacheRequest.FromString,
                     response_serializer=llmesh_dot_v1_dot_gateway__pb2.PurgeCacheResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=llmesh_dot_v1_dot_gateway__pb2.EmbedRequest.FromString,
+                    response_serializer=llmesh_dot_v1_dot_gateway__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -311,6 +328,33 @@ class Gateway:
             '/llmesh.v1.Gateway/PurgeCache',
             llmesh_dot_v1_dot_gateway__pb2.PurgeCacheRequest.SerializeToString,
             llmesh_dot_v1_dot_gateway__pb2.PurgeCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmesh.v1.Gateway/Embed',
+            llmesh_dot_v1_dot_gateway__pb2.EmbedRequest.SerializeToString,
+            llmesh_dot_v1_dot_gateway__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -107,3 +107,25 @@ class CollectionInfo(_message.Message):
     indexed_points: int
     indexing: bool
     def __init__(self, exists: _Optional[bool] = ..., points: _Optional[int] = ..., version: _Optional[int] = ..., dimension: _Optional[int] = ..., indexed_points: _Optional[int] = ..., indexing: _Optional[bool] = ...) -> None: ...
+
+class RetrievalEmbedRequest(_message.Message):
+    __slots__ = ("inputs",)
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    inputs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, inputs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RetrievalEmbedResponse(_message.Message):
+    __slots__ = ("vectors", "model", "input_tokens")
+    VECTORS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    vectors: _containers.RepeatedCompositeFieldContainer[FloatVector]
+    model: str
+    input_tokens: int
+    def __init__(self, vectors: _Optional[_Iterable[_Union[FloatVector, _Mapping]]] = ..., model: _Optional[str] = ..., input_tokens: _Optional[int] = ...) -> None: ...
+
+class FloatVector(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -55,6 +55,11 @@ class RetrievalStub:
                 request_serializer=llmesh_dot_v1_dot_retrieval__pb2.CollectionInfoRequest.SerializeToString,
                 response_deserializer=llmesh_dot_v1_dot_retrieval__pb2.CollectionInfo.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/llmesh.v1.Retrieval/Embed',
+                request_serializer=llmesh_dot_v1_dot_retrieval__pb2.RetrievalEmbedRequest.SerializeToString,
+                response_deserializer=llmesh_dot_v1_dot_retrieval__pb2.RetrievalEmbedResponse.FromString,
+                _registered_method=True)
 
 
 class RetrievalServicer:
@@ -87,6 +92,13 @@ class RetrievalServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeddings of texts with the model documents are indexed by.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RetrievalServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +121,11 @@ def add_RetrievalServicer_to_server(servicer, server):
                     servicer.GetCollectionInfo,
                     request_deserializer=llmesh_dot_v1_dot_retrieval__pb2.CollectionInfoRequest.FromString,
                     response_serializer=llmesh_dot_v1_dot_retrieval__pb2.CollectionInfo.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=llmesh_dot_v1_dot_retrieval__pb2.RetrievalEmbedRequest.FromString,
+                    response_serializer=llmesh_dot_v1_dot_retrieval__pb2.RetrievalEmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +237,33 @@ class Retrieval:
             '/llmesh.v1.Retrieval/GetCollectionInfo',
             llmesh_dot_v1_dot_retrieval__pb2.CollectionInfoRequest.SerializeToString,
             llmesh_dot_v1_dot_retrieval__pb2.CollectionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmesh.v1.Retrieval/Embed',
+            llmesh_dot_v1_dot_retrieval__pb2.RetrievalEmbedRequest.SerializeToString,
+            llmesh_dot_v1_dot_retrieval__pb2.RetrievalEmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
