@@ -2,7 +2,7 @@
 
     python -m bench.reliability [--quick] [--model tiny|smollm2] [--backend builtin|openai] [--duration 60]
 
-Starts its own redis-server on a free port (so it can stop and start it), a temporary data dir
+Starts its own valkey-server (the embedded one) on a free port (so it can stop and start it), a temporary data dir
 and the five services as separate processes on loopback (llmesh.supervisor.Mesh), then:
 
 * load      64 concurrent grpc.aio clients in closed loop for --duration seconds (15 with
@@ -1005,9 +1005,12 @@ class Reliability:
     # -- processes
 
     def start_redis(self) -> None:
+        # The embedded valkey-server (the mesh's own Redis), not whatever redis-server the host has.
+        from llmesh.redis_server import server_binary
+
         self.redis = subprocess.Popen(
             [
-                "redis-server",
+                str(server_binary()),
                 "--port",
                 str(self.redis_port),
                 "--bind",
@@ -1036,7 +1039,7 @@ class Reliability:
             except redis.RedisError:
                 pass
             if self.redis.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server on port {self.redis_port} did not start")
+                raise RuntimeError(f"valkey-server on port {self.redis_port} did not start")
             time.sleep(0.05)
 
     def kill_redis(self) -> None:
