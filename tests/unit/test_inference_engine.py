@@ -420,14 +420,14 @@ async def test_steps_and_submit_do_not_wait_for_the_emitter(loaded: LoadedModel)
     eng = side_engine(loaded, max_batch_size=4)
     stuck = threading.Event()
     release = threading.Event()
-    original = eng.emitter._flush
+    original = eng.core.output._flush
 
     def blocking_flush() -> None:
         stuck.set()
         release.wait(10)
         original()
 
-    eng.emitter._flush = blocking_flush  # type: ignore[method-assign]
+    eng.core.output._flush = blocking_flush  # type: ignore[method-assign]
     try:
         ids = eng.encode("Hello")
         first = asyncio.create_task(run(eng, ids, SamplingParams(max_new_tokens=40, ignore_eos=True)))
@@ -497,7 +497,7 @@ async def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(loaded:
         def hook(kind: str, batch: int) -> None:
             if kind == "prefill":
                 prefills.append(eng.steps)
-            eng.prefill_tok_s, eng.step_s = 4000.0, 0.01
+            eng.core.speeds.prefill_tok_s, eng.core.speeds.step_s = 4000.0, 0.01
 
         eng.fault_hook = hook
         short = eng.submit(ps[1], SamplingParams(max_new_tokens=60, ignore_eos=True))
@@ -552,11 +552,11 @@ async def test_reused_blocks_and_padded_buckets_keep_every_row_equal_to_its_solo
 
     def record(kind: str, batch: int) -> None:
         if kind == "decode":
-            for seq in eng._running:
+            for seq in eng.core.scheduler.running:
                 assert seq.blocks is not None
                 for block in seq.blocks.blocks:
                     owners.setdefault(block, set()).add(seq.seq_id)
-            batches.add(eng.runner.bucket(len(eng._running)) - len(eng._running))
+            batches.add(eng.runner.bucket(len(eng.core.scheduler.running)) - len(eng.core.scheduler.running))
 
     try:
         alone = [
@@ -594,7 +594,7 @@ async def test_prompt_chunks_ride_in_the_decode_step(loaded: LoadedModel) -> Non
         setattr(runner, name, counted)
 
     def hook(kind: str, batch: int) -> None:
-        eng.prefill_tok_s, eng.step_s = 4000.0, 0.01  # chunks of the smallest size, 128
+        eng.core.speeds.prefill_tok_s, eng.core.speeds.step_s = 4000.0, 0.01  # chunks of the smallest size, 128
 
     try:
         eng.fault_hook = hook

@@ -131,11 +131,11 @@ async def test_eviction_under_pressure_never_takes_a_block_in_use(loaded: Loaded
         held: list[int] = []
 
         def check(kind: str, batch: int) -> None:
-            for seq in eng._running:
+            for seq in eng.core.scheduler.running:
                 assert seq.blocks is not None
                 assert all(eng.kv.refs(b) >= 1 for b in seq.blocks.blocks)
-            if not held and eng._running:
-                held.extend(eng._running[0].blocks.blocks if eng._running[0].blocks else [])
+            if not held and eng.core.scheduler.running:
+                held.extend(eng.core.scheduler.running[0].blocks.blocks if eng.core.scheduler.running[0].blocks else [])
 
         eng.fault_hook = check
         churn = [eng.encode(f"Note {i}: the tide tables for the week ahead. " * 3) for i in range(6)]

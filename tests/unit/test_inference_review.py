@@ -15,7 +15,8 @@ from llmesh.errors import Unavailable
 from llmesh.models import verify
 from services.inference.decoding import IncrementalDecoder, SamplingParams, StopMatcher, resolve_params
 from services.inference.engine import Engine, EngineConfig, GenerationEvent, LoadedModel
-from services.inference.engine.stream import Emitter, SequenceState, _Sink
+from services.inference.engine.output import Emitter
+from services.inference.engine.sequence import SequenceState, Sink
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +49,14 @@ async def test_a_request_arriving_while_the_worker_goes_idle_keeps_the_engine_bu
     # fail the request) while the request waits.
     eng = side_engine(loaded)
     try:
-        original = eng.scheduler.submit
+        original = eng.core.inbox.submit
 
         def submit_after_an_idle_check(*args: object, **kwargs: object) -> None:
-            eng.scheduler.wake()
+            eng.core.inbox.wake()
             eng.drain(2.0)  # the worker has looked, found nothing, and gone idle
             original(*args, **kwargs)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(eng.scheduler, "submit", submit_after_an_idle_check)
+        monkeypatch.setattr(eng.core.inbox, "submit", submit_after_an_idle_check)
         stream = eng.submit(eng.encode("Hello"), SamplingParams(max_new_tokens=200, ignore_eos=True))
         assert not eng.drain(0)
         stream.cancel()
@@ -91,10 +92,6 @@ async def test_a_worker_dying_with_a_prefill_group_taken_ends_its_streams(loaded
         eng.close()
 
 
-class _EngineStub:
-    tag = "review"
-
-
 def test_a_stop_string_completed_by_the_flush_is_reported_as_the_stop(loaded: LoadedModel) -> None:
     # A byte token that starts a UTF-8 character is held back by the decoder until the next
     # token; at the length limit it is flushed (as U+FFFD), completing the stop string there.
@@ -106,17 +103,17 @@ def test_a_stop_string_completed_by_the_flush_is_reported_as_the_stop(loaded: Lo
         prompt_ids=[1],
         params=params,
         request_id="",
-        sink=_Sink(None),
+        sink=Sink(None),
         decoder=IncrementalDecoder(tokenizer),
         stopper=StopMatcher(params.stop),
         seed=0,
         enqueued_at=time.monotonic(),
         internal=True,
     )
-    emitter = Emitter(_EngineStub())  # type: ignore[arg-type]
+    emitter = Emitter("review", "tiny", "v1", tokenizer)
     try:
-        emitter.put(("tokens", time.monotonic(), [(seq, tokenizer.token_to_id("a"), None)]))
-        emitter.put(("tokens", time.monotonic(), [(seq, partial, "length")]))
+        emitter.put(("tokens", time.monotonic(), [(seq, tokenizer.token_to_id("a"), None, None)]))
+        emitter.put(("tokens", time.monotonic(), [(seq, partial, "length", None)]))
         emitter.sync()
     finally:
         emitter.stop()
@@ -186,7 +183,7 @@ async def test_a_row_whose_stop_fired_is_not_prefilled_again_after_an_oom_split(
             if kind == "decode" and batch == 2 and "oom" not in events:
                 # The newest row's stop string was found (by the emitter) just before this step,
                 # which runs out of memory: the split requeues that row.
-                eng._running[-1].stop_hit = True
+                eng.core.scheduler.running[-1].stop_hit = True
                 events.append("oom")
                 raise torch.OutOfMemoryError("injected")
 

@@ -1,7 +1,9 @@
-"""The builtin inference engine (see core.py for the loop, and one module per concern:
-config, model, kv_manager (blocks, block tables, prefix cache), kv (the block tensors), runner
-(forwards over blocks, CUDA graphs), llama (the own forward of Llama
-models on CPU; transformers' forward otherwise), sampling, scheduler, stream)."""
+"""The builtin inference engine, one owner per piece of state: front (the asyncio front,
+`Engine`), sequence (a request's state and events), engine_core (the worker loop, fed by its
+inbox), scheduler (the queues and the step plan), kv_manager (blocks, block tables, prefix
+cache), output (detokenization, stop strings, metrics, spans), kv (the block tensors), runner
+(forwards over blocks, CUDA graphs), llama (the own forward of Llama models on CPU;
+transformers' forward otherwise), sampling, grammar, model, config, load."""
 
 from services.inference.engine.config import (
     FINISH_CANCELLED,
@@ -10,11 +12,11 @@ from services.inference.engine.config import (
     FINISH_STOP_SEQUENCE,
     EngineConfig,
 )
-from services.inference.engine.core import Engine
+from services.inference.engine.front import Engine, RequestStream
 from services.inference.engine.kv import PagedKVCache
 from services.inference.engine.kv_manager import BlockManager, BlockTable
 from services.inference.engine.model import LoadedModel, ModelDescription, pick_device
-from services.inference.engine.stream import GenerationEvent, RequestStream, SequenceState
+from services.inference.engine.sequence import GenerationEvent, SequenceState, TokenLogprob, TopLogprob
 
 __all__ = [
     "FINISH_CANCELLED",
@@ -31,5 +33,7 @@ __all__ = [
     "PagedKVCache",
     "RequestStream",
     "SequenceState",
+    "TokenLogprob",
+    "TopLogprob",
     "pick_device",
 ]

@@ -20,15 +20,15 @@ still prefilled as fast as they come:
   churning closed loop of short requests the queue is emptied as fast as it fills;
 * with no batch running nobody is stalled: up to `max_prefill_tokens` per iteration.
 
-The idle flag (nothing waiting, nothing running: a model switch may close the engine) is
-cleared and set under the queue's lock, together with the queue change that makes it true.
+It owns the queues: the waiting requests (in arrival order, requeued ones at the front), the
+running batch and the long prompt being chunked. Only the engine core's worker thread calls it
+(requests reach it through the core's inbox, engine_core.py), so it takes no lock; `load()`
+snapshots of the queue lengths from other threads read them as they are.
 """
 
 from __future__ import annotations
 
 import collections
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,7 +36,7 @@ from llmesh import errors
 from services.inference import metrics
 from services.inference.engine.config import FINISH_CANCELLED, MIN_PREFILL_CHUNK, PREFILL_STALL_STEPS, EngineConfig
 from services.inference.engine.kv_manager import BlockManager
-from services.inference.engine.stream import SequenceState
+from services.inference.engine.sequence import SequenceState
 
 #: Waiting requests per extra step's worth of prefill budget.
 QUEUE_PER_BUDGET_STEP = 2
@@ -46,11 +46,9 @@ EndRequest = Callable[[SequenceState, str | None, BaseException | None, str | No
 
 
 @dataclass
-class BatchState:
-    """What admission needs to know of the running batch (the engine core's)."""
+class Speeds:
+    """Measured speeds (EWMA, the engine core's) that size prefill chunks while a batch decodes."""
 
-    running: int = 0
-    chunking: bool = False
     prefill_tok_s: float | None = None
     step_s: float | None = None
 
@@ -77,99 +75,75 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self._end = end
         self._retry_after = retry_after
-        self._cond = threading.Condition()
         self.waiting: collections.deque[SequenceState] = collections.deque()
-        self.idle = threading.Event()
-        self.idle.set()
-        self._closing = False
-        self.closed = False
+        #: The rows decoding, in the order they joined (batch row i is running[i]).
+        self.running: list[SequenceState] = []
+        #: The long prompt being prefilled chunk by chunk (one at a time), if any.
+        self.chunking: SequenceState | None = None
 
-    # ----------------------------------------------------------------- event loop side
+    # ----------------------------------------------------------------- queues
 
-    def submit(self, seq: SequenceState, free_rows: int) -> None:
-        with self._cond:
-            if self.closed:
-                raise errors.Unavailable("inference: the model is being unloaded", retry_after=1.0)
-            # Requests the next iteration admits into free rows are not "waiting for a row".
-            if len(self.waiting) >= self.config.max_queue + free_rows:
-                raise errors.ResourceExhausted(
-                    f"inference queue is full ({self.config.max_queue} waiting, LLMESH_MAX_QUEUE)",
-                    retry_after=self._retry_after(),
-                    reason="QUEUE_FULL",
-                )
-            self.waiting.append(seq)
-            self.idle.clear()
-            metrics.QUEUE_SIZE.inc()
-            self._cond.notify()
-
-    def wake(self) -> None:
-        with self._cond:
-            self._cond.notify()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closing = self.closed = True
-            self._cond.notify_all()
-
-    # ----------------------------------------------------------------- worker side
-
-    def extend(self, seqs: list[SequenceState]) -> None:
-        with self._cond:
-            self.waiting.extend(seqs)
-            self.idle.clear()
-            metrics.QUEUE_SIZE.inc(len(seqs))
+    def add(self, seqs: list[SequenceState]) -> None:
+        """New requests at the back of the waiting queue."""
+        self.waiting.extend(seqs)
+        metrics.QUEUE_SIZE.inc(len(seqs))
 
     def take_all(self) -> list[SequenceState]:
-        with self._cond:
-            waiting, self.waiting = list(self.waiting), collections.deque()
+        """Empties the waiting queue (the engine closes)."""
+        waiting, self.waiting = list(self.waiting), collections.deque()
         metrics.QUEUE_SIZE.dec(len(waiting))
         return waiting
 
-    def requeue_front(self, seqs: list[SequenceState]) -> None:
-        now = time.monotonic()
+    def requeue_front(self, seqs: list[SequenceState], now: float) -> None:
         for seq in seqs:
             seq.queued_since = now
-        with self._cond:
-            self.waiting.extendleft(reversed(seqs))
-            self.idle.clear()
-            metrics.QUEUE_SIZE.inc(len(seqs))
+        self.waiting.extendleft(reversed(seqs))
+        metrics.QUEUE_SIZE.inc(len(seqs))
 
-    def set_idle(self) -> None:
-        """The engine core's batch emptied: idle if nothing waits either (under the lock, so a
-        request submitted meanwhile keeps the engine busy)."""
-        with self._cond:
-            if not self.waiting:
-                self.idle.set()
+    @property
+    def busy(self) -> bool:
+        """Something waits, runs or is being chunked."""
+        return bool(self.waiting or self.running or self.chunking is not None)
 
-    def next_work(self, batch: BatchState) -> Admission | None:
-        """Blocks until there is something to do; returns what joins the batch (maybe nothing),
-        or None when the engine closes."""
-        with self._cond:
-            while True:
-                now = time.monotonic()
-                self._expire(now)
-                if self._closing:
-                    return None
-                if batch.running or batch.chunking:
-                    return self._admit(batch)
-                if self.waiting:
-                    # Empty batch: give requests arriving together a moment to share a prefill.
-                    left = self.waiting[0].enqueued_at + self.config.batch_wait_s - now
-                    if left > 0 and len(self.waiting) < self.config.max_batch_size:
-                        self._cond.wait(left)
-                        continue
-                    admission = self._admit(batch)
-                    if admission.group or admission.chunked is not None:
-                        return admission
-                    # Nothing fits an empty pool: only a request longer than the pool, which
-                    # validation refuses; wait rather than spin.
-                    self._cond.wait(0.05)
-                    continue
-                self.idle.set()
-                self._cond.wait(1.0)
+    @property
+    def batch_rows(self) -> int:
+        return len(self.running) + (self.chunking is not None)
 
-    def _expire(self, now: float) -> None:
-        """Drops cancelled and timed-out requests from the queue (lock held)."""
+    def holding(self) -> list[SequenceState]:
+        """The sequences in the batch: the running rows and the one being chunked."""
+        return [*self.running, *([self.chunking] if self.chunking is not None else [])]
+
+    def join(self, seqs: list[SequenceState]) -> None:
+        self.running.extend(seqs)
+        metrics.BATCH_SIZE.inc(len(seqs))
+
+    def start_chunking(self, seq: SequenceState) -> None:
+        self.chunking = seq
+
+    def chunk_finished(self) -> None:
+        self.chunking = None
+
+    def leave(self, seq: SequenceState) -> bool:
+        """Takes `seq` out of the batch; True when it was a running row (the membership changed)."""
+        if self.chunking is seq:
+            self.chunking = None
+        if seq in self.running:
+            self.running.remove(seq)
+            metrics.BATCH_SIZE.dec()
+            return True
+        return False
+
+    def preemption_victim(self) -> SequenceState | None:
+        """Who gives its blocks back when the pool runs out: the prompt being chunked, then the
+        newest running row (None when only one row runs: it cannot be helped)."""
+        if self.chunking is not None:
+            return self.chunking
+        if len(self.running) > 1:
+            return self.running[-1]
+        return None
+
+    def expire(self, now: float) -> None:
+        """Drops cancelled and timed-out requests from the queue."""
         if not self.waiting:
             return
         timeout = self.config.queue_timeout_s
@@ -190,34 +164,33 @@ class Scheduler:
                 keep.append(seq)
         self.waiting = keep
 
-    def chunk_tokens(self, batch: BatchState) -> int:
+    # ----------------------------------------------------------------- the step plan
+
+    def chunk_tokens(self, speeds: Speeds) -> int:
         """Prompt tokens that take about one decode step (see the module docstring)."""
-        if not batch.running:
+        if not self.running:
             return self.max_prefill_tokens
-        if batch.prefill_tok_s is None or batch.step_s is None:
+        if speeds.prefill_tok_s is None or speeds.step_s is None:
             return min(self.max_prefill_tokens, 256)
-        step = int(batch.prefill_tok_s * batch.step_s * PREFILL_STALL_STEPS)
+        step = int(speeds.prefill_tok_s * speeds.step_s * PREFILL_STALL_STEPS)
         return max(MIN_PREFILL_CHUNK, min(self.max_prefill_tokens, step))
 
-    def prefill_budget(self, batch: BatchState) -> int:
+    def prefill_budget(self, speeds: Speeds) -> int:
         """Prompt tokens of whole (one-chunk) prompts prefilled together this iteration."""
-        if not batch.running:
+        if not self.running:
             return self.max_prefill_tokens
         steps = max(1, len(self.waiting) // QUEUE_PER_BUDGET_STEP)
-        return min(self.max_prefill_tokens, self.chunk_tokens(batch) * steps)
+        return min(self.max_prefill_tokens, self.chunk_tokens(speeds) * steps)
 
-    def admit(self, batch: BatchState) -> Admission:
-        with self._cond:
-            return self._admit(batch)
-
-    def _admit(self, batch: BatchState) -> Admission:
-        """FIFO admission (lock held): whole short prompts up to the prefill budget, and a long
-        prompt as the chunked prefill (one at a time), while rows and blocks last."""
+    def admit(self, speeds: Speeds) -> Admission:
+        """FIFO admission: whole short prompts up to the prefill budget, and a long prompt as the
+        chunked prefill (one at a time), while rows and blocks last."""
         admission = Admission()
-        chunk = self.chunk_tokens(batch)
-        budget = self.prefill_budget(batch)
+        chunk = self.chunk_tokens(speeds)
+        budget = self.prefill_budget(speeds)
         bt = self.kv.block_tokens
-        rows = batch.running + batch.chunking
+        chunking = self.chunking is not None
+        rows = self.batch_rows
         tokens = 0
         while self.waiting and rows < self.config.max_batch_size:
             seq = self.waiting[0]
@@ -230,7 +203,7 @@ class Scheduler:
             hit, _ = self.kv.match(ids)
             n = len(ids) - len(hit) * bt
             long = n > chunk
-            if long and (batch.chunking or admission.chunked is not None):
+            if long and (chunking or admission.chunked is not None):
                 break
             if not long and admission.group and tokens + n > budget:
                 break

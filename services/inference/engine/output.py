@@ -1,169 +1,47 @@
-"""Requests and their results: the per-request state, the async stream a caller iterates, and
-the emitter, a thread that turns the worker's raw tokens into events.
+"""Output processing: the emitter, a thread of its own per engine that turns the worker's raw
+tokens into events.
 
 The worker thread only decides which rows end for reasons it can see in token ids (EOS, the
 length limit, cancellation, failures) and hands each step's tokens to the emitter in one queue
-put. The emitter detokenizes, matches stop strings, observes the per-token metrics, ends the
-request's spans, creates the batch and prefill spans and wakes each event loop once per batch
-of work. A stop string found by the emitter sets `stop_hit`; the worker frees that row at its
-next iteration (the tokens it decoded in between are dropped), as it does for a cancellation.
+put. The emitter detokenizes, matches stop strings, fills the tokens' text and bytes into their
+log probabilities, observes the per-token metrics, ends the request's spans, creates the batch
+and prefill spans and wakes each event loop once per batch of work. A stop string found by the
+emitter sets `stop_hit`; the worker frees that row at its next iteration (the tokens it decoded
+in between are dropped), as it does for a cancellation. It knows no Engine: the core hands it
+the engine's tag, the model's name and version and its tokenizer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+from tokenizers import Tokenizer
 
 from services.inference import metrics
-from services.inference.decoding import IncrementalDecoder, ResolvedParams, StopMatcher
+from services.inference.decoding import TokenPieces
 from services.inference.engine.config import (
     FINISH_LENGTH,
     FINISH_STOP,
     FINISH_STOP_SEQUENCE,
 )
-from services.inference.engine.kv_manager import BlockTable
+from services.inference.engine.sequence import GenerationEvent, SequenceState, Sink, TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
-    from services.inference.engine.core import Engine
-    from services.inference.engine.grammar import RowGrammar
+    from services.inference.engine.sampling import RowLogprobs
 
 log = logging.getLogger("llmesh.inference.engine")
 tracer = trace.get_tracer("llmesh.inference")
 
 
-@dataclass
-class GenerationEvent:
-    """One streamed message: tokens and text produced since the last one; the last event has
-    finish_reason and usage set."""
-
-    token_ids: list[int]
-    text: str
-    batch_id: str = ""
-    finish_reason: str | None = None
-    input_tokens: int = 0
-    output_tokens: int = 0
-
-
-class _Sink:
-    """Where a sequence's events go: an asyncio queue on its loop, or a plain list (warm-up)."""
-
-    __slots__ = ("items", "loop", "queue")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[GenerationEvent | BaseException] | None = asyncio.Queue() if loop else None
-        self.items: list[GenerationEvent | BaseException] = []
-
-
-_seq_ids = itertools.count(1)
-
-
-@dataclass(eq=False)
-class SequenceState:
-    """One request inside the engine. The worker owns the batch fields (blocks, generated...),
-    the emitter owns decoder/stopper/finished; `cancelled` (event loop) and `stop_hit` (emitter)
-    are flags the worker reads."""
-
-    prompt_ids: list[int]
-    params: ResolvedParams
-    request_id: str
-    sink: _Sink
-    decoder: IncrementalDecoder
-    stopper: StopMatcher
-    seed: int
-    enqueued_at: float
-    #: When the sequence (re)entered the waiting queue; the queue timeout counts from here.
-    queued_since: float = 0.0
-    internal: bool = False
-    span: trace.Span | None = None
-    span_ctx: otel_context.Context | None = None
-    seq_id: int = field(default_factory=lambda: next(_seq_ids))
-    generated: list[int] = field(default_factory=list)
-    cancelled: bool = False
-    stop_hit: bool = False
-    #: The worker is done with it (its blocks are released; no more tokens will be sent).
-    released: bool = False
-    #: The emitter sent its last event.
-    finished: bool = False
-    prompt_counted: bool = False
-    batch_id: str = ""
-    first_token_at: float = 0.0
-    last_token_at: float = 0.0
-    decode_span: trace.Span | None = None
-    #: Worker: the KV blocks it holds (None while it holds none), tokens in the cache, and
-    #: prompt tokens in the cache so far (reused from the prefix cache or prefilled).
-    blocks: BlockTable | None = None
-    length: int = 0
-    prefilled: int = 0
-    prefill_started_ns: int = 0
-    #: Tokens emitted to the client so far (emitter).
-    emitted: int = 0
-    #: Worker: the row's grammar when its answer has a response format (engine/grammar.py).
-    grammar: RowGrammar | None = None
-
-    @property
-    def reserved_tokens(self) -> int:
-        return len(self.prompt_ids) + self.params.max_new_tokens
-
-    @property
-    def prefill_ids(self) -> list[int]:
-        # After an OOM requeue the tokens generated so far are prefilled again with the prompt.
-        return self.prompt_ids + self.generated
-
-
-class RequestStream:
-    """Async iterator over one request's GenerationEvents. Stopping early (aclose, a cancelled
-    task, a dropped RPC) must call cancel(): the engine then frees the row within one step."""
-
-    def __init__(self, engine: Engine, seq: SequenceState) -> None:
-        self._engine = engine
-        self._seq = seq
-        self._done = False
-
-    @property
-    def batch_id(self) -> str:
-        return self._seq.batch_id
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> GenerationEvent:
-        if self._done:
-            raise StopAsyncIteration
-        q = self._seq.sink.queue
-        assert q is not None
-        try:
-            item = await q.get()
-        except BaseException:
-            self.cancel()
-            raise
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        if item.finish_reason is not None:
-            self._done = True
-        return item
-
-    def cancel(self) -> None:
-        if not self._done:
-            self._done = True
-            self._engine._cancel(self._seq)
-
-    async def aclose(self) -> None:
-        self.cancel()
-
-
 # Messages from the worker to the emitter (tuples; the first item names the kind).
-#   ("tokens", now, [(seq, token, reason | None), ...])   reason: FINISH_STOP / FINISH_LENGTH
+#   ("tokens", now, [(seq, token, reason | None, RowLogprobs | None), ...])   reason: FINISH_STOP / FINISH_LENGTH
 #   ("end", seq, reason | None, failure | None, outcome | None)
 #   ("prefill", group, started_ns, ended_ns, tokens, padded, batch_id, batch_size)
 #   ("segment", segment_id, [seqs], reserved_tokens, steps_of_previous)
@@ -174,15 +52,18 @@ class RequestStream:
 class Emitter:
     """The results thread of one engine (see the module docstring)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, tag: str, model_id: str, version: str, tokenizer: Tokenizer) -> None:
+        self._model_id = model_id
+        self._version = version
+        self._tokenizer = tokenizer
         self._queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._outbox: list[tuple[SequenceState, GenerationEvent | BaseException]] = []
         self._segment_span: trace.Span | None = None
         self._segment_id = ""
-        self._thread = threading.Thread(target=self._run, name=f"inference-emit-{engine.tag}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"inference-emit-{tag}", daemon=True)
         self._thread.start()
         self.avg_duration = 5.0
+        self._pieces: TokenPieces | None = None
 
     # --- worker side
 
@@ -240,11 +121,26 @@ class Emitter:
                 self._end_segment(0)
                 return
 
-    def _tokens(self, now: float, items: list[tuple[SequenceState, int, str | None]]) -> None:
+    def _logprobs(self, score: RowLogprobs | None) -> list[TokenLogprob]:
+        """The wire-ready form of a row's scores: each token's text and bytes (none: [])."""
+        if score is None:
+            return []
+        if self._pieces is None:
+            self._pieces = TokenPieces(self._tokenizer)
+        piece = self._pieces.piece
+        top = []
+        for token_id, logprob in score.top:
+            text, raw = piece(token_id)
+            top.append(TopLogprob(token_id=token_id, token=text, logprob=logprob, bytes=raw))
+        text, raw = piece(score.token_id)
+        return [TokenLogprob(token_id=score.token_id, token=text, logprob=score.logprob, bytes=raw, top=tuple(top))]
+
+    def _tokens(self, now: float, items: list[tuple[SequenceState, int, str | None, RowLogprobs | None]]) -> None:
         produced = 0
-        for seq, token, reason in items:
+        for seq, token, reason, score in items:
             if seq.finished:
                 continue
+            logprobs = self._logprobs(score)
             seq.emitted += 1
             if not seq.internal:
                 produced += 1
@@ -257,19 +153,19 @@ class Emitter:
             if reason == FINISH_STOP:
                 # The EOS token is counted in the usage, so it is sent too (no text of its own).
                 tail, _ = self._tail(seq)
-                self._finish(seq, FINISH_STOP, token_ids=[token], text=tail)
+                self._finish(seq, FINISH_STOP, token_ids=[token], text=tail, logprobs=logprobs)
                 continue
             text, stopped = seq.stopper.push(seq.decoder.push(token))
             if stopped:
                 seq.stop_hit = True
-                self._finish(seq, FINISH_STOP_SEQUENCE, token_ids=[token], text=text)
+                self._finish(seq, FINISH_STOP_SEQUENCE, token_ids=[token], text=text, logprobs=logprobs)
             elif reason == FINISH_LENGTH:
                 # A stop string completed only by the held-back tail still is a stop string.
                 tail, stopped = self._tail(seq)
                 finish = FINISH_STOP_SEQUENCE if stopped else FINISH_LENGTH
-                self._finish(seq, finish, token_ids=[token], text=text + tail)
+                self._finish(seq, finish, token_ids=[token], text=text + tail, logprobs=logprobs)
             else:
-                self._outbox.append((seq, GenerationEvent([token], text, seq.batch_id)))
+                self._outbox.append((seq, GenerationEvent([token], text, seq.batch_id, logprobs=logprobs)))
         if produced:
             metrics.GENERATION_TOKENS.inc(produced)
 
@@ -289,6 +185,7 @@ class Emitter:
         text: str = "",
         failure: BaseException | None = None,
         outcome: str | None = None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         if seq.finished:
             return
@@ -301,7 +198,15 @@ class Emitter:
             self._outbox.append(
                 (
                     seq,
-                    GenerationEvent(token_ids or [], text, seq.batch_id, reason, len(seq.prompt_ids), seq.emitted),
+                    GenerationEvent(
+                        token_ids or [],
+                        text,
+                        seq.batch_id,
+                        reason,
+                        len(seq.prompt_ids),
+                        seq.emitted,
+                        logprobs or [],
+                    ),
                 )
             )
         if seq.internal:
@@ -323,7 +228,7 @@ class Emitter:
         if span is not None:
             span.set_attribute("gen_ai.usage.output_tokens", seq.emitted)
             span.set_attribute("gen_ai.response.finish_reasons", [outcome])
-            span.set_attribute("gen_ai.response.model", self.engine.description.model_id)
+            span.set_attribute("gen_ai.response.model", self._model_id)
             if failure is not None:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, str(failure)))
                 span.record_exception(failure)
@@ -333,7 +238,7 @@ class Emitter:
         """Hands the events to their event loops, one wake-up per loop."""
         if not self._outbox:
             return
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, GenerationEvent | BaseException]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Sink, GenerationEvent | BaseException]]] = {}
         for seq, item in self._outbox:
             if seq.sink.loop is None:
                 seq.sink.items.append(item)
@@ -367,7 +272,7 @@ class Emitter:
             attributes={
                 "llmesh.batch.id": segment_id,
                 "llmesh.batch.size": len(seqs),
-                "llmesh.model.version": self.engine.description.version,
+                "llmesh.model.version": self._version,
                 "llmesh.batch.reserved_tokens": reserved,
             },
         )
@@ -435,7 +340,7 @@ class Emitter:
                 )
 
 
-def _deliver(items: list[tuple[_Sink, GenerationEvent | BaseException]]) -> None:
+def _deliver(items: list[tuple[Sink, GenerationEvent | BaseException]]) -> None:
     for sink, item in items:
         assert sink.queue is not None
         sink.queue.put_nowait(item)
