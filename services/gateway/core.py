@@ -43,6 +43,7 @@ from services.gateway.admission import (
 )
 from services.gateway.auth import Caller
 from services.gateway.breaker import BreakerOpen, State
+from services.gateway.embeddings import Embeddings
 from services.gateway.limits import KeyLimitExceeded
 from services.gateway.peers import (
     BREAKER_FAILURE_CODES,
@@ -791,6 +792,7 @@ class Gateway:
                 raise ValueError(f"alias {alias!r}: must not be a model's name and must list served models")
         self.usage = usage or UsageMeter()
         # --- end issue 29
+        self.embeddings = Embeddings(peers, self.usage)
         # One per model (a tokenizer's rate is wrong for another); "" serves until a model is known.
         self.predictors: dict[str, InputTokenPredictor] = {}
         self.predictor = self.predictor_for("")
@@ -1521,6 +1523,13 @@ class Gateway:
         except PeerCallError as exc:
             raise exc.cause from exc
         return gateway_pb2.PurgeCacheResponse(removed=done.removed, trace_id=current_trace_id())
+
+    async def embed(
+        self, request: gateway_pb2.EmbedRequest, deadline: Deadline, caller: Caller | None = None
+    ) -> gateway_pb2.EmbedResponse:
+        """Embeddings of `request.inputs` with the mesh's embedding model (services/gateway/embeddings.py)."""
+        tenant_ok = not request.tenant or bool(NAME_RE.match(request.tenant))
+        return await self.embeddings.embed(request, deadline, caller, tenant_ok)
 
     async def search(self, request: gateway_pb2.SearchRequest, deadline: Deadline) -> gateway_pb2.SearchResponse:
         if not request.query.strip():

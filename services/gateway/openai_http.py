@@ -10,6 +10,7 @@ bodies with the HTTP status of their code (`llmesh.errors.HTTP_STATUS`), here in
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
@@ -21,6 +22,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from typing import Any, cast
 
+import numpy as np
 import uvicorn
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode
@@ -40,13 +42,21 @@ from llmesh.v1 import common_pb2, gateway_pb2
 from services.gateway import metrics
 from services.gateway.auth import ApiKeys, KeyRing
 from services.gateway.core import Delta, Final, Gateway, server_timing
-from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, Sampling, param_name
+from services.gateway.embeddings import same_model
+from services.gateway.openai_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    Sampling,
+    param_name,
+)
 from services.gateway.peers import Deadline
 
 log = logging.getLogger("llmesh.gateway.http")
 
 CHAT, COMPLETIONS, MODELS, MODEL = "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}"
-ROUTES = frozenset({CHAT, COMPLETIONS, MODELS})
+EMBEDDINGS = "/v1/embeddings"
+ROUTES = frozenset({CHAT, COMPLETIONS, MODELS, EMBEDDINGS})
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_STOP_SEQUENCE: "stop",
@@ -101,7 +111,8 @@ def from_llmesh_error(exc: LlmeshError, prompt_param: str) -> Response:
 
 
 def _prompt_param(request: Request) -> str:
-    return "messages" if request.url.path == CHAT else "prompt"
+    path = request.url.path
+    return "messages" if path == CHAT else "input" if path == EMBEDDINGS else "prompt"
 
 
 def _validation_response(exc: ValidationError) -> Response:
@@ -219,6 +230,7 @@ class OpenAiApi:
         routes = [
             Route(CHAT, self.chat_completions, methods=["POST"]),
             Route(COMPLETIONS, self.completions, methods=["POST"]),
+            Route(EMBEDDINGS, self.embeddings, methods=["POST"]),
             Route(MODELS, self.list_models, methods=["GET"]),
             Route(MODEL, self.get_model, methods=["GET"]),
         ]
@@ -260,16 +272,49 @@ class OpenAiApi:
         body = CompletionRequest.model_validate_json(await request.body())
         return await self.complete(request, body, body.to_generate, chat=False)
 
+    async def embeddings(self, request: Request) -> Response:
+        """OpenAI's embeddings: float lists, or base64 of the little-endian float32 values (what the
+        openai client asks for by default)."""
+        self._authenticated(request)
+        body = EmbeddingRequest.model_validate_json(await request.body())
+        caller = self.api_keys.caller(request.headers.get("authorization"), body.llmesh.tenant)
+        embed = body.to_embed(caller.tenant)
+        found = await self.gateway.embed(embed, Deadline.after(self.default_deadline), caller)
+
+        def encoded(values: Sequence[float]) -> Any:
+            if body.encoding_format == "base64":
+                return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode()
+            return list(values)
+
+        tokens = found.usage.input_tokens
+        answer = {
+            "object": "list",
+            "data": [
+                {"object": "embedding", "index": e.index, "embedding": encoded(e.values)} for e in found.embeddings
+            ],
+            "model": body.model if same_model(body.model, found.model) else found.model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            "llmesh": {"trace_id": found.trace_id},
+        }
+        return Response(_json(answer), 200, media_type="application/json")
+
     async def list_models(self, request: Request) -> Response:
         self._authenticated(request)
-        served = await self.gateway.served_models(Deadline.after(self.default_deadline))
-        body = {"object": "list", "data": [model_card(m) for m in served]}
+        deadline = Deadline.after(self.default_deadline)
+        served = await self.gateway.served_models(deadline)
+        cards = [model_card(m) for m in served]
+        embedder = await self.gateway.embeddings.model_name(deadline)
+        if embedder:  # the embedding model, for /v1/embeddings (while retrieval can say its name)
+            cards.append(model_card(embedder))
+        body = {"object": "list", "data": cards}
         return Response(_json(body), 200, media_type="application/json")
 
     async def get_model(self, request: Request) -> Response:
         self._authenticated(request)
         model = request.path_params["model"]
-        await self.check_model(model, Deadline.after(self.default_deadline))
+        deadline = Deadline.after(self.default_deadline)
+        if model != await self.gateway.embeddings.model_name(deadline):
+            await self.check_model(model, deadline)
         return Response(_json(model_card(model)), 200, media_type="application/json")
 
     async def check_model(self, model: str, deadline: Deadline) -> None:

@@ -315,6 +315,37 @@ class CompletionRequest(Sampling):
         return self.generate_request(prompt, "", tenant, self.max_tokens)
 
 
+class EmbeddingRequest(Strict):
+    """`POST /v1/embeddings`: text inputs only (token-id inputs are refused: the embedding model's
+    tokenizer is retrieval's, not the caller's)."""
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    llmesh: LlmeshOptions = Field(default_factory=lambda: LlmeshOptions())
+
+    def to_embed(self, tenant: str) -> gateway_pb2.EmbedRequest:
+        bad = []
+        texts: list[str] = []
+        if isinstance(self.input, str):
+            texts = [self.input]
+        elif any(not isinstance(item, str) for item in self.input):
+            bad.append(("input", "token-id inputs are not supported: send the text (a string or a list of strings)"))
+        else:
+            texts = [str(item) for item in self.input]
+        if self.dimensions is not None:
+            bad.append(("dimensions", "is not supported (the model's own dimension is returned)"))
+        options = self.llmesh
+        for name in ("collection", "use_retrieval", "use_cache", "top_k", "lane"):
+            if name in options.model_fields_set:
+                bad.append((f"llmesh.{name}", "does not apply to embeddings"))
+        if bad:
+            raise InvalidArgument(bad)
+        return gateway_pb2.EmbedRequest(inputs=texts, model=self.model, tenant=tenant)
+
+
 # Gateway field paths -> the request parameter a caller of this API knows them by.
 PARAMS = {
     "sampling.max_new_tokens": "max_tokens",
@@ -330,6 +361,7 @@ PARAMS = {
     "sampling.stop_token_ids": "stop_token_ids",
     "sampling.logit_bias": "logit_bias",
     "system_prompt": "messages",
+    "inputs": "input",
     "tool_choice.mode": "tool_choice",
     "tool_choice.function": "tool_choice",
     "top_k": "llmesh.top_k",

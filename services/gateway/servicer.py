@@ -109,6 +109,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 context.set_trailing_metadata((("server-timing", server_timing(event.timings)),))
                 yield gateway_pb2.GenerateStreamResponse(final=event.response)
 
+    async def Embed(self, request, context):  # type: ignore[no-untyped-def]
+        caller = self._caller(context, request.tenant)
+        deadline = Deadline.after(remaining_seconds(context, self.default_deadline))
+        return await self.gateway.embed(request, deadline, caller)
+
     async def Ingest(self, request, context):  # type: ignore[no-untyped-def]
         return await self.gateway.ingest(request, self._begin(context, request.tenant))
 
