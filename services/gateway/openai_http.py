@@ -330,7 +330,13 @@ class OpenAiApi:
         caller = self.api_keys.caller(request.headers.get("authorization"), body.llmesh.tenant)
         generate: gateway_pb2.GenerateRequest = translate(caller.tenant)
         await self.check_model(body.model, deadline)
-        answer = Answer(f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}", body.model, chat)
+        answer = Answer(
+            f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}",
+            body.model,
+            chat,
+            logprobs=generate.sampling.logprobs,
+            n=generate.n,
+        )
         # An async generator: closed (the pipeline cancelled) when the caller goes away mid-stream.
         events = cast(AsyncGenerator[Delta | Final, None], self.gateway.generate(generate, deadline, caller))
         if not body.stream:
@@ -428,41 +434,103 @@ def extension_of(response: gateway_pb2.GenerateResponse) -> dict[str, Any]:
     }
 
 
+def chat_logprobs(entries: Sequence[common_pb2.TokenLogprob]) -> dict[str, Any]:
+    """Chat's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}."""
+    return {
+        "content": [
+            {
+                "token": e.token,
+                "logprob": e.logprob,
+                "bytes": list(e.bytes),
+                "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)} for t in e.top],
+            }
+            for e in entries
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(entries: Sequence[common_pb2.TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """The legacy completions' `logprobs`: tokens, token_logprobs, top_logprobs (token -> logprob)
+    and text_offset (each token's character offset in the text, from `offset`)."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
 class Answer:
     """One answer in the OpenAI shapes: a whole completion, or its chunks."""
 
-    def __init__(self, answer_id: str, model: str, chat: bool) -> None:
+    def __init__(self, answer_id: str, model: str, chat: bool, logprobs: bool = False, n: int = 1) -> None:
         self.id = answer_id
         self.model = model
         self.chat = chat
+        self.logprobs = logprobs  # the request asked for them: `logprobs` is then never null
+        self.n = max(1, n)
+        self.offsets: dict[int, int] = {}  # completions streamed: each answer's text length so far
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def _choice(self, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+    def _choice(
+        self,
+        text: str | None,
+        finish: str | None,
+        first: bool = False,
+        index: int = 0,
+        logprobs: Sequence[common_pb2.TokenLogprob] = (),
+    ) -> dict[str, Any]:
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            found = completion_logprobs(logprobs, self.offsets.get(index, 0)) if self.logprobs else None
+            self.offsets[index] = self.offsets.get(index, 0) + len(text or "")
+            return {"index": index, "text": text or "", "logprobs": found, "finish_reason": finish}
         delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else {}
         if text and not first:
             delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        found = chat_logprobs(logprobs) if self.logprobs and logprobs else None
+        return {"index": index, "delta": delta, "logprobs": found, "finish_reason": finish}
+
+    def _whole_choice(
+        self,
+        index: int,
+        text: str,
+        finish_reason: int,
+        tool_calls: Sequence[common_pb2.ToolCall],
+        logprobs: Sequence[common_pb2.TokenLogprob],
+    ) -> dict[str, Any]:
+        finish = FINISH_REASONS.get(finish_reason, "stop")  # type: ignore[call-overload]
+        if not self.chat:
+            found = completion_logprobs(logprobs) if self.logprobs else None
+            return {"index": index, "text": text, "logprobs": found, "finish_reason": finish}
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if tool_calls:
+            message["content"] = None
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in tool_calls
+            ]
+        found = chat_logprobs(logprobs) if self.logprobs else None
+        return {"index": index, "message": message, "logprobs": found, "finish_reason": finish}
 
     def whole(self, response: gateway_pb2.GenerateResponse) -> dict[str, Any]:
-        finish = FINISH_REASONS.get(response.finish_reason, "stop")
-        if self.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": response.text, "refusal": None}
-            if response.tool_calls:
-                message["content"] = None
-                message["tool_calls"] = [
-                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                    for c in response.tool_calls
-                ]
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        if response.choices:  # n > 1: every answer by index
+            choices = [
+                self._whole_choice(c.index, c.text, c.finish_reason, c.tool_calls, c.logprobs) for c in response.choices
+            ]
         else:
-            choice = {"index": 0, "text": response.text, "logprobs": None, "finish_reason": finish}
-        body = {**self._envelope(self.object, [choice]), "usage": usage_of(response), "llmesh": extension_of(response)}
+            choices = [
+                self._whole_choice(0, response.text, response.finish_reason, response.tool_calls, response.logprobs)
+            ]
+        body = {**self._envelope(self.object, choices), "usage": usage_of(response), "llmesh": extension_of(response)}
         if response.answered_by:
             body["model"] = response.answered_by  # for an alias: the model that answered
         return body
@@ -484,17 +552,24 @@ class Answer:
         usage = {"usage": None} if include_usage else {}
         try:
             if self.chat:
-                yield self._chunk([self._choice("", None, first=True)], **usage)
+                for index in range(self.n):
+                    yield self._chunk([self._choice("", None, first=True, index=index)], **usage)
             event: Delta | Final | None = first
             while event is not None:
                 if isinstance(event, Delta):
-                    if event.text:
-                        yield self._chunk([self._choice(event.text, None)], **usage)
+                    if event.text or (self.logprobs and event.logprobs):
+                        choice = self._choice(event.text, None, index=event.index, logprobs=event.logprobs)
+                        yield self._chunk([choice], **usage)
                 else:
                     response = event.response
                     self.model = response.answered_by or self.model  # for an alias: the model that answered
-                    finish = FINISH_REASONS.get(response.finish_reason, "stop")
-                    yield self._chunk([self._choice(None, finish)], **usage, llmesh=extension_of(response))
+                    ends = [(c.index, c.finish_reason) for c in response.choices] or [(0, response.finish_reason)]
+                    for index, reason in ends:
+                        choice = self._choice(None, FINISH_REASONS.get(reason, "stop"), index=index)
+                        if index == ends[-1][0]:
+                            yield self._chunk([choice], **usage, llmesh=extension_of(response))
+                        else:
+                            yield self._chunk([choice], **usage)
                     if include_usage:
                         yield self._chunk([], usage=usage_of(response))
                 event = await anext(events, None)
