@@ -53,6 +53,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
+    #: Return each generated token's log probability, and the `top_logprobs` likeliest (0-20).
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ class ResolvedParams:
     frequency_penalty: float = 0.0
     stop_token_ids: frozenset[int] = frozenset()
     logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -165,10 +170,13 @@ def resolve_params(params: SamplingParams, prompt_ids: list[int], limits: Limits
         frequency_penalty=float(params.frequency_penalty),
         stop_token_ids=frozenset(params.stop_token_ids),
         logit_bias=tuple(sorted(params.logit_bias)),
+        logprobs=bool(params.logprobs),
+        top_logprobs=int(params.top_logprobs),
     )
 
 
 MAX_STOP_TOKEN_IDS = 16
+MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
 
 
@@ -188,6 +196,10 @@ def _check_adjustments(params: SamplingParams, limits: Limits, bad: list[tuple[s
         bad.append(("sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS}"))
     if any(not 0 <= t < limits.vocab_size for t in params.stop_token_ids):
         bad.append(("sampling.stop_token_ids", f"token ids are below the vocabulary size {limits.vocab_size}"))
+    if not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
+        bad.append(("sampling.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]"))
+    elif params.top_logprobs and not params.logprobs:
+        bad.append(("sampling.top_logprobs", "needs sampling.logprobs set to true"))
     if len(params.logit_bias) > MAX_LOGIT_BIAS:
         bad.append(("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS} tokens"))
     for token, bias in params.logit_bias:
@@ -197,6 +209,56 @@ def _check_adjustments(params: SamplingParams, limits: Limits, bad: list[tuple[s
         if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
             bad.append(("sampling.logit_bias", "each bias must be in [-100, 100]"))
             break
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte in a token."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+class TokenPieces:
+    """Each token's exact bytes and its text on its own (OpenAI's logprobs `token` and `bytes`):
+    a token holding part of a UTF-8 character shows U+FFFD in the text, its bytes are exact.
+    Byte-level BPE tokens map back through the byte alphabet, byte-fallback tokens (<0xNN>) are
+    their byte, added (special) tokens their content, any other token what it decodes to.
+    Cached per id; one per tokenizer (not thread-safe: its owner's thread only)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._byte_level = type(tokenizer.decoder).__name__ == "ByteLevel"
+        self._table = _byte_level_table()
+        self._added = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def piece(self, token_id: int) -> tuple[str, bytes]:
+        """(text, bytes) of one token."""
+        found = self._cache.get(token_id)
+        if found is None:
+            raw = self._bytes(token_id)
+            found = self._cache[token_id] = (raw.decode("utf-8", "replace"), raw)
+        return found
+
+    def _bytes(self, token_id: int) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level and all(c in self._table for c in piece):
+            return bytes(self._table[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return self._tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8", "surrogatepass")
 
 
 class IncrementalDecoder:

@@ -26,6 +26,7 @@ from services.inference.engine import (
     EngineConfig,
     GenerationEvent,
     ModelDescription,
+    TokenLogprob,
 )
 from services.inference.engine.load import EngineLoad
 from services.inference.lifecycle import ModelManager
@@ -76,11 +77,31 @@ def sampling_from_proto(
         frequency_penalty=msg.frequency_penalty,
         stop_token_ids=tuple(msg.stop_token_ids),
         logit_bias=tuple(sorted(msg.logit_bias.items())),
+        logprobs=msg.logprobs,
+        top_logprobs=msg.top_logprobs,
+    )
+
+
+def logprob_to_proto(entry: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=entry.token_id,
+        token=entry.token,
+        logprob=entry.logprob,
+        bytes=entry.bytes,
+        top=[
+            common_pb2.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob, bytes=t.bytes)
+            for t in entry.top
+        ],
     )
 
 
 def response_for(event: GenerationEvent) -> inference_pb2.InferenceResponse:
-    reply = inference_pb2.InferenceResponse(token_ids=event.token_ids, text=event.text, batch_id=event.batch_id)
+    reply = inference_pb2.InferenceResponse(
+        token_ids=event.token_ids,
+        text=event.text,
+        batch_id=event.batch_id,
+        logprobs=[logprob_to_proto(entry) for entry in event.logprobs],
+    )
     if event.finish_reason is not None:
         reply.finish_reason = FINISH_REASONS[event.finish_reason]
         reply.usage.input_tokens = event.input_tokens

@@ -253,3 +253,32 @@ async def test_metrics_and_spans(stub: inference_pb2_grpc.InferenceStub) -> None
         assert any(link.context.span_id == span.context.span_id for link in batch_span.links)
         children = {s.name for s in spans if s.parent is not None and s.parent.span_id == span.context.span_id}
         assert children == {"inference.queue", "inference.prefill", "inference.decode"}
+
+
+async def test_logprobs_over_grpc_one_entry_per_token_and_top_logprobs_validated(
+    stub: inference_pb2_grpc.InferenceStub, host: ServiceHost
+) -> None:
+    messages = await collect(
+        stub, request("Hello there", max_new_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=3)
+    )
+    assert all(len(m.logprobs) == len(m.token_ids) for m in messages)
+    entries = [entry for m in messages for entry in m.logprobs]
+    ids = [i for m in messages for i in m.token_ids]
+    assert [e.token_id for e in entries] == ids and len(ids) == 6
+    tokenizer = engine_of(host).model.tokenizer
+    assert b"".join(e.bytes for e in entries).decode() == tokenizer.decode(ids)
+    for entry in entries:
+        assert entry.logprob <= 0.0 and len(entry.top) == 3
+        # Greedy: the chosen token is the likeliest, and the alternatives come likeliest first.
+        assert entry.top[0].token_id == entry.token_id and entry.top[0].logprob == entry.logprob
+        assert [t.logprob for t in entry.top] == sorted((t.logprob for t in entry.top), reverse=True)
+        assert all(t.token == t.bytes.decode("utf-8", "replace") for t in entry.top)
+    # Not asked: no entries.
+    plain = await collect(stub, request("Hello there", max_new_tokens=6, ignore_eos=True))
+    assert [i for m in plain for i in m.token_ids] == ids and not any(m.logprobs for m in plain)
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(stub, request(logprobs=True, top_logprobs=21))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = unpack_details(status_details(info.value.trailing_metadata()))
+    assert [v.field for v in details["bad_request"].field_violations] == ["sampling.top_logprobs"]  # type: ignore[attr-defined]

@@ -115,8 +115,8 @@ def test_a_stop_string_completed_by_the_flush_is_reported_as_the_stop(loaded: Lo
     )
     emitter = Emitter(_EngineStub())  # type: ignore[arg-type]
     try:
-        emitter.put(("tokens", time.monotonic(), [(seq, tokenizer.token_to_id("a"), None)]))
-        emitter.put(("tokens", time.monotonic(), [(seq, partial, "length")]))
+        emitter.put(("tokens", time.monotonic(), [(seq, tokenizer.token_to_id("a"), None, None)]))
+        emitter.put(("tokens", time.monotonic(), [(seq, partial, "length", None)]))
         emitter.sync()
     finally:
         emitter.stop()

@@ -14,7 +14,13 @@ from services.inference.engine.core import Engine
 from services.inference.engine.kv import PagedKVCache
 from services.inference.engine.kv_manager import BlockManager, BlockTable
 from services.inference.engine.model import LoadedModel, ModelDescription, pick_device
-from services.inference.engine.stream import GenerationEvent, RequestStream, SequenceState
+from services.inference.engine.stream import (
+    GenerationEvent,
+    RequestStream,
+    SequenceState,
+    TokenLogprob,
+    TopLogprob,
+)
 
 __all__ = [
     "FINISH_CANCELLED",
@@ -31,5 +37,7 @@ __all__ = [
     "PagedKVCache",
     "RequestStream",
     "SequenceState",
+    "TokenLogprob",
+    "TopLogprob",
     "pick_device",
 ]

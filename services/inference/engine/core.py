@@ -54,7 +54,15 @@ from services.inference.engine.kv_manager import BlockManager, KVStats
 from services.inference.engine.load import EngineLoad
 from services.inference.engine.model import LoadedModel, ModelDescription
 from services.inference.engine.runner import ModelRunner, Sampling
-from services.inference.engine.sampling import Adjustments, Constraints, RowAdjustment, choose
+from services.inference.engine.sampling import (
+    Adjustments,
+    Constraints,
+    LogprobRows,
+    RowAdjustment,
+    RowLogprobs,
+    Scores,
+    choose_scored,
+)
 from services.inference.engine.scheduler import Admission, BatchState, Scheduler
 from services.inference.engine.stream import Emitter, RequestStream, SequenceState, _Sink, tracer
 
@@ -103,6 +111,18 @@ def _adjustments(seqs: list[SequenceState], rows: list[int]) -> Adjustments | No
     if not adjusted and not filters:
         return None
     return Adjustments(tuple(adjusted), filters)
+
+
+def _logprob_rows(seqs: list[SequenceState]) -> LogprobRows | None:
+    """The rows that return log probabilities (None when none does: the batch pays nothing)."""
+    asked = [(row, s.params) for row, s in enumerate(seqs) if s.params.logprobs]
+    if not asked:
+        return None
+    return LogprobRows(
+        rows=tuple(row for row, _ in asked),
+        temperatures=tuple(1.0 if p.greedy else p.temperature for _, p in asked),
+        top=tuple(p.top_logprobs for _, p in asked),
+    )
 
 
 class Engine:
@@ -565,6 +585,7 @@ class Engine:
             [len(s.generated) for _, s in picked],
             self._constraints(seqs),
             _adjustments(seqs, list(range(len(seqs)))),
+            _logprob_rows(seqs),
         )
 
     def _constraints(self, seqs: list[SequenceState]) -> Constraints | None:
@@ -592,7 +613,8 @@ class Engine:
                     self.fault_hook("prefill", len(group))
                 rows = [self._prefill_row(s, len(s.prefill_ids)) for s in group]
                 logits = self.runner.prefill(rows)
-                tokens = choose(logits, *self._sampling(group)).tolist()
+                chosen, scores = choose_scored(logits, *self._sampling(group))
+                tokens = chosen.tolist()
                 break
             except _OOM_ERRORS:
                 group = self._on_prefill_oom(group)
@@ -605,7 +627,7 @@ class Engine:
             seq.length = seq.prefilled = len(seq.prefill_ids)
             self._register(seq)
         self._started(group, started_ns, sum(computed), max(computed) * len(group))
-        self._accept(list(zip(group, tokens, strict=True)))
+        self._accept(list(zip(group, tokens, strict=True)), scores)
 
     def _prefill_row(self, seq: SequenceState, end: int) -> tuple[list[int], int, list[int]]:
         assert seq.blocks is not None
@@ -645,10 +667,10 @@ class Engine:
         ids = seq.prefill_ids
         if end < len(ids):
             return
-        tokens = choose(logits, *self._sampling([seq])).tolist()
+        chosen, scores = choose_scored(logits, *self._sampling([seq]))
         self._chunking = None
         self._started([seq], seq.prefill_started_ns, len(ids), len(ids))
-        self._accept([(seq, tokens[0])])
+        self._accept([(seq, int(chosen[0]))], scores)
 
     def _mixed_step(self) -> None:
         """One forward for every decoding row and the next chunk of the long prompt (chunked
@@ -674,7 +696,7 @@ class Engine:
                 self.fault_hook("decode", len(running))
             rows = [(s.generated[-1], s.length, s.blocks.blocks) for s in running if s.blocks is not None]
             decode_logits, chunk_logits = self.runner.mixed(rows, self._prefill_row(seq, start + n))
-            tokens = self._choose_tokens(decode_logits, running)
+            tokens, scores = self._choose_tokens(decode_logits, running)
         except _OOM_ERRORS:
             metrics.OOM_RETRIES.inc()
             self._empty_device_cache()
@@ -686,11 +708,12 @@ class Engine:
         self._chunk_done(seq, start + n, chunk_logits)
         # Not a decode step's time (the chunk is in it): step_s sizes the chunks, and counting
         # them in would grow each next chunk.
-        self._decoded(running, tokens, None)
+        self._decoded(running, tokens, None, scores)
 
-    def _choose_tokens(self, logits: torch.Tensor, running: list[SequenceState]) -> list[int]:
+    def _choose_tokens(self, logits: torch.Tensor, running: list[SequenceState]) -> tuple[list[int], Scores | None]:
         """The decode rows' tokens from their logits (the sampler's one call site per step)."""
-        return choose(logits, *self._sampling(running), stage=self.runner.decode_stage)[: len(running)].tolist()
+        chosen, scores = choose_scored(logits, *self._sampling(running), stage=self.runner.decode_stage)
+        return chosen[: len(running)].tolist(), scores
 
     def _started(self, group: list[SequenceState], started_ns: int, tokens: int, padded: int) -> None:
         for seq in group:
@@ -734,15 +757,17 @@ class Engine:
                 if self.fault_hook is not None:
                     self.fault_hook("decode", len(running))
                 rows = [(s.generated[-1], s.length, s.blocks.blocks) for s in running if s.blocks is not None]
-                tokens = self.runner.decode(rows, self._sampling(running))
+                tokens, scores = self.runner.decode_scored(rows, self._sampling(running))
                 break
             except _OOM_ERRORS:
                 self._on_decode_oom()
                 if not self._running:
                     return
-        self._decoded(running, tokens, started)
+        self._decoded(running, tokens, started, scores)
 
-    def _decoded(self, running: list[SequenceState], tokens: list[int], started: float | None) -> None:
+    def _decoded(
+        self, running: list[SequenceState], tokens: list[int], started: float | None, scores: Scores | None
+    ) -> None:
         bt = self.kv.block_tokens
         for seq in running:
             seq.length += 1
@@ -752,16 +777,18 @@ class Engine:
             self.step_s = _ewma(self.step_s, time.perf_counter() - started)
         self.steps += 1
         self._segment_steps += 1
-        self._accept(list(zip(running, tokens, strict=True)))
+        self._accept(list(zip(running, tokens, strict=True)), scores)
 
-    def _accept(self, pairs: list[tuple[SequenceState, int]]) -> None:
-        """Per-row bookkeeping after a step: stop conditions visible in token ids; finished
-        rows leave at once; the tokens go to the emitter in one message."""
+    def _accept(self, pairs: list[tuple[SequenceState, int]], scores: Scores | None) -> None:
+        """Per-row bookkeeping after a step (pairs[i] is batch row i): stop conditions visible
+        in token ids; finished rows leave at once; the tokens and the log probabilities of the
+        rows that asked go to the emitter in one message."""
         eos = self.model.eos_ids
-        items: list[tuple[SequenceState, int, str | None]] = []
-        for seq, token in pairs:
+        items: list[tuple[SequenceState, int, str | None, RowLogprobs | None]] = []
+        for row, (seq, token) in enumerate(pairs):
             if seq.grammar is not None:  # the grammar may put the row on its closing path
                 token = seq.grammar.take(token, seq.params.max_new_tokens - len(seq.generated) - 1)
+            score = scores.get(row, token) if scores is not None else None
             seq.generated.append(token)
             reason = None
             # A complete structured answer ends with the EOS its grammar then allows (ignore_eos or not).
@@ -771,7 +798,7 @@ class Engine:
                 reason = FINISH_STOP  # like EOS: the stop token is not part of the text
             elif len(seq.generated) >= seq.params.max_new_tokens:
                 reason = FINISH_LENGTH
-            items.append((seq, token, reason))
+            items.append((seq, token, reason, score))
             if reason is not None:
                 seq.released = True
                 self._release(seq)

@@ -35,12 +35,29 @@ from services.inference.engine.kv import PagedKVCache
 from services.inference.engine.kv_manager import NULL_BLOCK
 from services.inference.engine.llama import LlamaDecoder, supported
 from services.inference.engine.model import LoadedModel
-from services.inference.engine.sampling import Adjustments, Constraints, StagedParams, choose
+from services.inference.engine.sampling import (
+    Adjustments,
+    Constraints,
+    LogprobRows,
+    Scores,
+    StagedParams,
+    choose_scored,
+)
 
 log = logging.getLogger("llmesh.inference.engine")
 
-#: (batch rows that sample, temperatures, top_p, seeds, token counters, grammar masks, logit adjustments)
-Sampling = tuple[list[int], list[float], list[float], list[int], list[int], Constraints | None, Adjustments | None]
+#: (batch rows that sample, temperatures, top_p, seeds, token counters, grammar masks, logit
+#: adjustments, rows that return log probabilities)
+Sampling = tuple[
+    list[int],
+    list[float],
+    list[float],
+    list[int],
+    list[int],
+    Constraints | None,
+    Adjustments | None,
+    LogprobRows | None,
+]
 #: A prefill row: (new token ids, position of the first, block table).
 PrefillRow = tuple[Sequence[int], int, Sequence[int]]
 #: A decode row: (input token, its position, block table).
@@ -166,9 +183,15 @@ class ModelRunner:
         seeds, counters). Returns the chosen token of each row (one device-to-host copy).
         `eager_width` runs the step eagerly over that many columns even where a graph exists
         (to check a replay)."""
+        return self.decode_scored(rows, sampling, eager_width)[0]
+
+    def decode_scored(
+        self, rows: Sequence[DecodeRow], sampling: Sampling, eager_width: int | None = None
+    ) -> tuple[list[int], Scores | None]:
+        """`decode`, and the log probabilities of the rows that ask (sampling's last item)."""
         logits = self.step_logits(rows, eager_width)
-        tokens = choose(logits, *sampling, stage=self.decode_stage)
-        return tokens[: len(rows)].tolist()
+        tokens, scores = choose_scored(logits, *sampling, stage=self.decode_stage)
+        return tokens[: len(rows)].tolist(), scores
 
     def step_logits(self, rows: Sequence[DecodeRow], eager_width: int | None = None) -> torch.Tensor:
         """The forward of one decode step: logits of batch rows 0..B-1 (B: the bucket covering

@@ -194,6 +194,61 @@ def constrain(logits: torch.Tensor, constraints: Constraints | None) -> torch.Te
     return logits
 
 
+@dataclass(frozen=True)
+class LogprobRows:
+    """The batch rows that return log probabilities (SamplingParams.logprobs), the temperature
+    each row's token is drawn at (1.0 for a greedy row: its own logits) and how many likeliest
+    alternatives each wants (0-20)."""
+
+    rows: tuple[int, ...]
+    temperatures: tuple[float, ...]
+    top: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RowLogprobs:
+    """One row's chosen token, its log probability and the likeliest tokens (likeliest first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class Scores:
+    """The log probabilities of a step's LogprobRows, read back to the host (one copy for the
+    chosen tokens' values and the alternatives, one for the alternatives' ids). The rows' whole
+    distributions stay on the device for a token the caller replaces (a grammar's closing path)."""
+
+    def __init__(
+        self, request: LogprobRows, dist: torch.Tensor, values: list[list[float]], ids: list[list[int]]
+    ) -> None:
+        """`values` and `ids`: per asked row, the chosen token then the likeliest ones."""
+        self._dist = dist
+        self._index = {row: i for i, row in enumerate(request.rows)}
+        self.rows: dict[int, RowLogprobs] = {}
+        for i, (row, k) in enumerate(zip(request.rows, request.top, strict=True)):
+            top = tuple(zip(ids[i][1 : k + 1], values[i][1 : k + 1], strict=True))
+            self.rows[row] = RowLogprobs(ids[i][0], values[i][0], top)
+
+    def get(self, row: int, token: int) -> RowLogprobs | None:
+        """Batch row `row`'s scores for `token` (None when the row did not ask)."""
+        found = self.rows.get(row)
+        if found is None or found.token_id == token:
+            return found
+        return RowLogprobs(token, float(self._dist[self._index[row], token]), found.top)
+
+
+def _log_probs(logits: torch.Tensor, request: LogprobRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The asked rows' log-softmax at their temperature (float32 [rows, vocab]) and its top
+    values and ids [rows, max top]."""
+    device = logits.device
+    index = torch.tensor(request.rows, device=device)
+    temperature = torch.tensor(request.temperatures, dtype=torch.float32, device=device).clamp(min=1e-5)
+    dist = torch.log_softmax(logits.index_select(0, index) / temperature[:, None], dim=-1)
+    values, ids = dist.topk(max(request.top), dim=-1, sorted=True)
+    return dist, values, ids
+
+
 def choose(
     logits: torch.Tensor,
     sampled_rows: list[int],
@@ -211,10 +266,69 @@ def choose(
     float32 (an exact widening, so the same index): the CPU's bfloat16 argmax takes twice as long
     as the conversion and the float32 argmax together. `stage`: where a decode loop keeps its
     batch's parameters on the device between steps (None: staged for this call only)."""
-    logits = constrain(adjust(logits, adjustments), constraints)
+    return _choose(logits, sampled_rows, temperature, top_p, seeds, counters, constraints, adjustments, stage, None)[0]
+
+
+def choose_scored(
+    logits: torch.Tensor,
+    sampled_rows: list[int],
+    temperature: list[float],
+    top_p: list[float],
+    seeds: list[int],
+    counters: list[int],
+    constraints: Constraints | None = None,
+    adjustments: Adjustments | None = None,
+    logprobs: LogprobRows | None = None,
+    *,
+    stage: StagedParams | None = None,
+) -> tuple[torch.Tensor, Scores | None]:
+    """`choose`, and the log probabilities of the rows in `logprobs` (None when none asks: no
+    cost to a batch where no row asks). They are of the distribution the token is drawn from
+    after temperature, penalties and biases, before top-k / min-p / top-p truncation and the
+    grammar's mask."""
+    return _choose(logits, sampled_rows, temperature, top_p, seeds, counters, constraints, adjustments, stage, logprobs)
+
+
+def _choose(
+    logits: torch.Tensor,
+    sampled_rows: list[int],
+    temperature: list[float],
+    top_p: list[float],
+    seeds: list[int],
+    counters: list[int],
+    constraints: Constraints | None,
+    adjustments: Adjustments | None,
+    stage: StagedParams | None,
+    logprobs: LogprobRows | None,
+) -> tuple[torch.Tensor, Scores | None]:
+    logits = adjust(logits, adjustments)
+    # Before the mask (constrain may write into `logits`): a new tensor of the asked rows only.
+    measured = _log_probs(logits, logprobs) if logprobs is not None and logprobs.rows else None
+    logits = constrain(logits, constraints)
     chosen = torch.argmax(logits, dim=-1)
-    if not sampled_rows:
-        return chosen
+    if sampled_rows:
+        chosen = _sample(logits, chosen, sampled_rows, temperature, top_p, seeds, counters, adjustments, stage)
+    if measured is None or logprobs is None:
+        return chosen, None
+    dist, values, ids = measured
+    index = torch.tensor(logprobs.rows, device=logits.device)
+    picked = chosen.index_select(0, index)[:, None]
+    host_values = torch.cat([dist.gather(1, picked), values], dim=1).tolist()
+    host_ids = torch.cat([picked, ids], dim=1).tolist()
+    return chosen, Scores(logprobs, dist, host_values, host_ids)
+
+
+def _sample(
+    logits: torch.Tensor,
+    chosen: torch.Tensor,
+    sampled_rows: list[int],
+    temperature: list[float],
+    top_p: list[float],
+    seeds: list[int],
+    counters: list[int],
+    adjustments: Adjustments | None,
+    stage: StagedParams | None,
+) -> torch.Tensor:
     device = logits.device
     index, temperatures, top_ps, seed_tensor = (stage or StagedParams()).get(
         sampled_rows, temperature, top_p, seeds, device

@@ -24,7 +24,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from services.inference import metrics
-from services.inference.decoding import IncrementalDecoder, ResolvedParams, StopMatcher
+from services.inference.decoding import IncrementalDecoder, ResolvedParams, StopMatcher, TokenPieces
 from services.inference.engine.config import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -35,15 +35,35 @@ from services.inference.engine.kv_manager import BlockTable
 if TYPE_CHECKING:
     from services.inference.engine.core import Engine
     from services.inference.engine.grammar import RowGrammar
+    from services.inference.engine.sampling import RowLogprobs
 
 log = logging.getLogger("llmesh.inference.engine")
 tracer = trace.get_tracer("llmesh.inference")
 
 
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    bytes: bytes
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability and the likeliest alternatives at its position."""
+
+    token_id: int
+    token: str
+    logprob: float
+    bytes: bytes
+    top: tuple[TopLogprob, ...] = ()
+
+
 @dataclass
 class GenerationEvent:
     """One streamed message: tokens and text produced since the last one; the last event has
-    finish_reason and usage set."""
+    finish_reason and usage set. `logprobs`: one per token id, when the request asked."""
 
     token_ids: list[int]
     text: str
@@ -51,6 +71,7 @@ class GenerationEvent:
     finish_reason: str | None = None
     input_tokens: int = 0
     output_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class _Sink:
@@ -163,7 +184,7 @@ class RequestStream:
 
 
 # Messages from the worker to the emitter (tuples; the first item names the kind).
-#   ("tokens", now, [(seq, token, reason | None), ...])   reason: FINISH_STOP / FINISH_LENGTH
+#   ("tokens", now, [(seq, token, reason | None, RowLogprobs | None), ...])   reason: FINISH_STOP / FINISH_LENGTH
 #   ("end", seq, reason | None, failure | None, outcome | None)
 #   ("prefill", group, started_ns, ended_ns, tokens, padded, batch_id, batch_size)
 #   ("segment", segment_id, [seqs], reserved_tokens, steps_of_previous)
@@ -183,6 +204,7 @@ class Emitter:
         self._thread = threading.Thread(target=self._run, name=f"inference-emit-{engine.tag}", daemon=True)
         self._thread.start()
         self.avg_duration = 5.0
+        self._pieces: TokenPieces | None = None
 
     # --- worker side
 
@@ -240,11 +262,26 @@ class Emitter:
                 self._end_segment(0)
                 return
 
-    def _tokens(self, now: float, items: list[tuple[SequenceState, int, str | None]]) -> None:
+    def _logprobs(self, score: RowLogprobs | None) -> list[TokenLogprob]:
+        """The wire-ready form of a row's scores: each token's text and bytes (none: [])."""
+        if score is None:
+            return []
+        if self._pieces is None:
+            self._pieces = TokenPieces(self.engine.model.tokenizer)
+        piece = self._pieces.piece
+        top = []
+        for token_id, logprob in score.top:
+            text, raw = piece(token_id)
+            top.append(TopLogprob(token_id=token_id, token=text, logprob=logprob, bytes=raw))
+        text, raw = piece(score.token_id)
+        return [TokenLogprob(token_id=score.token_id, token=text, logprob=score.logprob, bytes=raw, top=tuple(top))]
+
+    def _tokens(self, now: float, items: list[tuple[SequenceState, int, str | None, RowLogprobs | None]]) -> None:
         produced = 0
-        for seq, token, reason in items:
+        for seq, token, reason, score in items:
             if seq.finished:
                 continue
+            logprobs = self._logprobs(score)
             seq.emitted += 1
             if not seq.internal:
                 produced += 1
@@ -257,19 +294,19 @@ class Emitter:
             if reason == FINISH_STOP:
                 # The EOS token is counted in the usage, so it is sent too (no text of its own).
                 tail, _ = self._tail(seq)
-                self._finish(seq, FINISH_STOP, token_ids=[token], text=tail)
+                self._finish(seq, FINISH_STOP, token_ids=[token], text=tail, logprobs=logprobs)
                 continue
             text, stopped = seq.stopper.push(seq.decoder.push(token))
             if stopped:
                 seq.stop_hit = True
-                self._finish(seq, FINISH_STOP_SEQUENCE, token_ids=[token], text=text)
+                self._finish(seq, FINISH_STOP_SEQUENCE, token_ids=[token], text=text, logprobs=logprobs)
             elif reason == FINISH_LENGTH:
                 # A stop string completed only by the held-back tail still is a stop string.
                 tail, stopped = self._tail(seq)
                 finish = FINISH_STOP_SEQUENCE if stopped else FINISH_LENGTH
-                self._finish(seq, finish, token_ids=[token], text=text + tail)
+                self._finish(seq, finish, token_ids=[token], text=text + tail, logprobs=logprobs)
             else:
-                self._outbox.append((seq, GenerationEvent([token], text, seq.batch_id)))
+                self._outbox.append((seq, GenerationEvent([token], text, seq.batch_id, logprobs=logprobs)))
         if produced:
             metrics.GENERATION_TOKENS.inc(produced)
 
@@ -289,6 +326,7 @@ class Emitter:
         text: str = "",
         failure: BaseException | None = None,
         outcome: str | None = None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         if seq.finished:
             return
@@ -301,7 +339,15 @@ class Emitter:
             self._outbox.append(
                 (
                     seq,
-                    GenerationEvent(token_ids or [], text, seq.batch_id, reason, len(seq.prompt_ids), seq.emitted),
+                    GenerationEvent(
+                        token_ids or [],
+                        text,
+                        seq.batch_id,
+                        reason,
+                        len(seq.prompt_ids),
+                        seq.emitted,
+                        logprobs or [],
+                    ),
                 )
             )
         if seq.internal:
