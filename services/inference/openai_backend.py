@@ -34,10 +34,16 @@ from llmesh import errors
 from llmesh.models import ModelError, resolve, verify
 from services.inference import metrics
 from services.inference.backend_load import ReplicaLoad, combine, parse_metrics
-from services.inference.decoding import Limits, ResolvedParams, SamplingParams, resolve_params
+from services.inference.decoding import Limits, ResolvedParams, SamplingParams, TokenPieces, resolve_params
 from services.inference.engine import FINISH_STOP, GenerationEvent, ModelDescription
 from services.inference.engine.load import EngineLoad
-from services.inference.openai_protocol import Chunk, completion_body, error_for_status, parse_chunk
+from services.inference.openai_protocol import (
+    Chunk,
+    completion_body,
+    error_for_status,
+    parse_chunk,
+    token_logprobs,
+)
 
 log = logging.getLogger("llmesh.inference.openai")
 tracer = trace.get_tracer("llmesh.inference")
@@ -94,6 +100,7 @@ class LocalTokenizer:
         self.digest = digest
         self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self._pieces = TokenPieces(self.tokenizer)
 
     @classmethod
     def load(cls, models_path: Path, model_setting: str) -> LocalTokenizer:
@@ -112,6 +119,16 @@ class LocalTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def piece_of(self, token: str) -> tuple[int, str, bytes]:
+        """A backend's token string as (id, text, bytes): vLLM's "token_id:N" (what we ask for)
+        from our tokenizer; another server's token text as it is, its id where it is one token."""
+        name, _, number = token.partition(":")
+        if name == "token_id" and number.isdigit() and int(number) < self.vocab_size:
+            token_id = int(number)
+            return (token_id, *self._pieces.piece(token_id))
+        ids = self.encode(token)
+        return (ids[0] if len(ids) == 1 else 0), token, token.encode("utf-8", "surrogatepass")
 
 
 @dataclass(eq=False)
@@ -390,6 +407,13 @@ class OpenAIBackend:
             span.set_attribute("gen_ai.request.seed", resolved.seed)
         return span
 
+    def _event(self, chunk: Chunk, resolved: ResolvedParams) -> GenerationEvent:
+        """A chunk's text; with logprobs asked, its tokens and their log probabilities too."""
+        if not resolved.logprobs or not chunk.logprobs:
+            return GenerationEvent([], chunk.text)
+        entries = token_logprobs(chunk.logprobs, resolved.top_logprobs, self.tokenizer.piece_of)
+        return GenerationEvent([e.token_id for e in entries], chunk.text, logprobs=entries)
+
     async def _stream(
         self, replica: Replica, body: dict[str, Any], resolved: ResolvedParams, prompt_tokens: int, request_id: str
     ) -> AsyncGenerator[GenerationEvent, None]:
@@ -415,12 +439,12 @@ class OpenAIBackend:
                     if chunk.prompt_tokens is not None:
                         usage = chunk
                     finish = chunk.finish_reason or finish
-                    if chunk.text:
+                    if chunk.text or chunk.logprobs:
                         now = time.monotonic()
                         if not last_token_at:
                             metrics.TIME_TO_FIRST_TOKEN.observe(now - started)
                         last_token_at = now
-                        yield GenerationEvent([], chunk.text)
+                        yield self._event(chunk, resolved)
             if finish is None:
                 raise errors.Unavailable(
                     f"inference backend {replica.base_url} ended the stream without finishing",

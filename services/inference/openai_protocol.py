@@ -9,12 +9,13 @@ from __future__ import annotations
 import email.utils
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from llmesh import errors
 from services.inference.decoding import ResolvedParams, ResponseFormatSpec
-from services.inference.engine import FINISH_LENGTH, FINISH_STOP, FINISH_STOP_SEQUENCE
+from services.inference.engine import FINISH_LENGTH, FINISH_STOP, FINISH_STOP_SEQUENCE, TokenLogprob, TopLogprob
 
 #: Our request field for each OpenAI parameter, so a rejected parameter names the field the caller set.
 FIELD_OF_PARAM = {
@@ -35,6 +36,8 @@ FIELD_OF_PARAM = {
             "logit_bias",
         )
     },
+    "logprobs": "sampling.top_logprobs",
+    "top_logprobs": "sampling.top_logprobs",
     "ignore_eos": "sampling.ignore_eos",
     "prompt": "input",
 }
@@ -95,9 +98,39 @@ def completion_body(
         body["stop_token_ids"] = sorted(params.stop_token_ids)
     if params.logit_bias:
         body["logit_bias"] = {str(t): b for t, b in params.logit_bias}
+    if params.logprobs:
+        # The completions API's `logprobs` is the number of alternatives (0: the chosen token's
+        # only); vLLM names each token by its id, so text and bytes come from our tokenizer.
+        body["logprobs"] = params.top_logprobs
+        body["return_tokens_as_token_ids"] = True
     if response_format is not None:
         body.update(format_fields(response_format))
     return body
+
+
+#: One generated token's logprobs as a completions chunk carries them: (token, its logprob,
+#: {token: logprob} of the likeliest and the chosen one).
+RawLogprob = tuple[str, float | None, dict[str, float] | None]
+#: A backend token string (vLLM's "token_id:N", else the token's text) as (id, text, bytes).
+PieceOf = Callable[[str], tuple[int, str, bytes]]
+#: What vLLM writes for a log probability of -inf.
+LOGPROB_FLOOR = -9999.0
+
+
+def token_logprobs(raw: tuple[RawLogprob, ...], top: int, piece_of: PieceOf) -> list[TokenLogprob]:
+    """The chunk's tokens as TokenLogprobs: the `top` likeliest alternatives, likeliest first
+    (the completions API lists the chosen token among them even where it is not one)."""
+    out: list[TokenLogprob] = []
+    for token, logprob, alternatives in raw:
+        token_id, text, data = piece_of(token)
+        ranked = sorted((alternatives or {}).items(), key=lambda item: -item[1])[:top]
+        tops = []
+        for other, value in ranked:
+            other_id, other_text, other_bytes = piece_of(other)
+            tops.append(TopLogprob(token_id=other_id, token=other_text, logprob=value, bytes=other_bytes))
+        value = LOGPROB_FLOOR if logprob is None else float(logprob)
+        out.append(TokenLogprob(token_id=token_id, token=text, logprob=value, bytes=data, top=tuple(tops)))
+    return out
 
 
 @dataclass(frozen=True)
@@ -110,6 +143,7 @@ class Chunk:
     response_id: str = ""
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    logprobs: tuple[RawLogprob, ...] = ()
 
 
 def parse_chunk(data: str) -> Chunk:
@@ -127,8 +161,15 @@ def parse_chunk(data: str) -> Chunk:
         raise error_for_status(status, {}, json.dumps(payload).encode())
     text = ""
     finish: str | None = None
+    logprobs: list[RawLogprob] = []
     for choice in payload.get("choices") or ():
         text += choice.get("text") or ""
+        scored = choice.get("logprobs")
+        if isinstance(scored, dict):
+            tokens = scored.get("tokens") or []
+            values = scored.get("token_logprobs") or [None] * len(tokens)
+            tops = scored.get("top_logprobs") or [None] * len(tokens)
+            logprobs += zip(tokens, values, tops, strict=False)
         reason = choice.get("finish_reason")
         if reason:
             finish = finish_reason(reason, choice.get("stop_reason"))
@@ -140,6 +181,7 @@ def parse_chunk(data: str) -> Chunk:
         response_id=str(payload.get("id") or ""),
         prompt_tokens=usage.get("prompt_tokens"),
         completion_tokens=usage.get("completion_tokens"),
+        logprobs=tuple(logprobs),
     )
 
 

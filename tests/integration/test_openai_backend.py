@@ -224,6 +224,48 @@ async def test_a_parameter_the_backend_rejects_is_invalid_argument_naming_it(
     assert fields == ["sampling.seed"]
 
 
+async def test_logprobs_come_back_per_token_from_vllm(
+    stub: inference_pb2_grpc.InferenceStub, inference: ServiceHost, vllm: VllmServer
+) -> None:
+    asked = request(8, ignore_eos=True, logprobs=True, top_logprobs=3)
+    messages = [m async for m in stub.Generate(asked, timeout=120)]
+    assert all(len(m.logprobs) == len(m.token_ids) for m in messages)
+    entries = [e for m in messages for e in m.logprobs]
+    ids = [i for m in messages for i in m.token_ids]
+    assert len(entries) == 8 and [e.token_id for e in entries] == ids
+    text = "".join(m.text for m in messages)
+    tokenizer = backend_of(inference).tokenizer
+    assert tokenizer.tokenizer.decode(ids) == text  # the text skips special tokens (ignore_eos: EOS)
+    assert b"".join(e.bytes for e in entries).decode() == tokenizer.decode(ids)
+    for entry in entries:
+        assert len(entry.top) == 3
+        values = [t.logprob for t in entry.top]
+        assert values == sorted(values, reverse=True)
+        # Greedy: the chosen token is the likeliest.
+        assert entry.top[0].token_id == entry.token_id
+        assert entry.top[0].logprob == pytest.approx(entry.logprob, abs=1e-5)
+    # The same values vLLM gives its own clients.
+    async with httpx.AsyncClient() as client:
+        direct = await client.post(
+            f"{vllm.base_url}/completions",
+            json={
+                "model": VLLM_MODEL_NAME,
+                "prompt": PROMPT,
+                "max_tokens": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+                "logprobs": 0,
+            },
+            timeout=120,
+        )
+    theirs = direct.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert [e.logprob for e in entries] == pytest.approx(theirs, abs=1e-3)
+    with pytest.raises(grpc.aio.AioRpcError) as rejected:
+        async for _ in stub.Generate(request(4, logprobs=True, top_logprobs=21), timeout=60):
+            pass
+    assert rejected.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 async def test_a_mismatched_tokenizer_is_refused_at_start(vllm: VllmServer, models_dir: Path) -> None:
     env = backend_env(vllm, models_dir, LLMESH_INFERENCE_MODEL="minilm")  # a BERT WordPiece tokenizer
     app = InferenceApp(service_settings("inference", env))

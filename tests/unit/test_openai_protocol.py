@@ -17,6 +17,7 @@ from services.inference.openai_protocol import (
     error_for_status,
     parse_chunk,
     retry_after_seconds,
+    token_logprobs,
 )
 
 
@@ -145,3 +146,38 @@ def test_response_formats_are_passed_as_vllm_takes_them() -> None:
     choice = body_of("m", [1], resolved, response_format=ResponseFormatSpec("choice", choices=("a", "b")))
     assert choice["structured_outputs"] == {"choice": ["a", "b"]}
     assert "response_format" not in body_of("m", [1], resolved)
+
+
+def test_logprobs_are_asked_by_token_id_and_mapped_back_likeliest_first() -> None:
+    body = completion_body("m", [1], params(logprobs=True, top_logprobs=2))
+    assert (body["logprobs"], body["return_tokens_as_token_ids"]) == (2, True)
+    assert "logprobs" not in completion_body("m", [1], params())
+    # vLLM lists the chosen token among the alternatives even when it is not one of the likeliest.
+    chunk = parse_chunk(
+        json.dumps(
+            {
+                "choices": [
+                    {
+                        "text": " Paris",
+                        "logprobs": {
+                            "tokens": ["token_id:7"],
+                            "token_logprobs": [-2.5],
+                            "top_logprobs": [{"token_id:7": -2.5, "token_id:3": -0.1, "token_id:9": -1.0}],
+                            "text_offset": [0],
+                        },
+                    }
+                ]
+            }
+        )
+    )
+    names = {7: (" Paris", b" Paris"), 3: ("\ufffd", b"\xf0"), 9: (" Rome", b" Rome")}
+
+    def piece_of(token: str) -> tuple[int, str, bytes]:
+        token_id = int(token.removeprefix("token_id:"))
+        return (token_id, *names[token_id])
+
+    (entry,) = token_logprobs(chunk.logprobs, 2, piece_of)
+    assert (entry.token_id, entry.token, entry.logprob, entry.bytes) == (7, " Paris", -2.5, b" Paris")
+    assert [(t.token_id, t.logprob, t.bytes) for t in entry.top] == [(3, -0.1, b"\xf0"), (9, -1.0, b" Rome")]
+    (only,) = token_logprobs(chunk.logprobs, 0, piece_of)
+    assert only.top == ()
