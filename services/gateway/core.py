@@ -1198,6 +1198,8 @@ class Gateway:
         span.set_attribute("llmesh.tenant", plan.tenant)
         span.set_attribute("gen_ai.request.max_tokens", plan.sampling.max_new_tokens)
         span.set_attribute("gen_ai.request.temperature", plan.sampling.temperature)
+        if plan.n > 1:
+            span.set_attribute("gen_ai.request.choice.count", plan.n)
         if self.config.log_prompts:
             span.set_attribute("llmesh.prompt", plan.prompt)
         with plan.timed("model"):
