@@ -326,10 +326,20 @@ def generate_request(
     tenant: str = "",
     system_prompt: str = "",
     model: str = "",
+    n: int = 0,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
 ) -> gateway_pb2.GenerateRequest:
-    """`model`: one of the gateway's models by name (`list_models`); "" = its default."""
+    """`model`: one of the gateway's models by name (`list_models`); "" = its default. `n`:
+    independent answers (in `choices`; never cached); `logprobs` / `top_logprobs`: each token's
+    log probability and its likeliest alternatives (0-20)."""
     sampling = common_pb2.SamplingParams(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop=list(stop)
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        stop=list(stop),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )
     if seed is not None:
         sampling.seed = seed
@@ -341,6 +351,7 @@ def generate_request(
         collection=collection,
         tenant=tenant,
         model=model,
+        n=n,
     )
     if use_cache is not None:
         request.use_cache = use_cache
@@ -502,6 +513,24 @@ class Mesh:
         except grpc.RpcError as err:
             raise to_mesh_error(err) from None
 
+    def embed(
+        self, texts: Iterable[str], *, model: str = "", tenant: str = "", timeout: float | None = None
+    ) -> list[list[float]]:
+        """Unit-length embeddings of `texts` (1-256, each at most 16 KiB), in order, with the mesh's
+        embedding model (the one retrieval searches with); `embed_response` for usage and model."""
+        return [
+            list(e.values) for e in self.embed_response(texts, model=model, tenant=tenant, timeout=timeout).embeddings
+        ]
+
+    def embed_response(
+        self, texts: Iterable[str], *, model: str = "", tenant: str = "", timeout: float | None = None
+    ) -> gateway_pb2.EmbedResponse:
+        request = gateway_pb2.EmbedRequest(inputs=list(texts), model=model, tenant=tenant)
+        try:
+            return self.stub.Embed(request, **self._kw(timeout))
+        except grpc.RpcError as err:
+            raise to_mesh_error(err) from None
+
     def list_models(self, *, timeout: float | None = None) -> list[gateway_pb2.ModelEntry]:
         """The models the gateway routes to (the default first), each with its key and whether
         its inference answers now."""
@@ -620,6 +649,21 @@ class AsyncMesh:
         )
         try:
             return await self.stub.Search(request, **self._kw(timeout))
+        except grpc.RpcError as err:
+            raise to_mesh_error(err) from None
+
+    async def embed(
+        self, texts: Iterable[str], *, model: str = "", tenant: str = "", timeout: float | None = None
+    ) -> list[list[float]]:
+        found = await self.embed_response(texts, model=model, tenant=tenant, timeout=timeout)
+        return [list(e.values) for e in found.embeddings]
+
+    async def embed_response(
+        self, texts: Iterable[str], *, model: str = "", tenant: str = "", timeout: float | None = None
+    ) -> gateway_pb2.EmbedResponse:
+        request = gateway_pb2.EmbedRequest(inputs=list(texts), model=model, tenant=tenant)
+        try:
+            return await self.stub.Embed(request, **self._kw(timeout))
         except grpc.RpcError as err:
             raise to_mesh_error(err) from None
 

@@ -167,6 +167,19 @@ class Embedder:
         vectors = _encode(self.model, texts, self.batch_size)
         return np.ascontiguousarray(vectors.cpu().numpy(), dtype=np.float32)
 
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Tokens the model reads of each text (its special tokens included, after its truncation
+        at max_seq_length). Blocking."""
+        if not texts:
+            return []
+        tokenizer = self.model.tokenizer  # type: ignore[attr-defined]
+        ids = tokenizer(list(texts), truncation=True, max_length=self.max_seq_length)["input_ids"]
+        return [len(row) for row in ids]
+
+    async def acount_tokens(self, texts: Sequence[str]) -> list[int]:
+        """`count_tokens` on the embedding thread (the tokenizer is not shared across threads)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.count_tokens, list(texts))
+
     @staticmethod
     def _set_threads(wanted: int) -> None:
         """`wanted` intra-op threads for the next encode (0: all of them); only embedding threads call it."""

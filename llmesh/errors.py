@@ -145,6 +145,15 @@ class PeerError(LlmeshError):
         self.code = code
         self._status_bin = status_bin
 
+    def violations(self) -> list[tuple[str, str]]:
+        """The field violations (google.rpc.BadRequest) the peer named, if any."""
+        if not self._status_bin:
+            return []
+        bad = unpack_details(status_pb2.Status.FromString(self._status_bin)).get("bad_request")
+        if not isinstance(bad, error_details_pb2.BadRequest):
+            return []
+        return [(v.field, v.description) for v in bad.field_violations]
+
     def trailing_metadata(self) -> list[tuple[str, str | bytes]]:
         if self._status_bin:
             status = status_pb2.Status.FromString(self._status_bin)

@@ -43,6 +43,7 @@ from services.gateway.admission import (
 )
 from services.gateway.auth import Caller
 from services.gateway.breaker import BreakerOpen, State
+from services.gateway.embeddings import Embeddings
 from services.gateway.limits import KeyLimitExceeded
 from services.gateway.peers import (
     BREAKER_FAILURE_CODES,
@@ -75,6 +76,9 @@ RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "choice")
 MAX_SCHEMA_BYTES = 64 * 1024
 MAX_CHOICES = 64
 MAX_TOOLS = 64
+# GenerateRequest.n (OpenAI's n) and SamplingParams.top_logprobs (OpenAI's top_logprobs).
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
 TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 TOOL_MODES = ("none", "auto", "required", "function")
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and accurately."
@@ -163,6 +167,8 @@ class Plan:
     # A tool call is the answer: the function named ("" with tool_mode "required": one of them).
     tool_mode: str = ""
     tool_function: str = ""
+    # Independent answers to generate (GenerateRequest.n; 1 when unset). n > 1 is never cached.
+    n: int = 1
 
     def text_bytes(self) -> int:
         """Bytes of the text the model is given before retrieval (every turn, or the question and
@@ -190,6 +196,38 @@ class Plan:
 @dataclass
 class Delta:
     text: str
+    # The answer it belongs to (n > 1) and its tokens' log probabilities (SamplingParams.logprobs).
+    index: int = 0
+    logprobs: Sequence[common_pb2.TokenLogprob] = ()
+
+
+@dataclass
+class Answer:
+    """One of a request's n answers while it is generated."""
+
+    index: int
+    pieces: list[str] = field(default_factory=list)
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    finish: common_pb2.FinishReason = common_pb2.FINISH_REASON_UNSPECIFIED
+    usage: common_pb2.Usage = field(default_factory=common_pb2.Usage)
+    generated: int = 0
+    finished: bool = False
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+def total_usage(answers: Sequence[Answer], input_tokens: int) -> common_pb2.Usage:
+    """The request's usage: every answer's as inference reported it (n > 1: the prompt was
+    processed once per answer), `input_tokens` for an answer that never reported any."""
+    usage = common_pb2.Usage()
+    for answer in answers:
+        usage.input_tokens += answer.usage.input_tokens if answer.finished else input_tokens
+        usage.output_tokens += answer.usage.output_tokens
+        usage.cached_input_tokens += answer.usage.cached_input_tokens
+        usage.cached_output_tokens += answer.usage.cached_output_tokens
+    return usage
 
 
 @dataclass
@@ -438,6 +476,12 @@ def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Pla
         bad.append(("sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS}"))
     if len(s.logit_bias) > MAX_LOGIT_BIAS or any(not (-100.0 <= b <= 100.0) for b in s.logit_bias.values()):
         bad.append(("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, each bias in [-100, 100]"))
+    if s.top_logprobs > MAX_TOP_LOGPROBS:
+        bad.append(("sampling.top_logprobs", f"at most {MAX_TOP_LOGPROBS}"))
+    elif s.top_logprobs and not s.logprobs:
+        bad.append(("sampling.top_logprobs", "needs sampling.logprobs"))
+    if request.n > MAX_N:
+        bad.append(("n", f"at most {MAX_N}"))
     if len(s.stop) > MAX_STOP_SEQUENCES:
         bad.append(("sampling.stop", f"at most {MAX_STOP_SEQUENCES} stop sequences"))
     for i, stop in enumerate(s.stop):
@@ -472,13 +516,17 @@ def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Pla
         sampling.stop_token_ids.extend(ids)
     for token in [t for t, b in sampling.logit_bias.items() if b == 0.0]:
         del sampling.logit_bias[token]  # a zero bias changes nothing
+    n = max(1, request.n)
+    # n > 1 or log probabilities: the answer cache is not used. A cached answer holds one text and
+    # no log probabilities, so a hit could only return less than was asked for.
+    use_cache = (request.use_cache if request.HasField("use_cache") else True) and n == 1 and not sampling.logprobs
     return Plan(
         prompt=prompt,
         system_prompt=request.system_prompt,
         shape=answer_shape(request, request.system_prompt or DEFAULT_SYSTEM_PROMPT),
         semantic=semantic_allowed(request),
         sampling=sampling,
-        use_cache=request.use_cache if request.HasField("use_cache") else True,
+        use_cache=use_cache,
         use_retrieval=request.use_retrieval if request.HasField("use_retrieval") else True,
         top_k=request.top_k or config.default_top_k,
         collection=request.collection or config.default_collection,
@@ -489,6 +537,7 @@ def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Pla
         response_format=tool_format(request, tool_mode) if tool_mode else request.response_format,
         tool_mode=tool_mode,
         tool_function=request.tool_choice.function if tool_mode == "function" else "",
+        n=n,
     )
 
 
@@ -791,6 +840,7 @@ class Gateway:
                 raise ValueError(f"alias {alias!r}: must not be a model's name and must list served models")
         self.usage = usage or UsageMeter()
         # --- end issue 29
+        self.embeddings = Embeddings(peers, self.usage)
         # One per model (a tokenizer's rate is wrong for another); "" serves until a model is known.
         self.predictors: dict[str, InputTokenPredictor] = {}
         self.predictor = self.predictor_for("")
@@ -1148,6 +1198,8 @@ class Gateway:
         span.set_attribute("llmesh.tenant", plan.tenant)
         span.set_attribute("gen_ai.request.max_tokens", plan.sampling.max_new_tokens)
         span.set_attribute("gen_ai.request.temperature", plan.sampling.temperature)
+        if plan.n > 1:
+            span.set_attribute("gen_ai.request.choice.count", plan.n)
         if self.config.log_prompts:
             span.set_attribute("llmesh.prompt", plan.prompt)
         with plan.timed("model"):
@@ -1233,35 +1285,18 @@ class Gateway:
             admission = await self._admit(plan, input_tokens, model, deadline, route.name)
         plan.ticket = admission.ticket
         if admission.degraded:
-            plan.sampling.max_new_tokens = admission.max_new_tokens or plan.sampling.max_new_tokens
+            capped = (admission.max_new_tokens or 0) // plan.n  # the cap is over all n answers
+            plan.sampling.max_new_tokens = max(1, capped) if admission.max_new_tokens else plan.sampling.max_new_tokens
             plan.degrade("max_new_tokens_capped")
-        pieces: list[str] = []
-        finish = common_pb2.FINISH_REASON_UNSPECIFIED
-        usage = common_pb2.Usage(input_tokens=input_tokens)
-        request_id = uuid.uuid4().hex
+        answers = [Answer(i) for i in range(plan.n)]
         with plan.timed("inference"):
-            generated = 0
-            form = plan.response_format if plan.response_format.type else None
-            async for message in self.peers.generate(prompt, plan.sampling, request_id, deadline, route.name, form):
-                # Tokens as they come (a backend that sends text only: a message is a token); the
-                # final usage settles the count.
-                step = len(message.token_ids) or (1 if message.text else 0)
-                if message.finish_reason and message.usage.output_tokens:
-                    step = max(step, message.usage.output_tokens - generated)
-                generated += step
-                # issue 29: what the request spent once inference answered, billed if it ends early.
-                plan.spent.input_tokens, plan.spent.output_tokens = input_tokens, generated
-                if plan.ticket is not None:
-                    plan.ticket.progress(step)
-                if message.text:
-                    pieces.append(message.text)
-                    yield Delta(message.text)
-                if message.finish_reason:
-                    finish = message.finish_reason
-                    usage = message.usage
+            async for delta in self._infer(plan, prompt, input_tokens, answers, deadline, route.name):
+                yield delta
+        usage = total_usage(answers, input_tokens)
         span.set_attribute("gen_ai.usage.input_tokens", usage.input_tokens)
         span.set_attribute("gen_ai.usage.output_tokens", usage.output_tokens)
-        text = "".join(pieces)
+        first = answers[0]
+        text, finish = first.text, first.finish
         response = gateway_pb2.GenerateResponse(
             text=text,
             finish_reason=finish,
@@ -1272,6 +1307,7 @@ class Gateway:
             model=model,
             degradations=plan.degradations,
             answered_by=route.public_name() or "",
+            logprobs=first.logprobs,
         )
         if plan.ticket is not None:
             plan.ticket.finish()  # the weight not generated goes back before the caller hears
@@ -1285,7 +1321,112 @@ class Gateway:
             stored, response = response, gateway_pb2.GenerateResponse()
             response.CopyFrom(stored)
             as_tool_calls(plan, response)
+        if plan.n > 1:
+            for answer in answers:
+                choice = gateway_pb2.GenerateResponse(
+                    text=answer.text, finish_reason=answer.finish, logprobs=answer.logprobs
+                )
+                as_tool_calls(plan, choice)
+                response.choices.add(
+                    index=answer.index,
+                    text=choice.text,
+                    finish_reason=choice.finish_reason,
+                    tool_calls=choice.tool_calls,
+                    logprobs=choice.logprobs,
+                )
+            if response.tool_calls:  # the first answer's call, under the same id in both places
+                del response.tool_calls[:]
+                response.tool_calls.extend(response.choices[0].tool_calls)
         yield Final(response, plan.timings)
+
+    async def _infer(
+        self,
+        plan: Plan,
+        prompt: list[int] | str,
+        input_tokens: int,
+        answers: list[Answer],
+        deadline: Deadline,
+        route: str,
+    ) -> AsyncIterator[Delta]:
+        """Runs the answers' inference streams (n at once for n > 1: seeds offset by the answer's
+        index when a seed is given, so seeded answers differ and stay reproducible) and yields
+        their deltas as they come; each answer's text, log probabilities, finish and usage are
+        kept in `answers`. Leaving early (the caller cancelled or went away, a stream failed)
+        cancels every stream still running."""
+        form = plan.response_format if plan.response_format.type else None
+        generated = 0
+
+        def take(answer: Answer, message: inference_pb2.InferenceResponse) -> Delta | None:
+            nonlocal generated
+            # Tokens as they come (a backend that sends text only: a message is a token); the
+            # final usage settles the count.
+            step = len(message.token_ids) or (1 if message.text else 0)
+            if message.finish_reason and message.usage.output_tokens:
+                step = max(step, message.usage.output_tokens - answer.generated)
+            answer.generated += step
+            generated += step
+            # issue 29: what the request spent once inference answered, billed if it ends early.
+            plan.spent.input_tokens, plan.spent.output_tokens = input_tokens, generated
+            if plan.ticket is not None:
+                plan.ticket.progress(step)
+            if message.text:
+                answer.pieces.append(message.text)
+            answer.logprobs.extend(message.logprobs)
+            if message.finish_reason:
+                answer.finish = message.finish_reason
+                answer.usage = message.usage
+                answer.finished = True
+            if message.text or message.logprobs:
+                return Delta(message.text, answer.index, message.logprobs)
+            return None
+
+        def sampling_of(answer: Answer) -> common_pb2.SamplingParams:
+            if answer.index == 0 or not plan.sampling.HasField("seed"):
+                return plan.sampling
+            offset = common_pb2.SamplingParams()
+            offset.CopyFrom(plan.sampling)
+            offset.seed = (plan.sampling.seed + answer.index) % (1 << 64)
+            return offset
+
+        def stream(answer: Answer) -> AsyncIterator[inference_pb2.InferenceResponse]:
+            return self.peers.generate(prompt, sampling_of(answer), uuid.uuid4().hex, deadline, route, form)
+
+        if len(answers) == 1:
+            async for message in stream(answers[0]):
+                delta = take(answers[0], message)
+                if delta is not None:
+                    yield delta
+            return
+        queue: asyncio.Queue[tuple[Answer, inference_pb2.InferenceResponse | BaseException | None]] = asyncio.Queue()
+
+        async def pump(answer: Answer) -> None:
+            try:
+                async for message in stream(answer):
+                    queue.put_nowait((answer, message))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
+                queue.put_nowait((answer, exc))
+            else:
+                queue.put_nowait((answer, None))
+
+        pumps = [asyncio.ensure_future(pump(answer)) for answer in answers]
+        try:
+            running = len(pumps)
+            while running:
+                answer, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    delta = take(answer, item)
+                    if delta is not None:
+                        yield delta
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
 
     async def _render(
         self, plan: Plan, sources: list[common_pb2.ScoredChunk], deadline: Deadline, tokenizer: str = ""
@@ -1366,7 +1507,8 @@ class Gateway:
         return time.monotonic() < self._cache_slow_until or self.peers.breakers["cache"].state.value != "closed"
 
     def _ask(self, plan: Plan, model: str, route: str) -> Ask:
-        return Ask(plan.tenant, plan.lane, model, route, plan.sampling.max_new_tokens)
+        # n answers weigh n times one: n x max_new_tokens tokens to generate over the prompt.
+        return Ask(plan.tenant, plan.lane, model, route, plan.sampling.max_new_tokens * plan.n)
 
     def _reserve(
         self, plan: Plan, model: str, deadline: Deadline, route: str = "", waiting_for_cache: bool = False
@@ -1415,8 +1557,9 @@ class Gateway:
                 [
                     (
                         "sampling.max_new_tokens",
-                        f"{input_tokens} input tokens x {plan.sampling.max_new_tokens} new "
-                        f"tokens exceeds the largest admissible weight ({exc.metadata.get('max_weight', '?')})",
+                        f"{input_tokens} input tokens x {plan.sampling.max_new_tokens} new tokens"
+                        f"{f' x n={plan.n}' if plan.n > 1 else ''} exceeds the largest admissible "
+                        f"weight ({exc.metadata.get('max_weight', '?')})",
                     )
                 ]
             ) from exc
@@ -1521,6 +1664,13 @@ class Gateway:
         except PeerCallError as exc:
             raise exc.cause from exc
         return gateway_pb2.PurgeCacheResponse(removed=done.removed, trace_id=current_trace_id())
+
+    async def embed(
+        self, request: gateway_pb2.EmbedRequest, deadline: Deadline, caller: Caller | None = None
+    ) -> gateway_pb2.EmbedResponse:
+        """Embeddings of `request.inputs` with the mesh's embedding model (services/gateway/embeddings.py)."""
+        tenant_ok = not request.tenant or bool(NAME_RE.match(request.tenant))
+        return await self.embeddings.embed(request, deadline, caller, tenant_ok)
 
     async def search(self, request: gateway_pb2.SearchRequest, deadline: Deadline) -> gateway_pb2.SearchResponse:
         if not request.query.strip():

@@ -10,6 +10,7 @@ bodies with the HTTP status of their code (`llmesh.errors.HTTP_STATUS`), here in
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
@@ -21,6 +22,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from typing import Any, cast
 
+import numpy as np
 import uvicorn
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode
@@ -40,13 +42,21 @@ from llmesh.v1 import common_pb2, gateway_pb2
 from services.gateway import metrics
 from services.gateway.auth import ApiKeys, KeyRing
 from services.gateway.core import Delta, Final, Gateway, server_timing
-from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, Sampling, param_name
+from services.gateway.embeddings import same_model
+from services.gateway.openai_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    Sampling,
+    param_name,
+)
 from services.gateway.peers import Deadline
 
 log = logging.getLogger("llmesh.gateway.http")
 
 CHAT, COMPLETIONS, MODELS, MODEL = "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}"
-ROUTES = frozenset({CHAT, COMPLETIONS, MODELS})
+EMBEDDINGS = "/v1/embeddings"
+ROUTES = frozenset({CHAT, COMPLETIONS, MODELS, EMBEDDINGS})
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_STOP_SEQUENCE: "stop",
@@ -101,7 +111,8 @@ def from_llmesh_error(exc: LlmeshError, prompt_param: str) -> Response:
 
 
 def _prompt_param(request: Request) -> str:
-    return "messages" if request.url.path == CHAT else "prompt"
+    path = request.url.path
+    return "messages" if path == CHAT else "input" if path == EMBEDDINGS else "prompt"
 
 
 def _validation_response(exc: ValidationError) -> Response:
@@ -219,6 +230,7 @@ class OpenAiApi:
         routes = [
             Route(CHAT, self.chat_completions, methods=["POST"]),
             Route(COMPLETIONS, self.completions, methods=["POST"]),
+            Route(EMBEDDINGS, self.embeddings, methods=["POST"]),
             Route(MODELS, self.list_models, methods=["GET"]),
             Route(MODEL, self.get_model, methods=["GET"]),
         ]
@@ -260,16 +272,49 @@ class OpenAiApi:
         body = CompletionRequest.model_validate_json(await request.body())
         return await self.complete(request, body, body.to_generate, chat=False)
 
+    async def embeddings(self, request: Request) -> Response:
+        """OpenAI's embeddings: float lists, or base64 of the little-endian float32 values (what the
+        openai client asks for by default)."""
+        self._authenticated(request)
+        body = EmbeddingRequest.model_validate_json(await request.body())
+        caller = self.api_keys.caller(request.headers.get("authorization"), body.llmesh.tenant)
+        embed = body.to_embed(caller.tenant)
+        found = await self.gateway.embed(embed, Deadline.after(self.default_deadline), caller)
+
+        def encoded(values: Sequence[float]) -> Any:
+            if body.encoding_format == "base64":
+                return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode()
+            return list(values)
+
+        tokens = found.usage.input_tokens
+        answer = {
+            "object": "list",
+            "data": [
+                {"object": "embedding", "index": e.index, "embedding": encoded(e.values)} for e in found.embeddings
+            ],
+            "model": body.model if same_model(body.model, found.model) else found.model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            "llmesh": {"trace_id": found.trace_id},
+        }
+        return Response(_json(answer), 200, media_type="application/json")
+
     async def list_models(self, request: Request) -> Response:
         self._authenticated(request)
-        served = await self.gateway.served_models(Deadline.after(self.default_deadline))
-        body = {"object": "list", "data": [model_card(m) for m in served]}
+        deadline = Deadline.after(self.default_deadline)
+        served = await self.gateway.served_models(deadline)
+        cards = [model_card(m) for m in served]
+        embedder = await self.gateway.embeddings.model_name(deadline)
+        if embedder:  # the embedding model, for /v1/embeddings (while retrieval can say its name)
+            cards.append(model_card(embedder))
+        body = {"object": "list", "data": cards}
         return Response(_json(body), 200, media_type="application/json")
 
     async def get_model(self, request: Request) -> Response:
         self._authenticated(request)
         model = request.path_params["model"]
-        await self.check_model(model, Deadline.after(self.default_deadline))
+        deadline = Deadline.after(self.default_deadline)
+        if model != await self.gateway.embeddings.model_name(deadline):
+            await self.check_model(model, deadline)
         return Response(_json(model_card(model)), 200, media_type="application/json")
 
     async def check_model(self, model: str, deadline: Deadline) -> None:
@@ -285,7 +330,13 @@ class OpenAiApi:
         caller = self.api_keys.caller(request.headers.get("authorization"), body.llmesh.tenant)
         generate: gateway_pb2.GenerateRequest = translate(caller.tenant)
         await self.check_model(body.model, deadline)
-        answer = Answer(f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}", body.model, chat)
+        answer = Answer(
+            f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}",
+            body.model,
+            chat,
+            logprobs=generate.sampling.logprobs,
+            n=generate.n,
+        )
         # An async generator: closed (the pipeline cancelled) when the caller goes away mid-stream.
         events = cast(AsyncGenerator[Delta | Final, None], self.gateway.generate(generate, deadline, caller))
         if not body.stream:
@@ -383,41 +434,103 @@ def extension_of(response: gateway_pb2.GenerateResponse) -> dict[str, Any]:
     }
 
 
+def chat_logprobs(entries: Sequence[common_pb2.TokenLogprob]) -> dict[str, Any]:
+    """Chat's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}."""
+    return {
+        "content": [
+            {
+                "token": e.token,
+                "logprob": e.logprob,
+                "bytes": list(e.bytes),
+                "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)} for t in e.top],
+            }
+            for e in entries
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(entries: Sequence[common_pb2.TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """The legacy completions' `logprobs`: tokens, token_logprobs, top_logprobs (token -> logprob)
+    and text_offset (each token's character offset in the text, from `offset`)."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
 class Answer:
     """One answer in the OpenAI shapes: a whole completion, or its chunks."""
 
-    def __init__(self, answer_id: str, model: str, chat: bool) -> None:
+    def __init__(self, answer_id: str, model: str, chat: bool, logprobs: bool = False, n: int = 1) -> None:
         self.id = answer_id
         self.model = model
         self.chat = chat
+        self.logprobs = logprobs  # the request asked for them: `logprobs` is then never null
+        self.n = max(1, n)
+        self.offsets: dict[int, int] = {}  # completions streamed: each answer's text length so far
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def _choice(self, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+    def _choice(
+        self,
+        text: str | None,
+        finish: str | None,
+        first: bool = False,
+        index: int = 0,
+        logprobs: Sequence[common_pb2.TokenLogprob] = (),
+    ) -> dict[str, Any]:
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            found = completion_logprobs(logprobs, self.offsets.get(index, 0)) if self.logprobs else None
+            self.offsets[index] = self.offsets.get(index, 0) + len(text or "")
+            return {"index": index, "text": text or "", "logprobs": found, "finish_reason": finish}
         delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else {}
         if text and not first:
             delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        found = chat_logprobs(logprobs) if self.logprobs and logprobs else None
+        return {"index": index, "delta": delta, "logprobs": found, "finish_reason": finish}
+
+    def _whole_choice(
+        self,
+        index: int,
+        text: str,
+        finish_reason: int,
+        tool_calls: Sequence[common_pb2.ToolCall],
+        logprobs: Sequence[common_pb2.TokenLogprob],
+    ) -> dict[str, Any]:
+        finish = FINISH_REASONS.get(finish_reason, "stop")  # type: ignore[call-overload]
+        if not self.chat:
+            found = completion_logprobs(logprobs) if self.logprobs else None
+            return {"index": index, "text": text, "logprobs": found, "finish_reason": finish}
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if tool_calls:
+            message["content"] = None
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in tool_calls
+            ]
+        found = chat_logprobs(logprobs) if self.logprobs else None
+        return {"index": index, "message": message, "logprobs": found, "finish_reason": finish}
 
     def whole(self, response: gateway_pb2.GenerateResponse) -> dict[str, Any]:
-        finish = FINISH_REASONS.get(response.finish_reason, "stop")
-        if self.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": response.text, "refusal": None}
-            if response.tool_calls:
-                message["content"] = None
-                message["tool_calls"] = [
-                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                    for c in response.tool_calls
-                ]
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        if response.choices:  # n > 1: every answer by index
+            choices = [
+                self._whole_choice(c.index, c.text, c.finish_reason, c.tool_calls, c.logprobs) for c in response.choices
+            ]
         else:
-            choice = {"index": 0, "text": response.text, "logprobs": None, "finish_reason": finish}
-        body = {**self._envelope(self.object, [choice]), "usage": usage_of(response), "llmesh": extension_of(response)}
+            choices = [
+                self._whole_choice(0, response.text, response.finish_reason, response.tool_calls, response.logprobs)
+            ]
+        body = {**self._envelope(self.object, choices), "usage": usage_of(response), "llmesh": extension_of(response)}
         if response.answered_by:
             body["model"] = response.answered_by  # for an alias: the model that answered
         return body
@@ -439,17 +552,24 @@ class Answer:
         usage = {"usage": None} if include_usage else {}
         try:
             if self.chat:
-                yield self._chunk([self._choice("", None, first=True)], **usage)
+                for index in range(self.n):
+                    yield self._chunk([self._choice("", None, first=True, index=index)], **usage)
             event: Delta | Final | None = first
             while event is not None:
                 if isinstance(event, Delta):
-                    if event.text:
-                        yield self._chunk([self._choice(event.text, None)], **usage)
+                    if event.text or (self.logprobs and event.logprobs):
+                        choice = self._choice(event.text, None, index=event.index, logprobs=event.logprobs)
+                        yield self._chunk([choice], **usage)
                 else:
                     response = event.response
                     self.model = response.answered_by or self.model  # for an alias: the model that answered
-                    finish = FINISH_REASONS.get(response.finish_reason, "stop")
-                    yield self._chunk([self._choice(None, finish)], **usage, llmesh=extension_of(response))
+                    ends = [(c.index, c.finish_reason) for c in response.choices] or [(0, response.finish_reason)]
+                    for index, reason in ends:
+                        choice = self._choice(None, FINISH_REASONS.get(reason, "stop"), index=index)
+                        if index == ends[-1][0]:
+                            yield self._chunk([choice], **usage, llmesh=extension_of(response))
+                        else:
+                            yield self._chunk([choice], **usage)
                     if include_usage:
                         yield self._chunk([], usage=usage_of(response))
                 event = await anext(events, None)

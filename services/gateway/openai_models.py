@@ -165,13 +165,11 @@ class Sampling(Strict):
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
-    # Accepted at its default only (refused otherwise, see `unsupported`).
-    n: int | None = None
+    # Independent answers (GenerateRequest.n; at most 16, checked by the gateway).
+    n: int | None = Field(default=None, ge=1, le=UINT32_MAX)
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = []
-        if self.n not in (None, 1):
-            bad.append(("n", "only n=1 is supported"))
         for token in self.logit_bias or {}:
             if not token.isdigit() or int(token) > UINT32_MAX:
                 bad.append(("logit_bias", f"keys are token ids, not {token!r}"))
@@ -213,6 +211,7 @@ class Sampling(Strict):
             prompt=prompt,
             system_prompt=system_prompt,
             sampling=sampling,
+            n=self.n or 0,
             top_k=self.llmesh.top_k,
             collection=self.llmesh.collection,
             tenant=tenant,
@@ -236,9 +235,9 @@ class ChatCompletionRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     response_format: ResponseFormat | None = None
-    # Refused unless unset or off: llmesh has no tool calls, log probabilities or audio.
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=UINT32_MAX)
+    # Refused unless unset: llmesh has no audio, predictions or legacy functions.
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # At most one call is made: "allowed" in parallel, never more than one.
@@ -253,9 +252,7 @@ class ChatCompletionRequest(Sampling):
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = super().unsupported()
-        if self.logprobs:
-            bad.append(("logprobs", "is not supported"))
-        for name in ("top_logprobs", "functions", "function_call", "audio", "prediction"):
+        for name in ("functions", "function_call", "audio", "prediction"):
             if getattr(self, name) is not None:
                 bad.append((name, "is not supported"))
         if self.stream and self.tools and self.tool_choice not in (None, "none"):
@@ -272,6 +269,8 @@ class ChatCompletionRequest(Sampling):
             raise InvalidArgument(bad)
         max_tokens = self.max_completion_tokens or self.max_tokens
         request = self.generate_request("", "", tenant, max_tokens, [m.turn() for m in self.messages])
+        request.sampling.logprobs = bool(self.logprobs)
+        request.sampling.top_logprobs = self.top_logprobs or 0
         if self.response_format is not None and self.response_format.type != "text":
             request.response_format.CopyFrom(self.response_format.proto())
         request.tools.extend(t.proto() for t in self.tools or ())
@@ -286,8 +285,9 @@ class ChatCompletionRequest(Sampling):
 
 class CompletionRequest(Sampling):
     prompt: str | list[str]
+    # The legacy form: the k likeliest alternatives at each position (0: the tokens' own only).
+    logprobs: int | None = Field(default=None, ge=0, le=UINT32_MAX)
     # Refused unless unset or off.
-    logprobs: int | None = None
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -296,8 +296,6 @@ class CompletionRequest(Sampling):
         bad = super().unsupported()
         if isinstance(self.prompt, list) and len(self.prompt) != 1:
             bad.append(("prompt", "exactly one prompt per request"))
-        if self.logprobs is not None:
-            bad.append(("logprobs", "is not supported"))
         if self.echo:
             bad.append(("echo", "is not supported"))
         if self.best_of not in (None, 1):
@@ -312,7 +310,42 @@ class CompletionRequest(Sampling):
         if bad:
             raise InvalidArgument(bad)
         prompt = self.prompt[0] if isinstance(self.prompt, list) else self.prompt
-        return self.generate_request(prompt, "", tenant, self.max_tokens)
+        request = self.generate_request(prompt, "", tenant, self.max_tokens)
+        if self.logprobs is not None:
+            request.sampling.logprobs = True
+            request.sampling.top_logprobs = self.logprobs
+        return request
+
+
+class EmbeddingRequest(Strict):
+    """`POST /v1/embeddings`: text inputs only (token-id inputs are refused: the embedding model's
+    tokenizer is retrieval's, not the caller's)."""
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    llmesh: LlmeshOptions = Field(default_factory=lambda: LlmeshOptions())
+
+    def to_embed(self, tenant: str) -> gateway_pb2.EmbedRequest:
+        bad = []
+        texts: list[str] = []
+        if isinstance(self.input, str):
+            texts = [self.input]
+        elif any(not isinstance(item, str) for item in self.input):
+            bad.append(("input", "token-id inputs are not supported: send the text (a string or a list of strings)"))
+        else:
+            texts = [str(item) for item in self.input]
+        if self.dimensions is not None:
+            bad.append(("dimensions", "is not supported (the model's own dimension is returned)"))
+        options = self.llmesh
+        for name in ("collection", "use_retrieval", "use_cache", "top_k", "lane"):
+            if name in options.model_fields_set:
+                bad.append((f"llmesh.{name}", "does not apply to embeddings"))
+        if bad:
+            raise InvalidArgument(bad)
+        return gateway_pb2.EmbedRequest(inputs=texts, model=self.model, tenant=tenant)
 
 
 # Gateway field paths -> the request parameter a caller of this API knows them by.
@@ -329,7 +362,10 @@ PARAMS = {
     "sampling.frequency_penalty": "frequency_penalty",
     "sampling.stop_token_ids": "stop_token_ids",
     "sampling.logit_bias": "logit_bias",
+    "sampling.logprobs": "logprobs",
+    "sampling.top_logprobs": "top_logprobs",
     "system_prompt": "messages",
+    "inputs": "input",
     "tool_choice.mode": "tool_choice",
     "tool_choice.function": "tool_choice",
     "top_k": "llmesh.top_k",
@@ -345,4 +381,6 @@ def param_name(field_path: str, prompt_param: str) -> str:
     base = field_path.split("[", 1)[0]
     if base == "prompt":
         return prompt_param
+    if base == "sampling.top_logprobs" and prompt_param == "prompt":
+        return "logprobs"  # /v1/completions: `logprobs` is the number of alternatives
     return PARAMS.get(base, field_path)

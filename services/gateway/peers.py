@@ -292,6 +292,7 @@ PEERS = ("tokenizer", "inference", "cache", "retrieval")
 INFO = "info"
 INGEST = "ingest"
 SEARCH = "search"
+EMBED = "embed"
 
 
 def method_breaker(peer: str, method: str) -> str:
@@ -343,7 +344,7 @@ class Peers:
         }
         breaker_names = [*all_targets]
         breaker_names += [method_breaker(inference_peer(model), INFO) for model in models]
-        breaker_names += [method_breaker("retrieval", INGEST), method_breaker("retrieval", SEARCH)]
+        breaker_names += [method_breaker("retrieval", m) for m in (INGEST, SEARCH, EMBED)]
         self.breakers = {
             name: CircuitBreaker(
                 name,
@@ -536,6 +537,18 @@ class Peers:
             lambda timeout: self.retrieval.Search(request, timeout=timeout),
             deadline,
             self.budgets.search if optional else None,
+        )
+
+    async def embed(
+        self, request: retrieval_pb2.RetrievalEmbedRequest, deadline: Deadline, budget: float | None = None
+    ) -> retrieval_pb2.RetrievalEmbedResponse:
+        """A caller's embeddings (its own breaker, so a burst of them never opens the RAG hop's);
+        `budget`: a bound below the caller's deadline (None: the whole deadline)."""
+        return await _unary(
+            self.breakers[method_breaker("retrieval", EMBED)],
+            lambda timeout: self.retrieval.Embed(request, timeout=timeout),
+            deadline,
+            budget,
         )
 
     def upsert(

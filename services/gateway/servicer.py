@@ -103,11 +103,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def GenerateStream(self, request, context):  # type: ignore[no-untyped-def]
         async for event in self._generation(request, context):
             if isinstance(event, Delta):
-                if event.text:
-                    yield gateway_pb2.GenerateStreamResponse(delta=event.text)
+                if event.text or event.logprobs:
+                    yield gateway_pb2.GenerateStreamResponse(
+                        delta=event.text, index=event.index, logprobs=event.logprobs
+                    )
             else:
                 context.set_trailing_metadata((("server-timing", server_timing(event.timings)),))
                 yield gateway_pb2.GenerateStreamResponse(final=event.response)
+
+    async def Embed(self, request, context):  # type: ignore[no-untyped-def]
+        caller = self._caller(context, request.tenant)
+        deadline = Deadline.after(remaining_seconds(context, self.default_deadline))
+        return await self.gateway.embed(request, deadline, caller)
 
     async def Ingest(self, request, context):  # type: ignore[no-untyped-def]
         return await self.gateway.ingest(request, self._begin(context, request.tenant))

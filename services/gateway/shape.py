@@ -37,6 +37,7 @@ OUTSIDE_SHAPE: dict[str, str] = {
     "collection": "CacheScope.collection: the collection the answer was grounded in ('' for none)",
     "use_retrieval": "CacheScope.collection ('' when no retrieval was used)",
     "top_k": "CacheScope.retrieval_top_k, when retrieval was used",
+    "n": "n > 1 never uses the cache (core.validate); 0 and 1 both ask for one answer",
 }
 
 # Fields whose presence makes a request more than one question (earlier turns of a

@@ -25,7 +25,9 @@ access = logging.getLogger("llmesh.gateway")
 
 OTHER_TENANTS = "_other"
 LABELS = ["tenant", "model"]
-REQUESTS = Counter("llmesh_gateway_tenant_requests", "Generate requests by tenant and model (every outcome).", LABELS)
+REQUESTS = Counter(
+    "llmesh_gateway_tenant_requests", "Generate and Embed requests by tenant and model (every outcome).", LABELS
+)
 INPUT_TOKENS = Counter(
     "llmesh_gateway_tenant_input_tokens", "Prompt tokens the models processed, by tenant and model.", LABELS
 )
@@ -87,9 +89,10 @@ class UsageMeter:
         response: gateway_pb2.GenerateResponse | None,
         error: BaseException | None,
         elapsed: float,
+        event: str = "generate",
     ) -> None:
         """Counts one request and writes its access line. `model`: the label of the model that
-        answered (or was asked for, when none did)."""
+        answered (or was asked for, when none did); `event`: what the request was (generate, embed)."""
         caller = caller or Caller(ANONYMOUS, tenant)
         usage = response.usage if response is not None else None
         if usage is not None:
@@ -97,7 +100,7 @@ class UsageMeter:
         if self.counters:
             self._count(caller, model, outcome, usage, error)
         if access.isEnabledFor(logging.INFO):
-            self._access(caller, model, outcome, tier, response, error, elapsed)
+            self._access(caller, model, outcome, tier, response, error, elapsed, event)
 
     def _count(
         self, caller: Caller, model: str, outcome: str, usage: common_pb2.Usage | None, error: BaseException | None
@@ -128,9 +131,10 @@ class UsageMeter:
         response: gateway_pb2.GenerateResponse | None,
         error: BaseException | None,
         elapsed: float,
+        event: str = "generate",
     ) -> None:
         fields: dict[str, object] = {
-            "event": "generate",
+            "event": event,
             "tenant": caller.tenant,
             "key_id": caller.key.id,
             "model": model,
@@ -149,4 +153,4 @@ class UsageMeter:
             )
         if isinstance(error, LlmeshError) and error.reason:
             fields["reason"] = error.reason
-        access.info("generate", extra={"fields": fields})
+        access.info(event, extra={"fields": fields})

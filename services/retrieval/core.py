@@ -54,6 +54,9 @@ MAX_ID_BYTES = 256
 MAX_NAME_CHARS = 128
 MAX_CHUNK_TOKENS = 8192
 MAX_QUERY_BYTES = 16 * 1024
+# Retrieval.Embed: texts per call and bytes per text.
+MAX_EMBED_INPUTS = 256
+MAX_EMBED_INPUT_BYTES = 16 * 1024
 # Documents per progress message; the next batch is chunked while this one is embedded.
 DOCS_PER_BATCH = 16
 CHUNK_CONCURRENCY = 8
@@ -66,6 +69,7 @@ SEARCH_SECONDS = Histogram(
     "llmesh_retrieval_search_duration_seconds", "Retrieval search latency.", buckets=LATENCY_BUCKETS
 )
 POINTS = Gauge("llmesh_retrieval_points", "Chunks stored per collection.", ["collection"])
+EMBEDDED = Counter("llmesh_retrieval_embedded_texts_total", "Texts embedded for Embed callers.")
 UPSERTED = Counter("llmesh_retrieval_upserted_chunks_total", "Chunks embedded and stored.")
 
 
@@ -449,6 +453,36 @@ class RetrievalCore:
         if not self.qdrant.client.collection_exists(physical):
             return 0
         return int(self.qdrant.client.count(physical, count_filter=flt, exact=True).count)
+
+    # ----- embed
+
+    async def embed(self, inputs: Sequence[str]) -> tuple[np.ndarray, int]:
+        """Unit-length vectors of `inputs` (in order) and the tokens the model read over all of
+        them; INVALID_ARGUMENT naming `inputs` or `inputs[i]`."""
+        violations: list[tuple[str, str]] = []
+        if not inputs:
+            violations.append(("inputs", "at least one text is required"))
+        elif len(inputs) > MAX_EMBED_INPUTS:
+            violations.append(("inputs", f"at most {MAX_EMBED_INPUTS} texts"))
+        for i, text in enumerate(inputs[:MAX_EMBED_INPUTS]):
+            if not text:
+                violations.append((f"inputs[{i}]", "must not be empty"))
+            elif _nbytes(text) > MAX_EMBED_INPUT_BYTES:
+                violations.append((f"inputs[{i}]", f"longer than {MAX_EMBED_INPUT_BYTES} bytes"))
+        if violations:
+            raise InvalidArgument(violations)
+        with tracer.start_as_current_span("retrieval.embed") as span:
+            span.set_attribute("llmesh.embed.inputs", len(inputs))
+            vectors = await self.embedder.aencode(list(inputs))
+            tokens = sum(await self.embedder.acount_tokens(list(inputs)))
+            span.set_attribute("llmesh.embed.input_tokens", tokens)
+        EMBEDDED.inc(len(inputs))
+        return vectors, tokens
+
+    @property
+    def embedding_model(self) -> str:
+        """The embedding model's name: its id without the organisation ("all-MiniLM-L6-v2")."""
+        return self.embedder.model_id.rsplit("/", 1)[-1]
 
     # ----- search
 

@@ -103,6 +103,15 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServicer):
             indexing=info.indexing,
         )
 
+    async def Embed(self, request, context):  # type: ignore[no-untyped-def]
+        core = self.core
+        vectors, tokens = await core.embed(list(request.inputs))
+        return retrieval_pb2.RetrievalEmbedResponse(
+            vectors=[retrieval_pb2.FloatVector(values=row.tolist()) for row in vectors],
+            model=core.embedding_model,
+            input_tokens=tokens,
+        )
+
 
 class RetrievalApp:
     service_names: Sequence[str] = (retrieval_pb2.DESCRIPTOR.services_by_name["Retrieval"].full_name,)

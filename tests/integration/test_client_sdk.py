@@ -60,6 +60,12 @@ async def test_every_call_sync_and_async(models_dir: Path, tiny_model: Path, tmp
             assert again.cache.hit and again.text == answer.text
             parts = [m async for m in client.stream("Say something", tenant="acme", max_new_tokens=8)]
             assert parts[-1].HasField("final") and "".join(m.delta for m in parts[:-1]) == parts[-1].final.text
+            two = await client.ask(
+                "Say two things", tenant="acme", max_new_tokens=4, n=2, logprobs=True, top_logprobs=2
+            )
+            assert len(two.choices) == 2 and all(len(c.logprobs) == 4 for c in two.choices)
+            vectors = await client.embed(["purple lighthouse", "a violet beacon"], tenant="acme")
+            assert len(vectors) == 2 and len(vectors[0]) == 384
 
         def sync_calls() -> None:
             with Mesh(target, api_key=API_KEY) as client:
@@ -69,6 +75,11 @@ async def test_every_call_sync_and_async(models_dir: Path, tiny_model: Path, tmp
                 streamed = list(client.stream("Say something else", tenant="acme", max_new_tokens=4, use_cache=False))
                 assert streamed[-1].final.usage.output_tokens == 4
                 assert client.ingest([("doc-2", "More text.")], tenant="acme").documents == 1
+                embedded = client.embed_response(["one text"], tenant="acme")
+                assert embedded.model == "all-MiniLM-L6-v2" and embedded.usage.input_tokens == 4
+                with pytest.raises(InvalidRequestError) as bad_input:
+                    client.embed(["fine", ""], tenant="acme")
+                assert [f for f, _ in bad_input.value.field_violations] == ["inputs[1]"]
                 with pytest.raises(InvalidRequestError) as bad:
                     client.ask("", tenant="acme", top_p=3.0)
                 assert {f for f, _ in bad.value.field_violations} == {"prompt", "sampling.top_p"}

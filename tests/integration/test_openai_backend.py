@@ -287,6 +287,53 @@ async def test_a_mismatched_tokenizer_is_refused_at_start(vllm: VllmServer, mode
     assert "different tokenizers" in child.stderr
 
 
+async def test_openai_client_n_and_logprobs_through_the_gateway_on_vllm(
+    inference: ServiceHost, models_dir: Path
+) -> None:
+    """n=2 (two backend requests, seeds offset) and logprobs (forwarded to vLLM) with the official
+    openai client against the gateway's HTTP API on the openai backend."""
+    import openai
+
+    env = {"LLMESH_MODELS_DIR": str(models_dir)}
+    async with hosted("tokenizer", TokenizerApp, env) as tok:
+        gateway_env = {
+            "LLMESH_TOKENIZER_TARGET": f"127.0.0.1:{tok.port}",
+            "LLMESH_INFERENCE_TARGET": f"127.0.0.1:{inference.port}",
+            "LLMESH_CACHE_TARGET": CLOSED,
+            "LLMESH_RETRIEVAL_TARGET": CLOSED,
+        }
+        async with hosted("gateway", GatewayApp, gateway_env) as gw:
+            base = f"http://127.0.0.1:{gw.app.http.port}/v1"  # type: ignore[attr-defined]
+            async with openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120) as client:
+                listed = [m.id async for m in client.models.list()]
+                model = listed[0]
+                messages = [{"role": "user", "content": "Name a colour."}]
+                two = await client.chat.completions.create(
+                    model=model,
+                    messages=messages,
+                    n=2,
+                    temperature=1.0,
+                    seed=1,
+                    max_tokens=12,  # type: ignore[arg-type]
+                )
+                assert [c.index for c in two.choices] == [0, 1] and all(c.message.content for c in two.choices)
+                assert two.choices[0].message.content != two.choices[1].message.content
+                scored = await client.chat.completions.create(
+                    model=model,
+                    messages=messages,
+                    logprobs=True,
+                    top_logprobs=3,
+                    max_tokens=8,  # type: ignore[arg-type]
+                )
+                content = scored.choices[0].logprobs.content  # type: ignore[union-attr]
+                assert content and scored.usage is not None and len(content) == scored.usage.completion_tokens
+                # Every token generated, the end-of-turn token vLLM stops on included.
+                assert "".join(e.token for e in content).startswith(scored.choices[0].message.content or "-")
+                for entry in content:
+                    assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+                    assert entry.top_logprobs[0].token == entry.token  # greedy: the likeliest
+
+
 async def test_gateway_on_the_openai_backend_then_backend_killed_and_restarted(
     inference: ServiceHost, channel: grpc.aio.Channel, vllm: VllmServer, models_dir: Path
 ) -> None:

@@ -187,8 +187,8 @@ CHAT = [{"role": "user", "content": "hello"}]
         ({"model": "no-such-model", "messages": CHAT}, 404, None),
         ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 400}]}, 400, "messages"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 40_000}]}, 400, "messages"),
-        ({"model": MODEL, "messages": CHAT, "n": 2}, 400, "n"),
-        ({"model": MODEL, "messages": CHAT, "logprobs": True}, 400, "logprobs"),
+        ({"model": MODEL, "messages": CHAT, "n": 17}, 400, "n"),
+        ({"model": MODEL, "messages": CHAT, "top_logprobs": 3}, 400, "top_logprobs"),
         # Tools without a tool choice is "auto", which the served models cannot do.
         (
             {"model": MODEL, "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
@@ -203,8 +203,8 @@ CHAT = [{"role": "user", "content": "hello"}]
         "unknown-model",
         "past-token-limit",
         "past-byte-limit",
-        "n",
-        "logprobs",
+        "n-17",
+        "top_logprobs-alone",
         "tools-auto",
         "no-user",
     ],

@@ -297,3 +297,42 @@ async def test_an_ingest_fails_before_writing_anything_while_versions_are_unreac
                     await upsert(stub, "kb", _docs())
                 assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
                 assert (await info(stub, "kb")).points == 0
+
+
+async def test_embed_returns_unit_vectors_in_order_with_the_token_count(rag) -> None:  # type: ignore[no-untyped-def]
+    texts = [
+        "How do I reset my password?",
+        "I forgot my password and need to change it.",
+        "The quarterly report shows revenue grew eleven percent.",
+    ]
+    found = await rag.Embed(retrieval_pb2.RetrievalEmbedRequest(inputs=texts))
+    assert found.model == "all-MiniLM-L6-v2"
+    vectors = [list(v.values) for v in found.vectors]
+    assert len(vectors) == 3 and all(len(v) == 384 for v in vectors)
+    for v in vectors:
+        assert abs(sum(x * x for x in v) - 1.0) < 1e-3
+
+    def cosine(a: list[float], b: list[float]) -> float:
+        return sum(x * y for x, y in zip(a, b, strict=True))
+
+    assert cosine(vectors[0], vectors[1]) > cosine(vectors[0], vectors[2]) + 0.2
+    # Each text alone: the same vector (order kept, no cross-talk), and tokens add up.
+    alone = [await rag.Embed(retrieval_pb2.RetrievalEmbedRequest(inputs=[t])) for t in texts]
+    for one, v in zip(alone, vectors, strict=True):
+        assert cosine(list(one.vectors[0].values), v) > 0.999
+    assert found.input_tokens == sum(one.input_tokens for one in alone)
+    # [CLS] how do i reset my password ? [SEP]
+    assert alone[0].input_tokens == 9
+
+
+async def test_embed_refuses_bad_inputs_naming_each(rag) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await rag.Embed(retrieval_pb2.RetrievalEmbedRequest(inputs=["fine", "", "x" * (16 * 1024 + 1), "ok"]))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert _violations(caught.value) == ["inputs[1]", "inputs[2]"]
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await rag.Embed(retrieval_pb2.RetrievalEmbedRequest(inputs=[]))
+    assert _violations(caught.value) == ["inputs"]
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await rag.Embed(retrieval_pb2.RetrievalEmbedRequest(inputs=["a"] * 257))
+    assert _violations(caught.value) == ["inputs"]

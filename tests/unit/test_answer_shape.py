@@ -45,8 +45,9 @@ MODELS = ("", "small", "large")
 
 # Fields that do not shape the answer: changing them never changes the entry.
 NOT_SHAPING = {"lane"}
-# Fields not compared at all here: whether the cache is used.
-NOT_COMPARED = {"use_cache"}
+# Fields not compared at all here: whether the cache is used, and n (n > 1 never uses it; n 0 or 1
+# is one answer, see SAME).
+NOT_COMPARED = {"use_cache", "n"}
 
 Request = gateway_pb2.GenerateRequest
 
@@ -271,6 +272,15 @@ CHANGES: dict[str, Change] = {
         always,
         lambda r, rng: r.sampling.logit_bias.__setitem__(rng.randint(0, 999), rng.choice([-5.0, 2.5, 100.0])),
     ),
+    # Only with logprobs (alone it is refused); a request with logprobs never uses the cache, but
+    # its key still differs.
+    "sampling.top_logprobs": (
+        always,
+        lambda r, rng: (
+            setattr(r.sampling, "logprobs", True),
+            setattr(r.sampling, "top_logprobs", _other(rng, r.sampling.top_logprobs, [1, 3, 20])),
+        ),
+    ),
     "sampling.ignore_eos": (always, lambda r, rng: setattr(r.sampling, "ignore_eos", not r.sampling.ignore_eos)),
 }
 
@@ -319,6 +329,10 @@ SAME: dict[str, Change] = {
             r.sampling.stop.extend(list(r.sampling.stop)),
             r.sampling.stop.reverse(),
         ),
+    ),
+    "n 1 spelled out": (
+        lambda r: r.n in (0, 1),
+        lambda r, rng: setattr(r, "n", 1 - r.n),
     ),
     "a question as one turn": (
         always,

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from llmesh.errors import InvalidArgument
 from services.gateway.core import one_turn_form
-from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, param_name
+from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, param_name
 
 
 def chat(**body: object) -> ChatCompletionRequest:
@@ -81,8 +81,8 @@ def test_completion_prompt_string_or_one_item_list() -> None:
 @pytest.mark.parametrize(
     ("body", "fields"),
     [
-        ({"n": 3, "logprobs": True, "functions": [{}]}, {"n", "logprobs", "functions"}),
-        ({"logit_bias": {"one": 2}, "n": 2}, {"logit_bias", "n"}),
+        ({"n": 3, "logprobs": True, "functions": [{}], "audio": {}}, {"functions", "audio"}),
+        ({"logit_bias": {"one": 2}, "n": 2}, {"logit_bias"}),
         ({"stream_options": {"include_usage": True}}, {"stream_options"}),
     ],
 )
@@ -195,3 +195,33 @@ def test_every_sampling_field_maps_onto_the_contract() -> None:
         {17: 3.0},
         [7, 9],
     )
+
+
+def test_n_and_logprobs_map_onto_the_request() -> None:
+    request = chat(messages=[{"role": "user", "content": "a"}], n=3, logprobs=True, top_logprobs=5).to_generate("t")
+    assert request.n == 3 and request.sampling.logprobs and request.sampling.top_logprobs == 5
+    plain = chat(messages=[{"role": "user", "content": "a"}]).to_generate("t")
+    assert plain.n == 0 and not plain.sampling.logprobs and plain.sampling.top_logprobs == 0
+    legacy = CompletionRequest.model_validate({"model": "m", "prompt": "a", "logprobs": 2, "n": 2}).to_generate("t")
+    assert legacy.n == 2 and legacy.sampling.logprobs and legacy.sampling.top_logprobs == 2
+    zero = CompletionRequest.model_validate({"model": "m", "prompt": "a", "logprobs": 0}).to_generate("t")
+    assert zero.sampling.logprobs and zero.sampling.top_logprobs == 0
+
+
+def test_embedding_inputs_as_text_only() -> None:
+    one = EmbeddingRequest.model_validate({"model": "e", "input": "hello"}).to_embed("t")
+    assert list(one.inputs) == ["hello"] and one.model == "e" and one.tenant == "t"
+    many = EmbeddingRequest.model_validate({"model": "e", "input": ["a", "b"], "encoding_format": "base64"})
+    assert list(many.to_embed("t").inputs) == ["a", "b"]
+    for tokens in ([1, 2, 3], [[1, 2], [3]]):
+        with pytest.raises(InvalidArgument) as info:
+            EmbeddingRequest.model_validate({"model": "e", "input": tokens}).to_embed("t")
+        assert [f for f, _ in info.value.violations] == ["input"]
+    with pytest.raises(InvalidArgument) as info:
+        EmbeddingRequest.model_validate(
+            {"model": "e", "input": "a", "dimensions": 8, "llmesh": {"collection": "docs"}}
+        ).to_embed("t")
+    assert [f for f, _ in info.value.violations] == ["dimensions", "llmesh.collection"]
+    assert param_name("inputs[3]", "input") == "input"
+    assert param_name("sampling.top_logprobs", "prompt") == "logprobs"
+    assert param_name("sampling.top_logprobs", "messages") == "top_logprobs"
