@@ -33,7 +33,8 @@ Outlier ejection (Envoy's outlier detection)
 Retry budget
     A retry (before the first token, on another replica) spends one token; every first attempt
     earns `retry_budget_ratio` of one, up to `retry_budget_burst`: retries stay within that
-    share of the load, whatever fails.
+    share of the load, whatever fails. The requests an ejection cuts before their first token
+    move to another replica without spending it (the ejected replica will not do that work).
 """
 
 from __future__ import annotations
@@ -278,6 +279,8 @@ class ReplicaSet:
         self.on_eject = on_eject
         self.on_return = on_return
         self._next = 0
+        self._last_tick = math.inf  # before the first periodic tick: no lag to judge
+        self._lag_until = -math.inf
 
     # --- membership ---------------------------------------------------------------------------
     def set_addresses(self, addresses: Iterable[str]) -> tuple[list[Replica], list[Replica]]:
@@ -446,17 +449,23 @@ class ReplicaSet:
         if replica.health_failures >= self.config.eject_health_failures:
             self.eject(replica, EJECT_HEALTH)
 
-    def tick(self) -> None:
+    def tick(self, periodic: bool = False) -> None:
         """Stalled replicas out; ejected ones whose time is over and that pass their health
-        check back."""
+        check back. `periodic`: the router's regular tick; one that comes late (this process was
+        not running: its event loop lagged) holds the stall judgement for a stall period, since
+        the silence was this side's."""
         now = self.clock()
+        if periodic:
+            if now - self._last_tick > self.config.stall_seconds / 2:
+                self._lag_until = now + self.config.stall_seconds
+            self._last_tick = now
         for r in list(self.replicas.values()):
             if r.ejected:
                 assert r.ejected_until is not None
                 answering = r.health_ok is not False and r.last_heard >= r.ejected_at
                 if now >= r.ejected_until and (answering or not r.heartbeat):
                     self._return(r, now)
-            elif r.heartbeat and now - r.last_heard > self.config.stall_seconds:
+            elif r.heartbeat and now - r.last_heard > self.config.stall_seconds and now >= self._lag_until:
                 self.eject(r, EJECT_STALLED)
 
     def eject(self, replica: Replica, reason: str) -> bool:

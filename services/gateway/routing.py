@@ -95,10 +95,13 @@ class _Attempt:
 class _Retry(Exception):
     """An attempt that ended before its first token in a way another replica may fix."""
 
-    def __init__(self, error: LlmeshError, failed: bool) -> None:
+    def __init__(self, error: LlmeshError, failed: bool, free: bool = False) -> None:
         super().__init__(error.message)
         self.error = error
         self.failed = failed
+        # Cut by its replica's ejection: the work moves (the ejected replica will not do it), so
+        # it spends no retry budget.
+        self.free = free
 
 
 class ReplicaRouter:
@@ -220,7 +223,7 @@ class ReplicaRouter:
         every = min(0.1, self.config.stall_seconds / 4)
         while True:
             await asyncio.sleep(every)
-            self.set.tick()
+            self.set.tick(periodic=True)
 
     async def _health_loop(self, r: Replica) -> None:
         request = health_pb2.HealthCheckRequest(service="")
@@ -354,7 +357,7 @@ class ReplicaRouter:
         hashes = block_hashes(ids, self.set.block_tokens(), AFFINITY_BLOCKS) if ids else []
         self.set.budget.earn()
         tried: list[Replica] = []
-        answered = False
+        ttft: float | None = None
         try:
             while True:
                 choice = self.set.pick(hashes, exclude=tried)
@@ -368,19 +371,20 @@ class ReplicaRouter:
                 verdict: bool | None = None
                 try:
                     async for message in self._attempt(choice.replica, request, deadline, attempt, flight):
-                        if not answered:
-                            answered = True
+                        if ttft is None:
+                            ttft = loop.time() - started
                             if permit.trial:
-                                permit.success(loop.time() - started)
+                                permit.success(ttft)
                         yield message
                     verdict = False
-                    permit.success(loop.time() - started if not answered else 0.0)
+                    permit.success(ttft if ttft is not None else loop.time() - started)
                     return
                 except _Retry as retry:
                     verdict = retry.failed
                     left = deadline.remaining()
-                    if tried or left <= 0 or len(self.set.replicas) < 2 or not self.set.budget.spend():
-                        if retry.failed:
+                    if tried or left <= 0 or len(self.set.replicas) < 2 or not (retry.free or self.set.budget.spend()):
+                        # Tried twice, or no one else to try: the model failed this request.
+                        if retry.failed or retry.free:
                             permit.failure()
                         raise retry.error from None
                     metrics.REPLICA_RETRIES.labels(self.label, attempt.reason or "failed").inc()
@@ -392,9 +396,10 @@ class ReplicaRouter:
                     )
                     tried.append(choice.replica)
                 except PeerCallError as exc:
+                    # After its first token (or not worth a retry): the replica's failure, judged
+                    # by its outlier detection; the model's breaker hears only what no other
+                    # replica could have saved.
                     verdict = exc.code in BREAKER_FAILURE_CODES
-                    if verdict:
-                        permit.failure()
                     raise
                 finally:
                     self.set.finish(flight, verdict)
@@ -455,5 +460,6 @@ class ReplicaRouter:
         """The error for an attempt the set cut short (ejected, or no first token in time)."""
         error = PeerCallError(Unavailable(f"{name}: {attempt.reason}"))
         if not flight.first_token and attempt.retryable:
-            return _Retry(error, attempt.reason == "first_token_timeout")
+            timed_out = attempt.reason == "first_token_timeout"
+            return _Retry(error, failed=timed_out, free=not timed_out)
         return PeerCallError(error)

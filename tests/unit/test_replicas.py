@@ -241,3 +241,18 @@ def test_replica_settings() -> None:
             load("gateway", {"LLMESH_MODELS": bad})
     with pytest.raises(SettingsError):
         load("gateway", {"LLMESH_ROUTING_PICK": "random"})
+
+
+def test_a_late_tick_of_our_own_is_no_stall_of_theirs() -> None:
+    rs, clock, (a, b, _c) = replica_set(stall_seconds=0.75)
+    report(rs, a)
+    report(rs, b)
+    rs.tick(periodic=True)
+    clock.now += 2.0  # this process did not run for 2 s (its event loop lagged)
+    rs.tick(periodic=True)
+    assert not a.ejected and not b.ejected
+    for _ in range(8):  # ticking on time again; b reports, a stays silent: a stall period later, out
+        clock.now += 0.1
+        report(rs, b)
+        rs.tick(periodic=True)
+    assert a.ejected and not b.ejected
