@@ -210,7 +210,9 @@ class ReplicaRouter:
 
     async def _dns_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.config.dns_refresh_seconds)
+            # Knowing no replica yet (the Service had no ready pod): ask again within a second.
+            every = self.config.dns_refresh_seconds if self.set.replicas else min(1.0, self.config.dns_refresh_seconds)
+            await asyncio.sleep(every)
             await self.refresh()
             self._close_departed()
 
