@@ -1,6 +1,6 @@
 """A model's replicas behind the gateway (issue 26): freeze, kill, mixed load and prefix affinity.
 
-    python -m bench.replicas [--clients 32] [--freeze-seconds 10] [--mixed-seconds 20] [--turns 6]
+    python -m bench.replicas [--clients 32] [--freeze-seconds 10] [--mixed-seconds 30] [--turns 6]
 
 Three builtin inference replicas of the tiny model as processes (batch room 8 each), the
 tokenizer, and gateways over them: the default (least predicted wait, prefix affinity), one

@@ -368,8 +368,9 @@ DECLARED: tuple[Setting, ...] = (
     Setting(
         "LLMESH_INFERENCE_TARGET",
         "127.0.0.1:50053",
-        "Inference service address of the one model, when LLMESH_MODELS is empty; several replicas as "
-        "`host:port|host:port`, or `dns:///name:port` (each address of a headless Service is a replica).",
+        "Inference service address of the one model, when LLMESH_MODELS is empty; several replicas: their "
+        "addresses joined by a vertical bar, or `dns:///name:port` (each address of a headless Service is a "
+        "replica; docs/deploy.md, routing).",
         ("gateway",),
         _targets,
     ),
@@ -378,7 +379,7 @@ DECLARED: tuple[Setting, ...] = (
         "",
         "Several models behind one gateway: `name=host:port,...`, each model's name (its folder under the "
         "models dir, also the tokenizer the gateway asks for) and its inference service (several replicas: "
-        "`name=host:port|host:port`, or `name=dns:///name:port`); requests route by "
+        "their addresses joined by a vertical bar, or `name=dns:///name:port`); requests route by "
         "`model`. Empty: the one model at LLMESH_INFERENCE_TARGET, named by the id its inference reports. "
         "`llmesh up` starts one inference service per model listed.",
         ("gateway",),

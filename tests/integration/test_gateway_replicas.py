@@ -4,6 +4,7 @@ that goes away is ejected and its requests served by the others, and it rejoins 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -119,21 +120,19 @@ async def test_failures_eject_a_replica_and_the_retry_budget_bounds_retries() ->
 async def test_a_replica_that_goes_away_is_ejected_and_rejoins(models_dir: Path, tiny_model: Path) -> None:
     env = {"LLMESH_MODELS_DIR": str(models_dir), "LLMESH_INFERENCE_MODEL": "tiny", "LLMESH_MAX_BATCH_SIZE": "4"}
     async with hosted("inference", InferenceApp, env) as one, hosted("inference", InferenceApp, env) as two:
-        three_env = dict(env)
-        async with hosted("inference", InferenceApp, three_env) as three:
-            addresses = [f"127.0.0.1:{h.port}" for h in (one, two, three)]
-            peers = routed_peers(addresses, RoutingConfig())
-            await peers.start()
-            router = peers.routers[""]
-            try:
-                await router.wait_for(lambda rs: all(r.load is not None for r in rs.replicas.values()), 30)
-                for _ in range(6):
-                    assert await texts(ask(peers, 4))
-                gone = router.set.replicas[addresses[2]]
-            finally:
-                pass
-        # `three` has stopped: ejected (its health check and load stream fail), the others serve.
+        three = contextlib.AsyncExitStack()
+        host = await three.enter_async_context(hosted("inference", InferenceApp, env))
+        addresses = [f"127.0.0.1:{h.port}" for h in (one, two, host)]
+        peers = routed_peers(addresses, RoutingConfig())
+        await peers.start()
+        router = peers.routers[""]
         try:
+            await router.wait_for(lambda rs: all(r.load is not None for r in rs.replicas.values()), 30)
+            for _ in range(6):
+                assert await texts(ask(peers, 4))
+            gone = router.set.replicas[addresses[2]]
+            await three.aclose()
+            # Stopped: ejected (its health check and load stream fail); the others serve.
             await router.wait_for(lambda rs: gone.ejected, 10)
             for _ in range(6):
                 assert await texts(ask(peers, 4))
@@ -145,3 +144,4 @@ async def test_a_replica_that_goes_away_is_ejected_and_rejoins(models_dir: Path,
                 assert not any(r.ejected for r in router.set.replicas.values())
         finally:
             await peers.close()
+            await three.aclose()
