@@ -312,15 +312,14 @@ class ReplicaSet:
     # --- the pick -----------------------------------------------------------------------------
     def pick(self, hashes: Sequence[int] = (), exclude: Iterable[Replica] = ()) -> Choice | None:
         """The replica for a request (`hashes`: its prompt's prefix block hashes); None when no
-        healthy replica is left outside `exclude`."""
+        healthy replica is left outside `exclude` (a retry), or none is known."""
         excluded = set(map(id, exclude))
         candidates = [r for r in self.healthy() if id(r) not in excluded]
         if not candidates:
-            # Every replica is out: the least recently ejected of those not tried (better than none).
-            left = [r for r in self.replicas.values() if id(r) not in excluded]
-            if not left:
-                return None
-            candidates = [min(left, key=lambda r: r.ejected_at)]
+            if excluded or not self.replicas:
+                return None  # a retry goes to a healthy replica or nowhere
+            # Every replica is out (the share cap keeps this rare): the one ejected longest ago.
+            candidates = [min(self.replicas.values(), key=lambda r: r.ejected_at)]
         now = self.clock()
         stale = self.config.report_stale_seconds
         holder, matched = None, 0

@@ -360,11 +360,11 @@ class ReplicaRouter:
         self.set.budget.earn()
         tried: list[Replica] = []
         ttft: float | None = None
+        choice = self.set.pick(hashes)
         try:
             while True:
-                choice = self.set.pick(hashes, exclude=tried)
                 if choice is None:
-                    raise PeerCallError(Unavailable(f"inference/{self.label}: no replica is left to try"))
+                    raise PeerCallError(Unavailable(f"inference/{self.label}: no replica is known"))
                 if hashes:
                     metrics.AFFINITY.labels(self.label, choice.affinity).inc()
                 attempt = _Attempt()
@@ -383,20 +383,23 @@ class ReplicaRouter:
                     return
                 except _Retry as retry:
                     verdict = retry.failed
-                    left = deadline.remaining()
-                    if tried or left <= 0 or len(self.set.replicas) < 2 or not (retry.free or self.set.budget.spend()):
+                    tried.append(choice.replica)
+                    # Once, on a healthy replica not tried yet, within the deadline and the budget.
+                    again = None if len(tried) > 1 or deadline.remaining() <= 0 else self.set.pick(hashes, tried)
+                    if again is None or not (retry.free or self.set.budget.spend()):
                         # Tried twice, or no one else to try: the model failed this request.
                         if retry.failed or retry.free:
                             permit.failure()
                         raise retry.error from None
                     metrics.REPLICA_RETRIES.labels(self.label, attempt.reason or "failed").inc()
                     log.info(
-                        "model %s: retrying on another replica, %s failed before its first token: %s",
+                        "model %s: retrying on %s, %s failed before its first token: %s",
                         self.label,
+                        again.replica.address,
                         choice.replica.address,
                         retry.error.message,
                     )
-                    tried.append(choice.replica)
+                    choice = again
                 except PeerCallError as exc:
                     # After its first token (or not worth a retry): the replica's failure, judged
                     # by its outlier detection; the model's breaker hears only what no other

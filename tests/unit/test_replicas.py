@@ -256,3 +256,14 @@ def test_a_late_tick_of_our_own_is_no_stall_of_theirs() -> None:
         report(rs, b)
         rs.tick(periodic=True)
     assert a.ejected and not b.ejected
+
+
+def test_a_retry_goes_to_a_healthy_replica_not_tried_or_nowhere() -> None:
+    rs, _clock, (a, b, c) = replica_set()
+    rs.eject(a, "failures")
+    assert rs.pick(exclude=[b]).replica is c  # type: ignore[union-attr]
+    assert rs.pick(exclude=[b, c]) is None  # not the ejected one
+    # A first attempt with every replica out still goes somewhere: the one ejected longest ago.
+    for r in (b, c):
+        r.ejected_until, r.ejected_at = 1e9, 200.0
+    assert rs.pick().replica is a  # type: ignore[union-attr]
