@@ -4,6 +4,7 @@ idempotent methods (with a retry budget), and deadlines derived from the caller'
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +68,14 @@ def peer_credentials(settings: Any) -> grpc.ChannelCredentials | None:
 
 
 def peer_channel(
-    target: str, max_message_bytes: int = 8 * 1024 * 1024, credentials: grpc.ChannelCredentials | None = None
+    target: str,
+    max_message_bytes: int = 8 * 1024 * 1024,
+    credentials: grpc.ChannelCredentials | None = None,
+    extra_options: Sequence[tuple[str, Any]] = (),
 ) -> TracedChannel:
-    """A traced channel to a peer; round-robin over every address the target resolves to."""
-    options = channel_options(max_message_bytes)
+    """A traced channel to a peer; round-robin over every address the target resolves to
+    (`extra_options`: more channel arguments, e.g. a replica's reconnect backoff)."""
+    options = [*channel_options(max_message_bytes), *extra_options]
     if credentials is not None:
         return TracedChannel(grpc.aio.secure_channel(target, credentials, options=options))
     return TracedChannel(grpc.aio.insecure_channel(target, options=options))

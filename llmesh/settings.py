@@ -96,6 +96,14 @@ def _target(raw: str) -> str:
     return _address(raw)
 
 
+def _targets(raw: str) -> str:
+    """One target, or several replicas of one model: `host:port|host:port` (issue 26)."""
+    parts = [p.strip() for p in raw.split("|")]
+    if len(parts) > 1 and any(p.startswith("dns:") or not p for p in parts):
+        raise ValueError("expected host:port|host:port (a dns:/// target stands alone)")
+    return "|".join(_target(p) for p in parts)
+
+
 def _choice(*options: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         if raw not in options:
@@ -188,7 +196,7 @@ def parse_models(raw: str) -> dict[str, str]:
         if name in found:
             raise ValueError(f"model {name!r} is listed twice")
         try:
-            found[name] = _target(target)
+            found[name] = _targets(target)
         except ValueError as exc:
             raise ValueError(f"model {name!r}: {exc}") from None
     return found
@@ -360,15 +368,18 @@ DECLARED: tuple[Setting, ...] = (
     Setting(
         "LLMESH_INFERENCE_TARGET",
         "127.0.0.1:50053",
-        "Inference service address of the one model, when LLMESH_MODELS is empty.",
+        "Inference service address of the one model, when LLMESH_MODELS is empty; several replicas: their "
+        "addresses joined by a vertical bar, or `dns:///name:port` (each address of a headless Service is a "
+        "replica; docs/deploy.md, routing).",
         ("gateway",),
-        _target,
+        _targets,
     ),
     Setting(
         "LLMESH_MODELS",
         "",
         "Several models behind one gateway: `name=host:port,...`, each model's name (its folder under the "
-        "models dir, also the tokenizer the gateway asks for) and its inference service; requests route by "
+        "models dir, also the tokenizer the gateway asks for) and its inference service (several replicas: "
+        "their addresses joined by a vertical bar, or `name=dns:///name:port`); requests route by "
         "`model`. Empty: the one model at LLMESH_INFERENCE_TARGET, named by the id its inference reports. "
         "`llmesh up` starts one inference service per model listed.",
         ("gateway",),
@@ -616,6 +627,86 @@ DECLARED: tuple[Setting, ...] = (
         "half-opens it before the wait ends (0: no probes).",
         ("gateway",),
         _non_negative_float,
+    ),
+    # issue 26: routing over a model's replicas (several targets, or dns:///).
+    Setting(
+        "LLMESH_ROUTING_PICK",
+        "least_wait",
+        "How the gateway picks a model's replica: `least_wait` (the soonest start predicted from each replica's "
+        "load, the power of two choices when reports are stale) or `round_robin` (load-blind, for comparison).",
+        ("gateway",),
+        _choice("least_wait", "round_robin"),
+    ),
+    Setting(
+        "LLMESH_ROUTING_EJECT_FAILURES",
+        "3",
+        "Failures in a row that eject a replica as an outlier.",
+        ("gateway",),
+        _positive_int,
+    ),
+    Setting(
+        "LLMESH_ROUTING_STALL_SECONDS",
+        "0.75",
+        "A replica heard nothing from this long (no load report, stream message or health answer) is ejected.",
+        ("gateway",),
+        _positive_float,
+    ),
+    Setting(
+        "LLMESH_ROUTING_EJECT_SECONDS",
+        "1",
+        "A replica's first ejection lasts this long, doubling with each repeat (at most 30 s); it returns once "
+        "that is over and its health check passes.",
+        ("gateway",),
+        _positive_float,
+    ),
+    Setting(
+        "LLMESH_ROUTING_MAX_EJECTED_SHARE",
+        "0.5",
+        "Most of a model's replicas ejected at once (at least one of two or more).",
+        ("gateway",),
+        _unit_float,
+    ),
+    Setting(
+        "LLMESH_ROUTING_HEALTH_SECONDS",
+        "0.25",
+        "Each replica's health is checked this often; two failed checks in a row eject it.",
+        ("gateway",),
+        _positive_float,
+    ),
+    Setting(
+        "LLMESH_ROUTING_FIRST_TOKEN_SECONDS",
+        "10",
+        "A Generate with no first token after this long is tried on another replica (0: never).",
+        ("gateway",),
+        _non_negative_float,
+    ),
+    Setting(
+        "LLMESH_ROUTING_RETRY_BUDGET",
+        "0.1",
+        "Retries on another replica (before the first token) as a share of requests, over a burst of 10.",
+        ("gateway",),
+        _unit_float,
+    ),
+    Setting(
+        "LLMESH_ROUTING_AFFINITY_MIN_TOKENS",
+        "32",
+        "A prompt whose leading tokens (at least this many) a replica holds goes there (prefix affinity; 0: off).",
+        ("gateway",),
+        _non_negative_int,
+    ),
+    Setting(
+        "LLMESH_ROUTING_AFFINITY_LOAD_FACTOR",
+        "1.25",
+        "Prefix affinity yields when the holding replica's load is above this times the mean (bounded load).",
+        ("gateway",),
+        _positive_float,
+    ),
+    Setting(
+        "LLMESH_ROUTING_DNS_SECONDS",
+        "5",
+        "A dns:/// inference target (a headless Service) is resolved again this often; its addresses are the replicas.",
+        ("gateway",),
+        _positive_float,
     ),
     # Tokenizer.
     Setting(

@@ -48,3 +48,26 @@ HTTP_DISCONNECTS = Counter(
     "llmesh_gateway_http_disconnects",
     "Non-streaming HTTP requests whose client went away before the answer (the generation was cancelled).",
 )
+# issue 26: a model's replicas (labels: the model's route name, "default" for the unnamed one,
+# and the replica's address).
+REPLICAS = Gauge("llmesh_gateway_replicas", "Replicas known per model (listed, or resolved from DNS).", ["model"])
+REPLICA_EJECTED = Gauge(
+    "llmesh_gateway_replica_ejected", "1 while a replica is ejected as an outlier, else 0.", ["model", "replica"]
+)
+REPLICA_EJECTIONS = Counter(
+    "llmesh_gateway_replica_ejections", "Outlier ejections by reason.", ["model", "replica", "reason"]
+)
+REPLICA_REQUESTS = Counter(
+    "llmesh_gateway_replica_requests", "Generate attempts sent to each replica.", ["model", "replica"]
+)
+REPLICA_RETRIES = Counter(
+    "llmesh_gateway_replica_retries",
+    "Generate calls retried on another replica before their first token, by why.",
+    ["model", "reason"],
+)
+AFFINITY = Counter(
+    "llmesh_gateway_prefix_affinity",
+    "Picks by where the prompt's prefix was: hit (sent to the replica holding it), overloaded "
+    "(that replica was above the load bound), miss (sent elsewhere), none (nobody held it).",
+    ["model", "outcome"],
+)

@@ -8,7 +8,7 @@ import contextvars
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -29,6 +29,10 @@ from llmesh.v1 import (
     tokenizer_pb2_grpc,
 )
 from services.gateway.breaker import BreakerConfig, CircuitBreaker, Permit, State, TransitionListener
+
+if TYPE_CHECKING:
+    from services.gateway.admission.load import LoadBook
+    from services.gateway.replicas import RoutingConfig
 
 T = TypeVar("T")
 # Lookups that queue behind these many calls in flight go together in one LookupBatch call. One:
@@ -333,16 +337,30 @@ class Peers:
         budgets: HopBudgets | None = None,
         models: Mapping[str, str] | None = None,
         probe_seconds: float = 0.25,
+        routing: RoutingConfig | None = None,
+        loads: LoadBook | None = None,
     ) -> None:
+        # Imported here: routing builds on this module's Deadline and errors.
+        from services.gateway.routing import ReplicaRouter, routed
+
         self.budgets = budgets or HopBudgets()
         self.probe_seconds = probe_seconds
         models = models or {"": targets["inference"]}
+        # issue 26: a model with several replicas (`a:1|b:2`, or dns:///name:port) is routed over
+        # them (services/gateway/routing.py); one with a single target keeps its one channel.
+        self.routers = {
+            model: ReplicaRouter(model, target, max_message_bytes, credentials, routing, loads)
+            for model, target in models.items()
+            if routed(target)
+        }
         all_targets = {name: targets[name] for name in PEERS if name != "inference"}
-        all_targets.update({inference_peer(model): target for model, target in models.items()})
+        all_targets.update(
+            {inference_peer(model): target for model, target in models.items() if model not in self.routers}
+        )
         self.channels = {
             name: peer_channel(target, max_message_bytes, credentials) for name, target in all_targets.items()
         }
-        breaker_names = [*all_targets]
+        breaker_names = [*all_targets, *(inference_peer(model) for model in self.routers)]
         breaker_names += [method_breaker(inference_peer(model), INFO) for model in models]
         breaker_names += [method_breaker("retrieval", m) for m in (INGEST, SEARCH, EMBED)]
         self.breakers = {
@@ -358,15 +376,24 @@ class Peers:
         self._probes: dict[str, asyncio.Task[None]] = {}
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self.channels["tokenizer"])
         self.inferences = {
-            model: inference_pb2_grpc.InferenceStub(self.channels[inference_peer(model)]) for model in models
+            model: inference_pb2_grpc.InferenceStub(self.channels[inference_peer(model)])
+            for model in models
+            if model not in self.routers
         }
         self.cache = cache_pb2_grpc.CacheStub(self.channels["cache"])
         self.retrieval = retrieval_pb2_grpc.RetrievalStub(self.channels["retrieval"])
         self.lookups = LookupCoalescer(self._cache_lookup, self._cache_lookup_batch)
 
+    async def start(self) -> None:
+        """Starts the replica routers' health checks, load watches and DNS refreshes."""
+        for router in self.routers.values():
+            await router.start()
+
     async def close(self) -> None:
         for task in list(self._probes.values()):
             task.cancel()
+        for router in self.routers.values():
+            await router.close()
         for channel in self.channels.values():
             await channel.close()
 
@@ -391,7 +418,9 @@ class Peers:
         while breaker.state is State.OPEN:
             started = time.monotonic()
             try:
-                reply = await self.health[channel_of(name)].Check(request, timeout=self.probe_seconds)
+                reply = await self._health_of(channel_of(name)).Check(request, timeout=self.probe_seconds)
+            except PeerCallError:
+                breaker.probe_failed()  # a routed model with no replica known
             except grpc.aio.AioRpcError as err:
                 if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     breaker.probe_failed()  # no answer: no trials until it answers (or the wait ends)
@@ -402,6 +431,17 @@ class Peers:
                 else:
                     breaker.probe_failed()
             await asyncio.sleep(max(0.0, self.probe_seconds - (time.monotonic() - started)))
+
+    def _health_of(self, peer: str) -> health_pb2_grpc.HealthStub:
+        found = self.health.get(peer)
+        if found is not None:
+            return found
+        model = next(m for m in self.routers if inference_peer(m) == peer)
+        return self.routers[model].health_stub()
+
+    def _inference(self, model: str) -> inference_pb2_grpc.InferenceStub:
+        router = self.routers.get(model)
+        return router.info_stub() if router is not None else self.inferences[model]
 
     # Each call relays the peer's status as a domain error naming the peer.
     async def chat_template(
@@ -430,7 +470,7 @@ class Peers:
 
     async def model_info(self, deadline: Deadline, model: str = "") -> inference_pb2.ModelInfo:
         request = inference_pb2.GetModelInfoRequest()
-        stub = self.inferences[model]
+        stub = self._inference(model)
         return await _unary(
             self.breakers[method_breaker(inference_peer(model), INFO)],
             lambda timeout: stub.GetModelInfo(request, timeout=timeout),
@@ -450,7 +490,6 @@ class Peers:
         """Token ids normally; rendered text when the tokenizer is down (inference tokenizes it).
         `model`: whose inference service (a key of `models`); `response_format`: the form the
         answer must take (None: free text)."""
-        stub = self.inferences[model]
         request = inference_pb2.InferenceRequest(sampling=sampling, request_id=request_id)
         if response_format is not None:
             request.response_format.CopyFrom(response_format)
@@ -458,6 +497,10 @@ class Peers:
             request.text = prompt
         else:
             request.token_ids.ids.extend(prompt)
+        router = self.routers.get(model)
+        if router is not None:  # issue 26: over the model's replicas, one retry before the first token
+            return router.generate(request, deadline, self.breakers[inference_peer(model)])
+        stub = self.inferences[model]
         return _stream(
             self.breakers[inference_peer(model)], lambda timeout: stub.Generate(request, timeout=timeout), deadline
         )

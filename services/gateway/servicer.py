@@ -25,6 +25,7 @@ from services.gateway.core import Delta, Final, Gateway, GatewayConfig, server_t
 from services.gateway.limits import KeyLimiter
 from services.gateway.openai_http import announce, http_api
 from services.gateway.peers import Deadline, HopBudgets, Peers
+from services.gateway.replicas import RoutingConfig
 from services.gateway.usage import TenantLabels, UsageMeter
 
 log = logging.getLogger("llmesh.gateway")
@@ -183,6 +184,9 @@ class GatewayApp:
         # One inference peer per model (name -> target); without LLMESH_MODELS the one at
         # LLMESH_INFERENCE_TARGET, unnamed.
         models, default_model = model_routes(s)
+        # issue 26: each model's inference reports its own load; admission decides on it. A model
+        # with several replicas is routed over them, each replica's load feeding the book.
+        self.loads = LoadBook()
         self.peers = Peers(
             targets,
             s.max_message_bytes,
@@ -192,13 +196,14 @@ class GatewayApp:
             budgets,
             models,
             probe_seconds=s.breaker_probe_seconds,
+            routing=RoutingConfig.from_settings(s),
+            loads=self.loads,
         )
         admission = AdmissionConfig.from_settings(s)
-        # issue 26: each model's inference reports its own load; admission decides on it.
-        self.loads = LoadBook()
         self.load_watchers = [
             LoadWatcher(self.loads, name, lambda name=name: self.peers.watch_load(name))  # type: ignore[misc]
             for name in models
+            if name not in self.peers.routers
         ]
         self.window: WeightWindow | RedisWeightWindow = (
             RedisWeightWindow(
@@ -256,6 +261,7 @@ class GatewayApp:
         if self.api_keys.path is not None:
             self._watch = asyncio.get_running_loop().create_task(self.api_keys.watch())
         self.limiter.start()
+        await self.peers.start()
         for watcher in self.load_watchers:
             watcher.start()
         announce(await self.http.start() if self.http is not None else 0)

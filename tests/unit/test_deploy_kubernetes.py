@@ -338,6 +338,14 @@ def test_headless_services_and_peer_targets(objects: tuple[Obj, ...]) -> None:
             f"dns:///{name}.{namespace}.svc.cluster.local:{settings.DEFAULT_PORTS['inference']}"
         )
     assert models == served, "each model routes to the inference service that serves it"
+    # issue 26: the gateway resolves each headless name itself and routes per pod, re-resolving
+    # often enough to follow the autoscaler.
+    from services.gateway.routing import dns_name, routed
+
+    for target in models.values():
+        host, _ = dns_name(target) or ("", 0)
+        assert routed(target) and one(objects, "Service", host.partition(".")[0])["spec"]["clusterIP"] == "None"
+    assert float(gateway_env["LLMESH_ROUTING_DNS_SECONDS"]) <= 10
     tokenizer_env = environment(objects, container(one(objects, "Deployment", "tokenizer")))
     assert settings.BY_ENV["LLMESH_TOKENIZER_MODELS"].parse(tokenizer_env["LLMESH_TOKENIZER_MODELS"]) == tuple(models)
 
