@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from llmesh.v1 import cache_pb2
-from services.gateway.peers import CallerDeadline, Deadline, LookupCoalescer
+from services.gateway.deadline import CallerDeadline, Deadline
+from services.gateway.lookups import LookupCoalescer
 
 
 class Cache:
