@@ -197,3 +197,44 @@ async def test_sampled_rows_get_the_tempered_distribution_and_a_stop_token_has_i
     last = stopped[-1]
     assert last.finish_reason == "stop" and last.token_ids == [stop]
     assert [e.token_id for e in last.logprobs] == [stop]
+
+
+async def test_a_prompt_prefilled_in_chunks_inside_decode_steps_gets_its_logprobs_too(loaded: LoadedModel) -> None:
+    # The long prompt's first token comes from the last chunk of a mixed step; the decoding row
+    # beside it asks for log probabilities as well (the mixed step's decode rows).
+    eng = Engine(loaded, EngineConfig(max_batch_size=4, max_prompt_tokens=512, max_new_tokens=64, prefix_caching=False))
+    eng.start()
+    long_prompt = eng.encode("Tell me about the sea, the sky and everything in between. " * 12)
+    short_prompt = eng.encode("Hello there")
+    forwards: list[str] = []
+    real = eng.runner.mixed
+
+    def counted(*args: object) -> object:
+        forwards.append("mixed")
+        return real(*args)  # type: ignore[arg-type]
+
+    eng.runner.mixed = counted  # type: ignore[method-assign]
+
+    def small_chunks(kind: str, batch: int) -> None:
+        eng.core.speeds.prefill_tok_s, eng.core.speeds.step_s = 4000.0, 0.01  # chunks of 128 tokens
+
+    asked = SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=True, top_logprobs=2)
+    try:
+        eng.fault_hook = small_chunks
+        short = eng.submit(short_prompt, SamplingParams(max_new_tokens=40, ignore_eos=True, logprobs=True))
+        first = await short.__anext__()
+        long_events = await collect(eng, long_prompt, asked)
+        short_events = [first, *[e async for e in short]]
+    finally:
+        eng.close()
+    assert forwards, "the long prompt was prefilled inside decode steps"
+    for prompt, events in ((long_prompt, long_events), (short_prompt, short_events)):
+        ids = [i for e in events for i in e.token_ids]
+        entries = [entry for e in events for entry in e.logprobs]
+        assert [entry.token_id for entry in entries] == ids
+        with torch.inference_mode():
+            logits = loaded.model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
+        reference = torch.log_softmax(logits, dim=-1)
+        got = [entry.logprob for entry in entries]
+        assert got == pytest.approx([float(reference[p, t]) for p, t in enumerate(ids)], abs=1e-4)
+    assert all(len(entry.top) == 2 for e in long_events for entry in e.logprobs)
