@@ -29,7 +29,9 @@ replica alone (the affinity phase's yardstick). In one run:
             to the replica holding their prefix, from llmesh_gateway_prefix_affinity; target
             >= 0.8) against `round_robin_hit_rate` (about 1/3), `affinity_ttft_p50_s` within
             1.2 x `single_replica_ttft_p50_s`, and `max_load_over_mean` (the busiest replica's
-            requests over the mean; target <= 1.3).
+            requests over the mean; target <= 1.3). Beside them, the share of prompt tokens the
+            engines' own prefix caches served (`affinity_engine_prefix_hit_rate`,
+            `round_robin_engine_prefix_hit_rate`).
 
 Writes bench/results/replicas.json (with "passes") and prints a table.
 """
@@ -189,6 +191,17 @@ class Bench:
     def replica_requests(self, gateway: str) -> dict[str, float]:
         return by_label(self.metrics_port(gateway), "llmesh_gateway_replica_requests_total", "replica")
 
+    def engine_prefix_tokens(self) -> tuple[float, float]:
+        """(prompt tokens the replicas' prefix caches served, tokens looked up), summed."""
+        hit = query = 0.0
+        for r in REPLICAS:
+            for name, _, value in scrape(self.mesh.procs[f"inference-{r}"].metrics_port):
+                if name == "llmesh_inference_prefix_hit_tokens_total":
+                    hit += value
+                elif name == "llmesh_inference_prefix_query_tokens_total":
+                    query += value
+        return hit, query
+
     def signal(self, r: str, sig: int) -> None:
         self.mesh.procs[f"inference-{r}"].proc.send_signal(sig)
 
@@ -341,7 +354,12 @@ class Bench:
             port = self.metrics_port(gateway)
             before = by_label(port, "llmesh_gateway_prefix_affinity_total", "outcome")
             requests_before = self.replica_requests(gateway)
+            hit_before, query_before = self.engine_prefix_tokens()
             outcomes = await self.conversations(gateway, count, turns, seed=1 if key == "affinity" else 2)
+            hit_after, query_after = self.engine_prefix_tokens()
+            looked_up = query_after - query_before
+            # What the engines' own prefix caches served of the prompts (all turns, the first included).
+            result[f"{key}_engine_prefix_hit_rate"] = (hit_after - hit_before) / looked_up if looked_up else None
             after = by_label(port, "llmesh_gateway_prefix_affinity_total", "outcome")
             delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
             judged = delta.get("hit", 0) + delta.get("miss", 0) + delta.get("overloaded", 0)
@@ -454,6 +472,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "affinity_ttft_p50_s": a["affinity_ttft_p50_s"],
         "single_replica_ttft_p50_s": a["single_replica_ttft_p50_s"],
         "max_load_over_mean": a["max_load_over_mean"],
+        "affinity_engine_prefix_hit_rate": a["affinity_engine_prefix_hit_rate"],
+        "round_robin_engine_prefix_hit_rate": a["round_robin_engine_prefix_hit_rate"],
         "phases": phases,
     }
     result["passes"] = passes(result)

@@ -170,6 +170,8 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "affinity_ttft_p50_s",
         "single_replica_ttft_p50_s",
         "max_load_over_mean",
+        "affinity_engine_prefix_hit_rate",
+        "round_robin_engine_prefix_hit_rate",
     ),
     "reliability_openai": (
         "backend",

@@ -267,3 +267,14 @@ def test_a_retry_goes_to_a_healthy_replica_not_tried_or_nowhere() -> None:
     for r in (b, c):
         r.ejected_until, r.ejected_at = 1e9, 200.0
     assert rs.pick().replica is a  # type: ignore[union-attr]
+
+
+def test_capacity_is_the_healthy_replicas_rows() -> None:
+    rs, clock, (a, b, c) = replica_set()
+    for r in (a, b, c):
+        report(rs, r, rows=8)
+    assert rs.capacity() == 24
+    rs.eject(c, "stalled")
+    assert rs.capacity() == 16
+    clock.now += 5  # every report stale: nothing to count on
+    assert rs.capacity() == 0
