@@ -61,6 +61,24 @@ class Embeddings:
         self.name = found.model
         return self.name
 
+    @staticmethod
+    def _check_name(asked: str, served: str) -> None:
+        if served and not same_model(asked, served):
+            raise NotFound(
+                f"embedding model {asked!r} is not served here; this gateway embeds with {served}",
+                reason="MODEL_NOT_FOUND",
+                metadata={"model": asked},
+            )
+
+    @staticmethod
+    def _authorize(caller: Caller | None, model: str) -> None:
+        if caller is not None and not caller.key.allows(model):
+            raise PermissionDenied(
+                f"API key {caller.key_id} may not use model {model!r}",
+                reason="MODEL_NOT_ALLOWED",
+                metadata={"model": model},
+            )
+
     async def embed(
         self, request: gateway_pb2.EmbedRequest, deadline: Deadline, caller: Caller | None, tenant_ok: bool = True
     ) -> gateway_pb2.EmbedResponse:
@@ -80,21 +98,11 @@ class Embeddings:
             if bad:
                 raise InvalidArgument(bad)
             if request.model:
-                served = await self.model_name(deadline)
-                if not same_model(request.model, served):
-                    listing = served or "none while retrieval is unavailable"
-                    raise NotFound(
-                        f"embedding model {request.model!r} is not served here; this gateway embeds with {listing}",
-                        reason="MODEL_NOT_FOUND",
-                        metadata={"model": request.model},
-                    )
+                # Unknown while retrieval cannot say: then its answer decides (or its failure stands).
+                self._check_name(request.model, await self.model_name(deadline))
             name = self.name or name
-            if caller is not None and self.name and not caller.key.allows(self.name):
-                raise PermissionDenied(
-                    f"API key {caller.key_id} may not use model {self.name!r}",
-                    reason="MODEL_NOT_ALLOWED",
-                    metadata={"model": self.name},
-                )
+            if self.name:
+                self._authorize(caller, self.name)
             await self.usage.admit(caller)
             span.set_attribute("llmesh.tenant", tenant)
             span.set_attribute("llmesh.embed.inputs", len(request.inputs))
@@ -106,6 +114,9 @@ class Embeddings:
                     raise InvalidArgument(cause.violations()) from exc  # the fields, as the caller named them
                 raise cause from exc
             self.name = name = found.model or self.name
+            if request.model:
+                self._check_name(request.model, name)
+            self._authorize(caller, name)  # a first call, before the name was known
             span.set_attribute("gen_ai.request.model", name)
             usage = common_pb2.Usage(input_tokens=found.input_tokens)
             span.set_attribute("gen_ai.usage.input_tokens", found.input_tokens)

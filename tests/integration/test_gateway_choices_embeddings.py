@@ -20,6 +20,7 @@ import pytest
 import redis
 from prometheus_client import REGISTRY
 
+from llmesh import keys_file
 from llmesh.errors import status_details, unpack_details
 from llmesh.server import ServiceHost
 from llmesh.testing import hosted
@@ -43,6 +44,9 @@ class Mesh:
     gateway: ServiceHost
     inference: ServiceHost
     stub: gateway_pb2_grpc.GatewayStub
+    # Keys (from a keys file) limited to the chat model, and to the embedding model.
+    chat_only_key: str
+    embed_only_key: str
 
     @property
     def http_base(self) -> str:
@@ -54,6 +58,9 @@ async def mesh(
     models_dir: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, module_redis_url: str
 ) -> AsyncIterator[Mesh]:
     prefix = f"llmesh-choices:{uuid.uuid4().hex[:8]}:"
+    keys = tmp_path_factory.mktemp("choices-keys") / "keys.json"
+    _, chat_only = keys_file.create(keys, "acme", models=(MODEL,))
+    _, embed_only = keys_file.create(keys, "acme", models=(EMBEDDER,))
     env = {
         "LLMESH_MODELS_DIR": str(models_dir),
         "LLMESH_DATA_DIR": str(tmp_path_factory.mktemp("choices")),
@@ -75,10 +82,11 @@ async def mesh(
                     "LLMESH_CACHE_TARGET": f"127.0.0.1:{cache.port}",
                     "LLMESH_RETRIEVAL_TARGET": f"127.0.0.1:{rag.port}",
                     "LLMESH_API_KEYS": f"{KEY}=*;{ACME_KEY}=acme",
+                    "LLMESH_API_KEYS_FILE": str(keys),
                 }
                 async with hosted("gateway", GatewayApp, gateway_env) as gw:
                     async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
-                        yield Mesh(gw, inf, gateway_pb2_grpc.GatewayStub(channel))
+                        yield Mesh(gw, inf, gateway_pb2_grpc.GatewayStub(channel), chat_only, embed_only)
     finally:
         client = redis.Redis.from_url(module_redis_url)
         keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
@@ -247,6 +255,15 @@ async def test_embed_refuses_bad_input_naming_the_field(mesh: Mesh) -> None:
             timeout=30,
         )
     assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+async def test_a_key_limited_to_models_embeds_only_when_it_names_the_embedding_model(mesh: Mesh) -> None:
+    request = gateway_pb2.EmbedRequest(inputs=["a"], tenant="acme")
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await mesh.stub.Embed(request, metadata=(("authorization", f"Bearer {mesh.chat_only_key}"),), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    found = await mesh.stub.Embed(request, metadata=(("authorization", f"Bearer {mesh.embed_only_key}"),), timeout=30)
+    assert len(found.embeddings) == 1
 
 
 # ----- HTTP, the official openai client

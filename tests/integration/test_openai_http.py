@@ -361,3 +361,19 @@ async def test_downstream_down_is_503_and_a_spent_deadline_504(backends: dict) -
             reply = await http.post("/chat/completions", json=body)
         assert reply.status_code == status, reply.text
         assert assert_openai_error(reply.json())["type"] == kind
+
+
+async def test_embeddings_while_retrieval_is_down_are_a_503_and_not_listed(
+    gateway: ServiceHost, client: openai.AsyncOpenAI
+) -> None:
+    # Retrieval (the embedding model's home) is at a closed port in this module.
+    with pytest.raises(openai.APIStatusError) as info:
+        await client.embeddings.create(model="all-MiniLM-L6-v2", input=["a"])
+    assert info.value.status_code == 503
+    assert [m.id async for m in client.models.list()] == [MODEL]
+    headers = {"authorization": f"Bearer {KEY}"}
+    async with httpx.AsyncClient(base_url=base_url(gateway), headers=headers, timeout=60) as http:
+        anonymous = await http.post("/embeddings", json={"model": "e", "input": "a"}, headers={"authorization": ""})
+        assert anonymous.status_code == 401
+        tokens = await http.post("/embeddings", json={"model": "e", "input": [[1, 2]]})
+        assert tokens.status_code == 400 and tokens.json()["error"]["param"] == "input"

@@ -196,3 +196,28 @@ def test_a_tool_turn_answering_an_earlier_call_is_accepted() -> None:
         CONFIG,
     )
     assert plan.prompt == "Weather in Paris?" and len(plan.turns) == 3
+
+
+def test_n_and_logprobs_are_checked_and_never_use_the_cache() -> None:
+    plain = validate(gateway_pb2.GenerateRequest(prompt="hi", n=1), CONFIG)
+    assert plain.n == 1 and plain.use_cache
+    many = validate(gateway_pb2.GenerateRequest(prompt="hi", n=16), CONFIG)
+    assert many.n == 16 and not many.use_cache
+    scored = validate(
+        gateway_pb2.GenerateRequest(prompt="hi", sampling=common_pb2.SamplingParams(logprobs=True, top_logprobs=20)),
+        CONFIG,
+    )
+    assert not scored.use_cache and scored.sampling.top_logprobs == 20
+    with pytest.raises(InvalidArgument) as bad:
+        validate(
+            gateway_pb2.GenerateRequest(prompt="hi", n=17, sampling=common_pb2.SamplingParams(top_logprobs=2)), CONFIG
+        )
+    assert [f for f, _ in bad.value.violations] == ["sampling.top_logprobs", "n"]
+    with pytest.raises(InvalidArgument) as bad:
+        validate(
+            gateway_pb2.GenerateRequest(
+                prompt="hi", sampling=common_pb2.SamplingParams(logprobs=True, top_logprobs=21)
+            ),
+            CONFIG,
+        )
+    assert [f for f, _ in bad.value.violations] == ["sampling.top_logprobs"]
