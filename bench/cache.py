@@ -177,7 +177,7 @@ def _scale_scope(tenant: str) -> Any:
     return cache_pb2.CacheScope(model="smollm2", tenant=tenant, sampling=common_pb2.SamplingParams(max_new_tokens=32))
 
 
-def _scale_fill(root: Any) -> dict[str, Any]:
+def _scale_fill(root: Any, redis_url: str) -> dict[str, Any]:
     """SCALE_POINTS cached questions (random vectors, real scope payloads over SCALE_TENANTS
     tenants) in the cache's collection, as CacheCore writes them; HNSW built."""
     from qdrant_client import models as qm
@@ -198,7 +198,7 @@ def _scale_fill(root: Any) -> dict[str, Any]:
     digest, dimension = embedder.digest, embedder.dimension
     embedder.close()
     core = CacheCore(
-        redis_client("redis://127.0.0.1:6379/0", 0.25),
+        redis_client(redis_url, 0.25),  # not dialled: only the scope payloads are computed
         embedder=_Digest(digest, dimension),  # type: ignore[arg-type]
         qdrant=None,
         threshold=0.9,
@@ -289,37 +289,52 @@ async def _scale_lookups(target: str, n_misses: int) -> dict[str, Any]:
     }
 
 
+def _scale_run_in(tmp: str, url: str, n_misses: int) -> dict[str, Any]:
+    """The fill, then the lookups through a cache service on the Redis at `url` (flushed before and after)."""
+    from pathlib import Path
+
+    import redis
+
+    from llmesh.supervisor import Mesh
+    from llmesh.testing import real_models_dir
+
+    result: dict[str, Any] = {"fill": _scale_fill(Path(tmp) / "qdrant-edge-cache", url)}
+    redis.Redis.from_url(url).flushdb()
+    env = {
+        "LLMESH_DATA_DIR": tmp,
+        "LLMESH_MODELS_DIR": str(real_models_dir()),
+        "LLMESH_REDIS_URL": url,
+        "LLMESH_LOG_LEVEL": "WARNING",
+        "QDRANT_URL": "",
+    }
+    try:
+        with Mesh(env=env, services=("cache",)) as mesh:
+            result.update(asyncio.run(_scale_lookups(mesh.target("cache"), n_misses)))
+    finally:
+        redis.Redis.from_url(url).flushdb()
+    return result
+
+
 def scale_run(n_misses: int) -> dict[str, Any]:
     """bench.cache --scale: the semantic tier with SCALE_POINTS cached questions, through the store
     module and through the running cache service."""
     import tempfile
     from pathlib import Path
 
-    import redis
-
     from bench.scale import others_running
     from llmesh.settings import load
-    from llmesh.supervisor import Mesh
-    from llmesh.testing import real_models_dir
+    from llmesh.testing import TestRedis
 
     result: dict[str, Any] = {"others_running_at_start": others_running()}
-    url = f"redis://127.0.0.1:6379/{SCALE_REDIS_DB}"
     threshold = load("cache", {}).semantic_threshold  # the shipped default
     with tempfile.TemporaryDirectory(prefix="llmesh-bench-cache-scale-") as tmp:
-        result["fill"] = _scale_fill(Path(tmp) / "qdrant-edge-cache")
-        redis.Redis.from_url(url).flushdb()
-        env = {
-            "LLMESH_DATA_DIR": tmp,
-            "LLMESH_MODELS_DIR": str(real_models_dir()),
-            "LLMESH_REDIS_URL": url,
-            "LLMESH_LOG_LEVEL": "WARNING",
-            "QDRANT_URL": "",
-        }
+        # The Redis LLMESH_TEST_REDIS_URL names, else a scratch embedded valkey (as bench_mesh):
+        # nothing assumes a Redis on 127.0.0.1:6379.
+        server = TestRedis.start(Path(tmp) / "redis")
         try:
-            with Mesh(env=env, services=("cache",)) as mesh:
-                result.update(asyncio.run(_scale_lookups(mesh.target("cache"), n_misses)))
+            result.update(_scale_run_in(tmp, server.url(SCALE_REDIS_DB % server.databases), n_misses))
         finally:
-            redis.Redis.from_url(url).flushdb()
+            server.stop()
     hit = result["semantic_hit"]
     result["passes"] = {
         "store_search_p50_ms@100k<=2": result["fill"]["store_search"]["p50_ms"] <= 2,
