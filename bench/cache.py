@@ -8,7 +8,8 @@
 3. Throughput with 64 concurrent clients: exact hits through the gateway over gRPC and over
    its OpenAI-compatible HTTP API (aiohttp keep-alive clients), and in the same run the same
    load generator against a bare grpc.aio relay -> echo pair of processes (what the framework
-   itself manages for two hops on this machine).
+   itself manages for two hops on this machine); with the lookups each cache call carried
+   (the gateway's llmesh_gateway_cache_lookup_batch_size).
 Writes bench/results/cache.json.
 """
 
@@ -130,7 +131,22 @@ def check_http_hit(base_url: str) -> str:
     return str(model)
 
 
-async def throughput(gateway: str, http_base: str, chain: str, clients: int, seconds: float) -> dict[str, Any]:
+def lookup_calls(metrics_port: int) -> tuple[float, float]:
+    """(cache lookup calls, lookups they carried) so far, from the gateway's Prometheus endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    found = {"_count": 0.0, "_sum": 0.0}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        for suffix in found:
+            if name == f"llmesh_gateway_cache_lookup_batch_size{suffix}":
+                found[suffix] = float(value)
+    return found["_count"], found["_sum"]
+
+
+async def throughput(
+    gateway: str, http_base: str, chain: str, clients: int, seconds: float, metrics_port: int
+) -> dict[str, Any]:
     def hit(i: int) -> gateway_pb2.GenerateRequest:
         return request(QUESTIONS[i % len(QUESTIONS)])
 
@@ -143,11 +159,19 @@ async def throughput(gateway: str, http_base: str, chain: str, clients: int, sec
     ok = {"gateway": 0, "http": 0, "chain": 0}
     spent = {"gateway": 0.0, "http": 0.0, "chain": 0.0}
     errors: dict[str, int] = {}
+    calls = {"gateway": (0.0, 0.0), "http": (0.0, 0.0)}  # (cache lookup calls, lookups carried)
     rounds = 3
     for _ in range(rounds):
+        calls_before = lookup_calls(metrics_port)
+        grpc_load = await closed_loop(gateway, hit, clients, seconds / rounds)
+        calls_between = lookup_calls(metrics_port)
+        http_load = await http_closed_loop(f"{http_base}/chat/completions", http_hit, clients, seconds / rounds)
+        calls_after = lookup_calls(metrics_port)
+        for name, (a, b) in {"gateway": (calls_before, calls_between), "http": (calls_between, calls_after)}.items():
+            calls[name] = (calls[name][0] + b[0] - a[0], calls[name][1] + b[1] - a[1])
         measured = {
-            "gateway": await closed_loop(gateway, hit, clients, seconds / rounds),
-            "http": await http_closed_loop(f"{http_base}/chat/completions", http_hit, clients, seconds / rounds),
+            "gateway": grpc_load,
+            "http": http_load,
             "chain": await closed_loop(chain, hit, clients, seconds / rounds),
         }
         for name, load in measured.items():
@@ -159,6 +183,8 @@ async def throughput(gateway: str, http_base: str, chain: str, clients: int, sec
         "exact_hit_rps": ok["gateway"] / spent["gateway"],
         "http_exact_hit_rps": ok["http"] / spent["http"],
         "echo_chain_rps": ok["chain"] / spent["chain"],
+        "grpc_lookups_per_cache_call": calls["gateway"][1] / max(1.0, calls["gateway"][0]),
+        "http_lookups_per_cache_call": calls["http"][1] / max(1.0, calls["http"][0]),
         "load_errors": errors,
     }
 
@@ -390,7 +416,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         procs, chain = start_echo_chain()
         try:
             http_base = mesh.procs["gateway"].http_base_url()
-            result.update(asyncio.run(throughput(target, http_base, chain, args.clients, args.seconds)))
+            metrics_port = mesh.procs["gateway"].metrics_port
+            result.update(asyncio.run(throughput(target, http_base, chain, args.clients, args.seconds, metrics_port)))
         finally:
             for proc in procs:
                 proc.terminate()

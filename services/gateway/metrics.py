@@ -48,3 +48,8 @@ HTTP_DISCONNECTS = Counter(
     "llmesh_gateway_http_disconnects",
     "Non-streaming HTTP requests whose client went away before the answer (the generation was cancelled).",
 )
+CACHE_LOOKUP_BATCH = Histogram(
+    "llmesh_gateway_cache_lookup_batch_size",
+    "Lookups each cache lookup call carried (_count: calls, _sum: lookups).",
+    buckets=(1, 2, 4, 8, 16, 32, 64),
+)
