@@ -8,7 +8,8 @@
 3. Throughput with 64 concurrent clients: exact hits through the gateway over gRPC and over
    its OpenAI-compatible HTTP API (aiohttp keep-alive clients), and in the same run the same
    load generator against a bare grpc.aio relay -> echo pair of processes (what the framework
-   itself manages for two hops on this machine).
+   itself manages for two hops on this machine); with the lookups each cache call carried
+   (the gateway's llmesh_gateway_cache_lookup_batch_size).
 Writes bench/results/cache.json.
 """
 
@@ -130,7 +131,22 @@ def check_http_hit(base_url: str) -> str:
     return str(model)
 
 
-async def throughput(gateway: str, http_base: str, chain: str, clients: int, seconds: float) -> dict[str, Any]:
+def lookup_calls(metrics_port: int) -> tuple[float, float]:
+    """(cache lookup calls, lookups they carried) so far, from the gateway's Prometheus endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    found = {"_count": 0.0, "_sum": 0.0}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        for suffix in found:
+            if name == f"llmesh_gateway_cache_lookup_batch_size{suffix}":
+                found[suffix] = float(value)
+    return found["_count"], found["_sum"]
+
+
+async def throughput(
+    gateway: str, http_base: str, chain: str, clients: int, seconds: float, metrics_port: int
+) -> dict[str, Any]:
     def hit(i: int) -> gateway_pb2.GenerateRequest:
         return request(QUESTIONS[i % len(QUESTIONS)])
 
@@ -143,11 +159,19 @@ async def throughput(gateway: str, http_base: str, chain: str, clients: int, sec
     ok = {"gateway": 0, "http": 0, "chain": 0}
     spent = {"gateway": 0.0, "http": 0.0, "chain": 0.0}
     errors: dict[str, int] = {}
+    calls = {"gateway": (0.0, 0.0), "http": (0.0, 0.0)}  # (cache lookup calls, lookups carried)
     rounds = 3
     for _ in range(rounds):
+        calls_before = lookup_calls(metrics_port)
+        grpc_load = await closed_loop(gateway, hit, clients, seconds / rounds)
+        calls_between = lookup_calls(metrics_port)
+        http_load = await http_closed_loop(f"{http_base}/chat/completions", http_hit, clients, seconds / rounds)
+        calls_after = lookup_calls(metrics_port)
+        for name, (a, b) in {"gateway": (calls_before, calls_between), "http": (calls_between, calls_after)}.items():
+            calls[name] = (calls[name][0] + b[0] - a[0], calls[name][1] + b[1] - a[1])
         measured = {
-            "gateway": await closed_loop(gateway, hit, clients, seconds / rounds),
-            "http": await http_closed_loop(f"{http_base}/chat/completions", http_hit, clients, seconds / rounds),
+            "gateway": grpc_load,
+            "http": http_load,
             "chain": await closed_loop(chain, hit, clients, seconds / rounds),
         }
         for name, load in measured.items():
@@ -159,6 +183,8 @@ async def throughput(gateway: str, http_base: str, chain: str, clients: int, sec
         "exact_hit_rps": ok["gateway"] / spent["gateway"],
         "http_exact_hit_rps": ok["http"] / spent["http"],
         "echo_chain_rps": ok["chain"] / spent["chain"],
+        "grpc_lookups_per_cache_call": calls["gateway"][1] / max(1.0, calls["gateway"][0]),
+        "http_lookups_per_cache_call": calls["http"][1] / max(1.0, calls["http"][0]),
         "load_errors": errors,
     }
 
@@ -177,7 +203,7 @@ def _scale_scope(tenant: str) -> Any:
     return cache_pb2.CacheScope(model="smollm2", tenant=tenant, sampling=common_pb2.SamplingParams(max_new_tokens=32))
 
 
-def _scale_fill(root: Any) -> dict[str, Any]:
+def _scale_fill(root: Any, redis_url: str) -> dict[str, Any]:
     """SCALE_POINTS cached questions (random vectors, real scope payloads over SCALE_TENANTS
     tenants) in the cache's collection, as CacheCore writes them; HNSW built."""
     from qdrant_client import models as qm
@@ -198,7 +224,7 @@ def _scale_fill(root: Any) -> dict[str, Any]:
     digest, dimension = embedder.digest, embedder.dimension
     embedder.close()
     core = CacheCore(
-        redis_client("redis://127.0.0.1:6379/0", 0.25),
+        redis_client(redis_url, 0.25),  # not dialled: only the scope payloads are computed
         embedder=_Digest(digest, dimension),  # type: ignore[arg-type]
         qdrant=None,
         threshold=0.9,
@@ -289,37 +315,52 @@ async def _scale_lookups(target: str, n_misses: int) -> dict[str, Any]:
     }
 
 
+def _scale_run_in(tmp: str, url: str, n_misses: int) -> dict[str, Any]:
+    """The fill, then the lookups through a cache service on the Redis at `url` (flushed before and after)."""
+    from pathlib import Path
+
+    import redis
+
+    from llmesh.supervisor import Mesh
+    from llmesh.testing import real_models_dir
+
+    result: dict[str, Any] = {"fill": _scale_fill(Path(tmp) / "qdrant-edge-cache", url)}
+    redis.Redis.from_url(url).flushdb()
+    env = {
+        "LLMESH_DATA_DIR": tmp,
+        "LLMESH_MODELS_DIR": str(real_models_dir()),
+        "LLMESH_REDIS_URL": url,
+        "LLMESH_LOG_LEVEL": "WARNING",
+        "QDRANT_URL": "",
+    }
+    try:
+        with Mesh(env=env, services=("cache",)) as mesh:
+            result.update(asyncio.run(_scale_lookups(mesh.target("cache"), n_misses)))
+    finally:
+        redis.Redis.from_url(url).flushdb()
+    return result
+
+
 def scale_run(n_misses: int) -> dict[str, Any]:
     """bench.cache --scale: the semantic tier with SCALE_POINTS cached questions, through the store
     module and through the running cache service."""
     import tempfile
     from pathlib import Path
 
-    import redis
-
     from bench.scale import others_running
     from llmesh.settings import load
-    from llmesh.supervisor import Mesh
-    from llmesh.testing import real_models_dir
+    from llmesh.testing import TestRedis
 
     result: dict[str, Any] = {"others_running_at_start": others_running()}
-    url = f"redis://127.0.0.1:6379/{SCALE_REDIS_DB}"
     threshold = load("cache", {}).semantic_threshold  # the shipped default
     with tempfile.TemporaryDirectory(prefix="llmesh-bench-cache-scale-") as tmp:
-        result["fill"] = _scale_fill(Path(tmp) / "qdrant-edge-cache")
-        redis.Redis.from_url(url).flushdb()
-        env = {
-            "LLMESH_DATA_DIR": tmp,
-            "LLMESH_MODELS_DIR": str(real_models_dir()),
-            "LLMESH_REDIS_URL": url,
-            "LLMESH_LOG_LEVEL": "WARNING",
-            "QDRANT_URL": "",
-        }
+        # The Redis LLMESH_TEST_REDIS_URL names, else a scratch embedded valkey (as bench_mesh):
+        # nothing assumes a Redis on 127.0.0.1:6379.
+        server = TestRedis.start(Path(tmp) / "redis")
         try:
-            with Mesh(env=env, services=("cache",)) as mesh:
-                result.update(asyncio.run(_scale_lookups(mesh.target("cache"), n_misses)))
+            result.update(_scale_run_in(tmp, server.url(SCALE_REDIS_DB % server.databases), n_misses))
         finally:
-            redis.Redis.from_url(url).flushdb()
+            server.stop()
     hit = result["semantic_hit"]
     result["passes"] = {
         "store_search_p50_ms@100k<=2": result["fill"]["store_search"]["p50_ms"] <= 2,
@@ -375,7 +416,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         procs, chain = start_echo_chain()
         try:
             http_base = mesh.procs["gateway"].http_base_url()
-            result.update(asyncio.run(throughput(target, http_base, chain, args.clients, args.seconds)))
+            metrics_port = mesh.procs["gateway"].metrics_port
+            result.update(asyncio.run(throughput(target, http_base, chain, args.clients, args.seconds, metrics_port)))
         finally:
             for proc in procs:
                 proc.terminate()

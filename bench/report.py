@@ -59,6 +59,9 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "exact_hit_rps",
         "http_exact_hit_rps",
         "echo_chain_rps",
+        "exact_hit_rps_over_echo_chain",
+        "http_over_grpc_exact_hit_rps",
+        "grpc_lookups_per_cache_call",
     ),
     "backends": (
         "backend",

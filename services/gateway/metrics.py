@@ -71,3 +71,8 @@ AFFINITY = Counter(
     "(that replica was above the load bound), miss (sent elsewhere), none (nobody held it).",
     ["model", "outcome"],
 )
+CACHE_LOOKUP_BATCH = Histogram(
+    "llmesh_gateway_cache_lookup_batch_size",
+    "Lookups each cache lookup call carried (_count: calls, _sum: lookups).",
+    buckets=(1, 2, 4, 8, 16, 32, 64),
+)

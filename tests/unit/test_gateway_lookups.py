@@ -142,3 +142,59 @@ async def test_a_batch_runs_to_its_latest_callers_deadline_and_each_caller_keeps
     assert cache.batches == [["short", "long"]]
     cache.batch_release.set()
     assert await asyncio.wait_for(long, 10) == "long"  # ...and the batch still answers the other
+
+
+async def feed(coalescer: LookupCoalescer, prompts: list[str]) -> list[asyncio.Task[str]]:
+    """One new lookup each loop turn, as a busy gateway's requests reach the cache."""
+    tasks = []
+    for prompt in prompts:
+        tasks.append(asyncio.create_task(ask(coalescer, prompt)))
+        await asyncio.sleep(0)
+    return tasks
+
+
+async def test_a_returning_call_lingers_while_lookups_keep_joining_then_sends_them_as_one() -> None:
+    cache = Cache()
+    coalescer = LookupCoalescer(cache.lookup, cache.lookup_batch, in_flight=1, max_batch=64, linger_turns=3)
+    coalescer.linger_max = 30.0  # only the quiet turns end the linger here
+    first = asyncio.create_task(ask(coalescer, "a"))
+    await cache.single_called.wait()
+    queued = asyncio.create_task(ask(coalescer, "b"))
+    await asyncio.sleep(0)
+    cache.release.set()  # "a" returns while c0..c4 keep arriving, one a turn
+    fed = await feed(coalescer, [f"c{i}" for i in range(5)])
+    assert await first == "a"
+    assert await asyncio.gather(queued, *fed) == ["b", *(f"c{i}" for i in range(5))]
+    # Without the linger "b" would have gone alone as "a" returned; it waited for the rest.
+    assert cache.singles == ["a"] and cache.batches == [["b", "c0", "c1", "c2", "c3", "c4"]]
+    assert coalescer.calls == 2 and coalescer.sent == 7 and coalescer.in_flight == 0
+
+
+async def test_a_full_batch_ends_the_linger_at_once() -> None:
+    cache = Cache()
+    coalescer = LookupCoalescer(cache.lookup, cache.lookup_batch, in_flight=1, max_batch=3, linger_turns=3)
+    coalescer.linger_max = 30.0
+    first = asyncio.create_task(ask(coalescer, "a"))
+    await cache.single_called.wait()
+    queued = asyncio.create_task(ask(coalescer, "b"))
+    await asyncio.sleep(0)
+    cache.release.set()
+    fed = await feed(coalescer, ["c0", "c1", "c2"])
+    assert await first == "a"
+    assert await asyncio.gather(queued, *fed) == ["b", "c0", "c1", "c2"]
+    assert cache.batches[0] == ["b", "c0", "c1"]  # sent when the third joined, not after the linger
+
+
+async def test_a_lingering_lookup_keeps_its_own_deadline() -> None:
+    cache = Cache()
+    coalescer = LookupCoalescer(cache.lookup, cache.lookup_batch, in_flight=1, max_batch=64, linger_turns=10**9)
+    coalescer.linger_max = 1.0  # a linger that would outlast the caller
+    first = asyncio.create_task(ask(coalescer, "a"))
+    await cache.single_called.wait()
+    short = asyncio.create_task(ask_within(coalescer, "short", 0.05))
+    await asyncio.sleep(0)
+    cache.release.set()
+    assert await first == "a"
+    with pytest.raises(CallerDeadline):
+        await asyncio.wait_for(short, 10)
+    assert cache.batches == []  # it gave up while the queue lingered, and was never sent
