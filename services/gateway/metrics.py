@@ -27,11 +27,18 @@ ADMISSION_THROUGHPUT = Gauge(
 )
 SHED = Counter("llmesh_gateway_shed", "Requests refused before any work, by reason.", ["reason"])
 DEGRADED = Counter("llmesh_gateway_degraded", "Requests answered with a part left out, by what.", ["what"])
+# `peer` is the breaker's whole name (`inference/NAME:info`); `service`, `model` and `method`
+# are its parts, so a dashboard can group by model or leave the cheap calls' breakers out.
+BREAKER_LABELS = ["peer", "service", "model", "method"]
 BREAKER_STATE = Gauge(
-    "llmesh_gateway_breaker_state", "Circuit breaker state per downstream (0 closed, 1 half-open, 2 open).", ["peer"]
+    "llmesh_gateway_breaker_state",
+    "Circuit breaker state per downstream and method (0 closed, 1 half-open, 2 open).",
+    BREAKER_LABELS,
 )
 BREAKER_TRANSITIONS = Counter(
-    "llmesh_gateway_breaker_transitions", "Circuit breaker state changes.", ["peer", "from_state", "to_state"]
+    "llmesh_gateway_breaker_transitions",
+    "Circuit breaker state changes.",
+    [*BREAKER_LABELS, "from_state", "to_state"],
 )
 HTTP_REQUESTS = Counter(
     "llmesh_gateway_http_requests",

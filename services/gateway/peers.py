@@ -164,6 +164,15 @@ def channel_of(breaker: str) -> str:
     return breaker.partition(":")[0]
 
 
+def breaker_labels(breaker: str) -> tuple[str, str, str]:
+    """(service, model, method) of a breaker's name, for its gauges: `inference/NAME:info` is
+    ("inference", "NAME", "info"); a peer's main calls have method "" and a single-model
+    inference peer model ""."""
+    peer, _, method = breaker.partition(":")
+    service, _, model = peer.partition("/")
+    return service, model, method
+
+
 def inference_peer(model: str) -> str:
     """The peer (channel, breaker) of a model's inference service: `inference` for the one model
     of a deployment that names none, `inference/NAME` for each of several."""

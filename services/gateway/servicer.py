@@ -24,7 +24,7 @@ from services.gateway.breaker import BreakerConfig, State, TransitionListener
 from services.gateway.core import Delta, Final, Gateway, GatewayConfig, server_timing
 from services.gateway.limits import KeyLimiter
 from services.gateway.openai_http import announce, http_api
-from services.gateway.peers import Deadline, HopBudgets, Peers
+from services.gateway.peers import Deadline, HopBudgets, Peers, breaker_labels
 from services.gateway.replicas import RoutingConfig
 from services.gateway.usage import TenantLabels, UsageMeter
 
@@ -34,7 +34,8 @@ BREAKER_STATE_VALUE = {State.CLOSED: 0, State.HALF_OPEN: 1, State.OPEN: 2}
 
 def breaker_listener(peer: str) -> TransitionListener:
     """Logs, counts and marks on the active span every breaker state change."""
-    metrics.BREAKER_STATE.labels(peer).set(0)
+    labels = (peer, *breaker_labels(peer))
+    metrics.BREAKER_STATE.labels(*labels).set(0)
 
     def on_transition(old: State, new: State, reason: str) -> None:
         log.warning(
@@ -53,8 +54,8 @@ def breaker_listener(peer: str) -> TransitionListener:
                 }
             },
         )
-        metrics.BREAKER_STATE.labels(peer).set(BREAKER_STATE_VALUE[new])
-        metrics.BREAKER_TRANSITIONS.labels(peer, old.value, new.value).inc()
+        metrics.BREAKER_STATE.labels(*labels).set(BREAKER_STATE_VALUE[new])
+        metrics.BREAKER_TRANSITIONS.labels(*labels, old.value, new.value).inc()
         trace.get_current_span().add_event(
             "llmesh.breaker.transition",
             {

@@ -169,3 +169,16 @@ async def test_requests_on_their_way_hold_their_place_in_the_queue() -> None:
     assert book.model("").reserved == 0
     free = admission.predicted_wait(ASK, 100)
     assert free is not None and free.seconds == 0
+
+
+def test_a_new_replica_reporting_keeps_what_is_pending_on_the_others() -> None:
+    from services.gateway.admission.load import ModelLoad, ReplicaReport
+
+    load = ModelLoad()
+    load.update(ReplicaReport.from_message(report(replica="r1"), 0.0))
+    for _ in range(5):
+        load.dispatched()
+    # r2 appears (a scale-up) running one request sent from here: the other four are still on
+    # their way to r1 and must not be forgotten.
+    load.update(ReplicaReport.from_message(report(replica="r2", running=1), 0.1))
+    assert load.pending == 4

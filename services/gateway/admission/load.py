@@ -121,7 +121,9 @@ class ModelLoad:
             arrived = max(0, report.occupied - previous.occupied + self._ended_since_report)
             self.pending = max(0, self.pending - arrived)
         else:
-            self.pending = 0
+            # A replica's first report: what it runs now is (mostly) what was sent from here.
+            # What went to the other replicas is still pending there, so the estimate is kept.
+            self.pending = max(0, self.pending - report.occupied)
         self._ended_since_report = 0
         self.replicas[report.replica] = report
         self.reports += 1
