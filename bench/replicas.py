@@ -33,6 +33,14 @@ replica alone (the affinity phase's yardstick). In one run:
             engines' own prefix caches served (`affinity_engine_prefix_hit_rate`,
             `round_robin_engine_prefix_hit_rate`).
 
+The openai arm (--arms openai; --arms builtin skips it): two vLLM CPU servers of SmolLM2-135M
+(eager, VLLM_CPU_KVCACHE_SPACE=--vllm-kv-gib), each fronted by its own inference service on
+LLMESH_INFERENCE_BACKEND=openai, both targets of one gateway. The same freeze and kill, with the
+victim's vLLM process group SIGSTOPped / SIGKILLed (its inference service keeps running) and, for
+the kill, a new vLLM started on its port: `openai_freeze_*`, `openai_kill_*` (plus
+`openai_kill_restart_s`, the vLLM restart, not counted in the rejoin) and `openai_vllm_rss_gib`.
+One arm alone merges its figures into the existing JSON, the other arm's kept (with their date).
+
 Writes bench/results/replicas.json (with "passes") and prints a table.
 """
 
@@ -40,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import random
@@ -145,6 +154,7 @@ class Bench:
         self.ports = {r: free_port() for r in REPLICAS}
         self.stopped: set[str] = set()
         self.channels: dict[str, grpc.aio.Channel] = {}
+        self.victim = REPLICAS[-1]
 
     def target(self, r: str) -> str:
         return f"127.0.0.1:{self.ports[r]}"
@@ -205,6 +215,16 @@ class Bench:
     def signal(self, r: str, sig: int) -> None:
         self.mesh.procs[f"inference-{r}"].proc.send_signal(sig)
 
+    def kill_victim(self, r: str) -> None:
+        self.signal(r, signal.SIGKILL)
+        self.mesh.stop_one(f"inference-{r}")
+
+    def restart_victim(self, r: str) -> None:
+        self.start_replica(r)
+
+    def gateways(self) -> tuple[str, ...]:
+        return ("gateway", "gateway-rr", *(f"gateway-{r}" for r in REPLICAS))
+
     async def close(self) -> None:
         for channel in self.channels.values():
             await channel.close()
@@ -246,7 +266,7 @@ class Bench:
         return None
 
     async def warm(self) -> None:
-        for gateway in ("gateway", "gateway-rr", *(f"gateway-{r}" for r in REPLICAS)):
+        for gateway in self.gateways():
             stub = self.stub(gateway)
             await asyncio.gather(*(stream(stub, request(f"warm up {i}", 8)) for i in range(6)))
 
@@ -255,7 +275,7 @@ class Bench:
         stop = asyncio.Event()
         load = asyncio.create_task(self.closed_loop("gateway", self.args.clients, stop, [32], sink))
         await asyncio.sleep(3)
-        victim = "c"
+        victim = self.victim
         frozen_at = time.monotonic()
         self.signal(victim, signal.SIGSTOP)
         self.stopped.add(victim)
@@ -283,14 +303,13 @@ class Bench:
         stop = asyncio.Event()
         load = asyncio.create_task(self.closed_loop("gateway", self.args.clients, stop, [32], sink))
         await asyncio.sleep(3)
-        victim = "c"
+        victim = self.victim
         killed_at = time.monotonic()
-        self.signal(victim, signal.SIGKILL)
-        self.mesh.stop_one(f"inference-{victim}")
+        self.kill_victim(victim)
         eject_s = await self.wait_until(lambda: self.ejected("gateway", victim), 10)
         await asyncio.sleep(3)
         before = self.replica_requests("gateway").get(self.target(victim), 0.0)
-        await asyncio.to_thread(self.start_replica, victim)
+        await asyncio.to_thread(self.restart_victim, victim)
         restarted = time.monotonic()
         rejoin_s = await self.wait_until(
             lambda: self.replica_requests("gateway").get(self.target(victim), 0.0) > before, 30
@@ -419,6 +438,153 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         bench.cleanup()
 
 
+OPENAI_REPLICAS = ("a", "b")
+
+
+def group_rss_bytes(pgid: int) -> int:
+    """Resident memory of every process in a process group (a vLLM server: its API server, its
+    engine core and their helpers), from /proc."""
+    total = 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[2]) == pgid:  # the fifth field of stat: the process group
+                total += int((entry / "statm").read_text().split()[1]) * page
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+class OpenaiBench(Bench):
+    """The openai arm: two vLLM CPU servers (SmolLM2-135M), each fronted by its own inference
+    service on LLMESH_INFERENCE_BACKEND=openai, both targets of one gateway (gateway-level
+    replicas). The victim's vLLM is the one frozen or killed (its whole process group); the
+    inference service in front of it keeps running, as it would in a pod beside the engine."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.tmp = Path(tempfile.mkdtemp(prefix="llmesh-replicas-openai-"))
+        self.models_dir = real_models_dir()
+        env = {
+            "LLMESH_DATA_DIR": str(self.tmp / "data"),
+            "LLMESH_MODELS_DIR": str(self.models_dir),
+            "LLMESH_LOG_LEVEL": os.environ.get("LLMESH_LOG_LEVEL", "WARNING"),
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "",
+            "LLMESH_NICE": "0",
+        }
+        self.mesh = Mesh(env=env, services=("tokenizer",))
+        self.ports = {r: free_port() for r in OPENAI_REPLICAS}
+        self.stopped: set[str] = set()
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.victim = OPENAI_REPLICAS[-1]
+        self.vllm = {r: self._server(r) for r in OPENAI_REPLICAS}
+        self.vllm_ports = {r: v.port for r, v in self.vllm.items()}
+        self.rss: dict[str, int] = {}
+        self.vllm_start_s: dict[str, float] = {}
+        self.restart_s: float | None = None
+
+    def _server(self, r: str) -> Any:
+        from llmesh.testing import VllmServer
+
+        # eager: no torch.compile (minutes on 2 cores, at every start): the restart in the kill
+        # phase stays short, and the scenarios measure routing, not decode speed.
+        return VllmServer(
+            (self.models_dir / "smollm2" / "current").resolve(),
+            self.tmp / f"vllm-{r}.log",
+            kv_cache_gib=self.args.vllm_kv_gib,
+            max_model_len=2048,
+            eager=True,
+        )
+
+    def gateways(self) -> tuple[str, ...]:
+        return ("gateway",)
+
+    def start_replica(self, r: str) -> None:
+        name = f"inference-{r}"
+        self.mesh.ports[name] = self.ports[r]
+        self.mesh.start_one(
+            name,
+            module="inference",
+            extra_env={
+                "LLMESH_INFERENCE_BACKEND": "openai",
+                "LLMESH_BACKEND_URLS": self.vllm[r].base_url,
+                "LLMESH_BACKEND_MODEL": "smollm2",
+                "LLMESH_METRICS_PORT": "0",
+            },
+        )
+
+    def start(self) -> None:
+        for r in OPENAI_REPLICAS:
+            self.vllm[r].start()
+        for r in OPENAI_REPLICAS:
+            started = time.monotonic()
+            self.vllm[r].wait_ready()
+            self.vllm_start_s[r] = time.monotonic() - started
+            self.rss[r] = group_rss_bytes(self.vllm[r].process.pid)
+        print(f"vLLM ready: RSS {', '.join(f'{r} {v / 2**30:.2f} GiB' for r, v in self.rss.items())}", flush=True)
+        self.mesh.start()
+        for r in OPENAI_REPLICAS:
+            self.start_replica(r)
+        common = {"LLMESH_CACHE_TARGET": "127.0.0.1:1", "LLMESH_RETRIEVAL_TARGET": "127.0.0.1:1"}
+        everyone = "|".join(self.target(r) for r in OPENAI_REPLICAS)
+        self.mesh.start_one("gateway", module="gateway", extra_env={**common, "LLMESH_INFERENCE_TARGET": everyone})
+
+    def signal(self, r: str, sig: int) -> None:
+        os.killpg(self.vllm[r].process.pid, sig)
+
+    def kill_victim(self, r: str) -> None:
+        self.vllm[r].kill()
+
+    def restart_victim(self, r: str) -> None:
+        """A new vLLM on the victim's port (the inference service in front polls it back)."""
+        server = self._server(r)
+        server.port = self.vllm_ports[r]
+        self.vllm[r] = server
+        started = time.monotonic()
+        server.start()
+        server.wait_ready()
+        self.restart_s = time.monotonic() - started
+
+    def cleanup(self) -> None:
+        for r in OPENAI_REPLICAS:
+            server = self.vllm.get(r)
+            if server is not None and server.process is not None and server.process.poll() is None:
+                try:
+                    os.killpg(server.process.pid, signal.SIGCONT)  # a frozen one must be able to stop
+                except OSError:
+                    pass
+        self.mesh.stop()
+        for server in self.vllm.values():
+            server.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+async def run_openai(args: argparse.Namespace) -> dict[str, Any]:
+    bench = OpenaiBench(args)
+    try:
+        await asyncio.to_thread(bench.start)
+        await bench.warm()
+        freeze = await bench.freeze()
+        print_table({k: v for k, v in freeze.items() if not isinstance(v, dict)}, "openai freeze")
+        kill = await bench.kill()
+        kill["kill_restart_s"] = bench.restart_s
+        print_table({k: v for k, v in kill.items() if not isinstance(v, dict)}, "openai kill")
+        return {
+            "openai_vllm_rss_gib": {r: round(v / 2**30, 3) for r, v in bench.rss.items()},
+            "openai_vllm_start_s": bench.vllm_start_s,
+            **{f"openai_{k}": v for k, v in freeze.items()},
+            **{f"openai_{k}": v for k, v in kill.items()},
+        }
+    finally:
+        await bench.close()
+        bench.cleanup()
+
+
 def passes(r: dict[str, Any]) -> dict[str, bool]:
     def le(a: Any, b: Any) -> bool:
         return a is not None and b is not None and a <= b
@@ -440,6 +606,19 @@ def passes(r: dict[str, Any]) -> dict[str, bool]:
     }
 
 
+def openai_passes(r: dict[str, Any]) -> dict[str, bool]:
+    def le(a: Any, b: Any) -> bool:
+        return a is not None and b is not None and a <= b
+
+    return {
+        "openai_freeze_failed_before_first_token_zero": r["openai_freeze_failed_before_first_token"] == 0,
+        "openai_freeze_eject_le_1s": le(r["openai_freeze_eject_s"], 1.0),
+        "openai_freeze_return_le_2s": le(r["openai_freeze_return_s"], 2.0),
+        "openai_kill_failed_before_first_token_zero": r["openai_kill_failed_before_first_token"] == 0,
+        "openai_kill_rejoined": bool(r["openai_kill_rejoined"]),
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=32)
@@ -451,15 +630,59 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--phases", default="freeze,kill,mixed,affinity", help="a subset, to try one (comma-separated)")
     parser.add_argument("--conversations", type=int, default=24)
     parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument(
+        "--arms",
+        default="builtin,openai",
+        help="builtin (the tiny model's replicas, every phase), openai (two vLLM CPU servers: freeze and kill); "
+        "one arm alone keeps the other's figures from the existing JSON",
+    )
+    parser.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE of each vLLM")
     args = parser.parse_args(argv)
+    arms = set(args.arms.split(","))
     random.seed(0)
-    phases = asyncio.run(run(args))
-    if args.phases != parser.get_default("phases"):
-        for name, figures in phases.items():
-            print_table({k: v for k, v in figures.items() if not isinstance(v, dict)}, name)
-        return  # a partial run writes nothing
+    result: dict[str, Any] = {}
+    if "builtin" in arms:
+        phases = asyncio.run(run(args))
+        if args.phases != parser.get_default("phases"):
+            for name, figures in phases.items():
+                print_table({k: v for k, v in figures.items() if not isinstance(v, dict)}, name)
+            return  # a partial run writes nothing
+        result = builtin_result(phases)
+        result["passes"] = passes(result)
+        result["config"] = {**vars(args), "replicas": len(REPLICAS), "batch": BATCH, "model": "tiny"}
+    else:
+        previous = Path(__file__).parent / "results" / "replicas.json"
+        if previous.is_file():
+            result = json.loads(previous.read_text())
+            # The builtin figures keep the date of their own run (write_result stamps this one).
+            result["builtin_generated_at"] = result.pop("generated_at", result.get("builtin_generated_at"))
+            result["passes"] = {k: v for k, v in result.get("passes", {}).items() if not k.startswith("openai_")}
+    if "openai" in arms:
+        from llmesh.testing import VllmServer
+
+        if not VllmServer.available():
+            raise SystemExit("the openai arm needs the vLLM CPU build (.venv-vllm: make vllm)")
+        openai = asyncio.run(run_openai(args))
+        openai["openai_generated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        openai["openai_config"] = {
+            "replicas": len(OPENAI_REPLICAS),
+            "model": "smollm2 (vLLM CPU, eager, bfloat16)",
+            "vllm_kv_gib": args.vllm_kv_gib,
+            "clients": args.clients,
+            "freeze_seconds": args.freeze_seconds,
+        }
+        result = {k: v for k, v in result.items() if not k.startswith("openai_")}
+        result.update(openai)
+        result["passes"] = {**result.get("passes", {}), **openai_passes(openai)}
+    result["machine"] = machine()
+    print_table({k: v for k, v in result.items() if not isinstance(v, dict)}, "replicas")
+    print_table(result["passes"], "passes")
+    print(f"wrote {write_result('replicas', result)}")
+
+
+def builtin_result(phases: dict[str, Any]) -> dict[str, Any]:
     f, k, a = phases["freeze"], phases["kill"], phases["affinity"]
-    result: dict[str, Any] = {
+    return {
         "freeze_failed_before_first_token": f["freeze_failed_before_first_token"],
         "freeze_eject_s": f["freeze_eject_s"],
         "freeze_return_s": f["freeze_return_s"],
@@ -476,12 +699,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         "round_robin_engine_prefix_hit_rate": a["round_robin_engine_prefix_hit_rate"],
         "phases": phases,
     }
-    result["passes"] = passes(result)
-    result["config"] = {**vars(args), "replicas": len(REPLICAS), "batch": BATCH, "model": "tiny"}
-    result["machine"] = machine()
-    print_table({k: v for k, v in result.items() if not isinstance(v, dict)}, "replicas")
-    print_table(result["passes"], "passes")
-    print(f"wrote {write_result('replicas', result)}")
 
 
 if __name__ == "__main__":
