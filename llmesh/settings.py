@@ -381,7 +381,7 @@ DECLARED: tuple[Setting, ...] = (
         "models dir, also the tokenizer the gateway asks for) and its inference service (several replicas: "
         "their addresses joined by a vertical bar, or `name=dns:///name:port`); requests route by "
         "`model`. Empty: the one model at LLMESH_INFERENCE_TARGET, named by the id its inference reports. "
-        "`llmesh up` starts one inference service per model listed.",
+        "`llmesh up` starts one inference service per model listed, and one per replica address.",
         ("gateway",),
         parse_models,
     ),

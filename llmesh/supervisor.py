@@ -239,10 +239,12 @@ class Mesh:
         if self.models:
             # Every model's tokenizer, and the gateway routing to each model's inference.
             env.setdefault("LLMESH_TOKENIZER_MODELS", ",".join(self.models))
-            running = {m: self.procs[f"inference/{m}"].target for m in self.models if f"inference/{m}" in self.procs}
-            if running:
-                env["LLMESH_MODELS"] = ",".join(f"{m}={target}" for m, target in running.items())
-        env["OTEL_SERVICE_NAME"] = f"llmesh-{name.replace('/', '-')}"
+            running = {
+                m: "|".join(self.procs[r].target for r in self.replicas(m) if r in self.procs) for m in self.models
+            }
+            if any(running.values()):
+                env["LLMESH_MODELS"] = ",".join(f"{m}={target}" for m, target in running.items() if target)
+        env["OTEL_SERVICE_NAME"] = f"llmesh-{name.replace('/', '-').replace('#', '-')}"
         env.update(self.service_env.get(name, {}))
         env.update(extra_env or {})
         proc = subprocess.Popen(
@@ -287,20 +289,29 @@ class Mesh:
             raise
         return self
 
+    def replicas(self, model: str) -> list[str]:
+        """The process names of a model's inference replicas: `inference/NAME` for the first,
+        `inference/NAME#2`, `#3`, ... for the others (one per `host:port` of its target)."""
+        count = len(self.models[model].split("|"))
+        return [f"inference/{model}" + (f"#{k + 1}" if k else "") for k in range(count)]
+
     def start_models(self, timeout: float = 180.0) -> None:
-        """One inference service per model of LLMESH_MODELS, each serving its model folder. On
-        fixed ports (`llmesh up`) each listens on the port its LLMESH_MODELS target names, with
-        metrics on the inference metrics port + 100 per model after the first (9093, 9193, ...)."""
+        """One inference service per model of LLMESH_MODELS, each serving its model folder, and
+        one per replica where its target lists several (`host:port|host:port`). On fixed ports
+        (`llmesh up`) each listens on the port its target names, with metrics on the inference
+        metrics port + 100 per process after the first (9093, 9193, ...)."""
         fixed = "inference" in self.ports
-        for i, (model, target) in enumerate(self.models.items()):
-            name = f"inference/{model}"
-            extra = {"LLMESH_INFERENCE_MODEL": model}
-            if fixed:
-                self.ports[name] = int(target.rpartition(":")[2])
-                extra["LLMESH_METRICS_PORT"] = str(DEFAULT_METRICS_PORTS["inference"] + 100 * i)
-            # Settings of this model's process (service_env["inference/NAME"]), else of `inference`.
-            own = self.service_env.get(name) or self.service_env.get("inference", {})
-            self.start_one(name, timeout, {**own, **extra}, module="inference")
+        i = 0
+        for model, target in self.models.items():
+            for name, address in zip(self.replicas(model), target.split("|"), strict=True):
+                extra = {"LLMESH_INFERENCE_MODEL": model}
+                if fixed:
+                    self.ports[name] = int(address.rpartition(":")[2])
+                    extra["LLMESH_METRICS_PORT"] = str(DEFAULT_METRICS_PORTS["inference"] + 100 * i)
+                # Settings of this model's processes (service_env["inference/NAME"]), else `inference`'s.
+                own = self.service_env.get(f"inference/{model}") or self.service_env.get("inference", {})
+                self.start_one(name, timeout, {**own, **extra}, module="inference")
+                i += 1
 
     def target(self, name: str) -> str:
         return self.procs[name].target
@@ -322,7 +333,8 @@ class Mesh:
         for name in reversed(START_ORDER):
             if name == "inference":
                 for model in reversed(self.models):
-                    self.stop_one(f"inference/{model}")
+                    for replica in reversed(self.replicas(model)):
+                        self.stop_one(replica)
             self.stop_one(name)
         # Processes started under names of their own (`start_one("retrieval-a", module=...)`):
         # newest first, so nothing a caller started outlives the mesh.
