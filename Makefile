@@ -56,10 +56,12 @@ proto: install
 
 # Re-resolve the pinned dependency set (needs the network).
 # The self-reference and this machine's local index mirrors are dropped from the lock files.
+# Extras stay on their pins (httpx[http2]==…): pip 23's hash mode otherwise resolves a
+# dependent's `httpx[http2]>=…` to PyPI's newest release and refuses it as unpinned.
 LOCK_CLEAN := sed -i -e '/^llmesh @ file:/,+1d' -e '/^--extra-index-url file:/d'
 lock: $(BIN)/python
 	$(BIN)/pip install -q pip-tools==7.6.2
-	$(BIN)/pip-compile -q --generate-hashes --allow-unsafe --extra dev --strip-extras \
+	$(BIN)/pip-compile -q --generate-hashes --allow-unsafe --extra dev --no-strip-extras \
 		-o requirements/dev.lock pyproject.toml
 	$(BIN)/pip-compile -q --generate-hashes --allow-unsafe \
 		-o requirements/gateway.lock pyproject.toml

@@ -38,7 +38,8 @@ if [ "$phase" = "deps" ]; then
       # The dev lock pins every version; its hashes are dropped here because torch comes
       # from the PyTorch index (CPU or CUDA build), whose wheels differ from PyPI's.
       # torch is left out: its pin there names the local build (+cpu); this script pins torch.
-      sed -n 's/^\([A-Za-z0-9][A-Za-z0-9._-]*==[^ ;\\]*\).*/\1/p' requirements/dev.lock \
+      # A pin with extras (httpx[http2]==…) is kept without them: a constraint takes none.
+      sed -n 's/^\([A-Za-z0-9][A-Za-z0-9._-]*\)\(\[[^]]*\]\)\{0,1\}\(==[^ ;\\]*\).*/\1\3/p' requirements/dev.lock \
         | grep -v '^torch==' > /tmp/constraints.txt
       constraints="-c /tmp/constraints.txt"
       echo "install-venv: constrained by requirements/dev.lock ($(wc -l < /tmp/constraints.txt) pins)"

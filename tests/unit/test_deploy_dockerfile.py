@@ -112,12 +112,13 @@ def test_install_script_constraints_extraction(tmp_path: Path) -> None:
     lock = tmp_path / "dev.lock"
     lock.write_text(
         "# header\ngrpcio==1.85.1 \\\n    --hash=sha256:aa \\\n    --hash=sha256:bb\n    # via llmesh\n"
+        'httpx[http2]==0.28.1 \\\n    --hash=sha256:dd\n'
         'torch==2.13.0 ; platform_system == "Linux" \\\n    --hash=sha256:cc\nzope.interface==7.2\n'
     )
     if shutil.which("sed") is None:
         pytest.skip("no sed")
     out = subprocess.run(["sed", "-n", match.group(1), str(lock)], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["grpcio==1.85.1", "torch==2.13.0", "zope.interface==7.2"]
+    assert out.stdout.split() == ["grpcio==1.85.1", "httpx==0.28.1", "torch==2.13.0", "zope.interface==7.2"]
 
 
 def test_install_script_is_valid_sh() -> None:
