@@ -112,7 +112,7 @@ def test_install_script_constraints_extraction(tmp_path: Path) -> None:
     lock = tmp_path / "dev.lock"
     lock.write_text(
         "# header\ngrpcio==1.85.1 \\\n    --hash=sha256:aa \\\n    --hash=sha256:bb\n    # via llmesh\n"
-        'httpx[http2]==0.28.1 \\\n    --hash=sha256:dd\n'
+        "httpx[http2]==0.28.1 \\\n    --hash=sha256:dd\n"
         'torch==2.13.0 ; platform_system == "Linux" \\\n    --hash=sha256:cc\nzope.interface==7.2\n'
     )
     if shutil.which("sed") is None:
