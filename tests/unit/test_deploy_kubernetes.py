@@ -427,6 +427,45 @@ def test_redis_and_qdrant_require_credentials(objects: tuple[Obj, ...]) -> None:
         assert env["QDRANT_URL"] == f"http://qdrant.{namespace}.svc.cluster.local:6333", name
 
 
+def secret_env(objects: tuple[Obj, ...], workload: str, name: str) -> str:
+    """The value of a variable a Deployment takes from a Secret (it must come from one)."""
+    env = environment(objects, container(one(objects, "Deployment", workload)))
+    ref = re.fullmatch(r"<secret:(.+)/(.+)>", env[name])
+    assert ref, f"{workload} {name} carries a password: it must come from a Secret"
+    return secret_value(objects, *ref.groups())
+
+
+def test_gateways_share_admission_and_key_limits_through_redis(objects: tuple[Obj, ...]) -> None:
+    """The gateway runs as 2+ replicas (its autoscaler): without the shared window each would admit
+    the whole budget and each key's limits would multiply by the replica count."""
+    gateway = one(objects, "Deployment", "gateway")
+    url = secret_env(objects, "gateway", "LLMESH_ADMISSION_REDIS_URL")
+    redis_env = {e["name"]: e for e in container(one(objects, "StatefulSet", "redis"))["env"]}
+    ref = redis_env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    password = secret_value(objects, ref["name"], ref["key"])
+    namespace = gateway["metadata"]["namespace"]
+    assert url.startswith(f"redis://:{password}@redis.{namespace}.svc.cluster.local:6379/"), url
+    cache_url = secret_env(objects, "cache", "LLMESH_REDIS_URL")
+    assert url.rsplit("/", 1)[1] != cache_url.rsplit("/", 1)[1], "admission state shares the cache's database"
+    env = environment(objects, container(gateway))
+    hpa = one(objects, "HorizontalPodAutoscaler", "gateway")
+    assert int(env["LLMESH_ADMISSION_REPLICAS"]) == hpa["spec"]["minReplicas"]
+
+
+def test_gateway_reads_api_keys_from_a_mounted_secret(objects: tuple[Obj, ...]) -> None:
+    gateway = one(objects, "Deployment", "gateway")
+    c = container(gateway)
+    path = Path(environment(objects, c)["LLMESH_API_KEYS_FILE"])
+    mounts = [m for m in c["volumeMounts"] if Path(m["mountPath"]) == path.parent]
+    assert mounts, f"nothing mounted at {path.parent}"
+    # subPath mounts never see a Secret's update: the reload-on-change would not happen.
+    assert "subPath" not in mounts[0]
+    volume = {v["name"]: v for v in pod_spec(gateway)["volumes"]}[mounts[0]["name"]]
+    assert volume["secret"]["secretName"] == "llmesh-api-keys"
+    assert volume["secret"]["optional"] is True, "the gateway must start before the keys exist"
+    assert not find(objects, "Secret", "llmesh-api-keys"), "keys are made with `llmesh keys`, not generated"
+
+
 def test_gpu_overlay_only_changes_inference() -> None:
     base, gpu = render("base"), render("gpu")
     inference = one(gpu, "Deployment", "inference")
