@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Any
 
 import grpc
 from opentelemetry import trace
@@ -79,17 +80,29 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.admin_keys = admin_keys or AdminKeys(frozenset())
 
     def _caller(self, context: grpc.aio.ServicerContext, tenant: str) -> Caller:
-        """The caller's key, authorized for the tenant the request names ("default" when none)."""
+        """The caller's key, authorized for the tenant the request names; none named: the key's only
+        tenant, else "default" (as on HTTP)."""
         authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
-        return self.api_keys.caller(authorization if isinstance(authorization, str) else None, tenant or "default")
+        return self.api_keys.caller(authorization if isinstance(authorization, str) else None, tenant)
 
-    def _begin(self, context: grpc.aio.ServicerContext, tenant: str) -> Deadline:
-        """Authorizes the caller for the tenant, then fixes the request's deadline."""
-        self._caller(context, tenant)
-        return Deadline.after(remaining_seconds(context, self.default_deadline))
+    def _as_caller(self, context: grpc.aio.ServicerContext, request: Any) -> tuple[Any, Caller]:
+        """The request acting for the caller's tenant: one that names none runs, is scoped and is
+        billed as its key's tenant, never as "default" beside it."""
+        caller = self._caller(context, request.tenant)
+        if request.tenant != caller.tenant:
+            scoped = type(request)()
+            scoped.CopyFrom(request)
+            scoped.tenant = caller.tenant
+            request = scoped
+        return request, caller
+
+    def _begin(self, context: grpc.aio.ServicerContext, request: Any) -> tuple[Any, Deadline]:
+        """Authorizes the caller for the request's tenant, then fixes the request's deadline."""
+        request, _ = self._as_caller(context, request)
+        return request, Deadline.after(remaining_seconds(context, self.default_deadline))
 
     def _generation(self, request, context):  # type: ignore[no-untyped-def]
-        caller = self._caller(context, request.tenant)
+        request, caller = self._as_caller(context, request)
         deadline = Deadline.after(remaining_seconds(context, self.default_deadline))
         return self.gateway.generate(request, deadline, caller)
 
@@ -114,15 +127,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 yield gateway_pb2.GenerateStreamResponse(final=event.response)
 
     async def Embed(self, request, context):  # type: ignore[no-untyped-def]
-        caller = self._caller(context, request.tenant)
+        request, caller = self._as_caller(context, request)
         deadline = Deadline.after(remaining_seconds(context, self.default_deadline))
         return await self.gateway.embed(request, deadline, caller)
 
     async def Ingest(self, request, context):  # type: ignore[no-untyped-def]
-        return await self.gateway.ingest(request, self._begin(context, request.tenant))
+        return await self.gateway.ingest(*self._begin(context, request))
 
     async def Search(self, request, context):  # type: ignore[no-untyped-def]
-        return await self.gateway.search(request, self._begin(context, request.tenant))
+        return await self.gateway.search(*self._begin(context, request))
 
     async def PurgeCache(self, request, context):  # type: ignore[no-untyped-def]
         authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)

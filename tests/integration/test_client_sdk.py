@@ -66,6 +66,13 @@ async def test_every_call_sync_and_async(models_dir: Path, tiny_model: Path, tmp
             assert len(two.choices) == 2 and all(len(c.logprobs) == 4 for c in two.choices)
             vectors = await client.embed(["purple lighthouse", "a violet beacon"], tenant="acme")
             assert len(vectors) == 2 and len(vectors[0]) == 384
+            # A key that owns one tenant acts for it when the request names none (as on HTTP):
+            # written, searched and answered in acme's scope, not refused as "default".
+            await client.ingest([("doc-3", "The Orvanto bridge is green.")])
+            found = await client.search("green bridge", tenant="acme")
+            assert "doc-3" in [r.document_id for r in found.results]
+            unnamed = await client.ask("What color is the bridge?", max_new_tokens=4)
+            assert "doc-3" in [s.document_id for s in unnamed.sources]
 
         def sync_calls() -> None:
             with Mesh(target, api_key=API_KEY) as client:
