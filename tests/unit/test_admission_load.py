@@ -107,6 +107,7 @@ async def test_answers_lengths_and_what_reports_show_keep_the_estimate() -> None
     admission_ = await admission.admit(ASK, 10, None, 30.0)
     load = book.model("")
     assert load.pending == 1
+    clock.advance(0.1)
     book.update("", report(running=1, kv_blocks_free=3))  # the engine shows it: no longer pending
     assert load.pending == 0
     assert admission_.ticket is not None
@@ -174,11 +175,55 @@ async def test_requests_on_their_way_hold_their_place_in_the_queue() -> None:
 def test_a_new_replica_reporting_keeps_what_is_pending_on_the_others() -> None:
     from services.gateway.admission.load import ModelLoad, ReplicaReport
 
-    load = ModelLoad()
-    load.update(ReplicaReport.from_message(report(replica="r1"), 0.0))
+    clock = FakeClock()
+    load = ModelLoad(clock)
+    load.update(ReplicaReport.from_message(report(replica="r1"), clock()))
+    clock.advance(0.1)
     for _ in range(5):
         load.dispatched()
-    # r2 appears (a scale-up) running one request sent from here: the other four are still on
-    # their way to r1 and must not be forgotten.
-    load.update(ReplicaReport.from_message(report(replica="r2", running=1), 0.1))
-    assert load.pending == 4
+    # r2 appears (a scale-up): r1 has not reported since, so what went there is still on its way.
+    clock.advance(0.1)
+    load.update(ReplicaReport.from_message(report(replica="r2", running=1), clock()))
+    assert load.pending == 5
+
+
+async def test_requests_that_never_reached_the_engine_stop_counting_at_its_next_report() -> None:
+    # An inference that was killed: every request sent while it was down failed on its way, and
+    # its restarted engine reports an empty batch. Nothing of them may stay pending (the old
+    # arithmetic of arrivals kept them all, and shed every request after the restart).
+    clock = FakeClock()
+    admission, book = controller(clock, initial=1e9)
+    book.update("", report(running=0))
+    sent = 0
+    with pytest.raises(ResourceExhausted) as shed:
+        while sent < 1000:
+            admitted = await admission.admit(ASK, 10, None, 30.0)
+            assert admitted.ticket is not None
+            admitted.ticket.finish()  # failed on its way: UNAVAILABLE
+            sent += 1
+    # All sent, none shown by a report yet: a queue past the target, so the next one is shed.
+    assert shed.value.reason == REASON_QUEUE_WAIT and sent > 4
+    clock.advance(0.2)
+    book.update("", inference_pb2.LoadReport(replica="r1", reported=False))  # the stream broke
+    clock.advance(1.0)
+    book.update("", report(running=0))  # the restarted replica's first report
+    assert book.model("").pending == 0
+    free = admission.predicted_wait(ASK, 10)
+    assert free is not None and free.seconds == 0
+    _, refusal = admission.reserve(ASK, 10, 30.0)
+    assert refusal is None
+
+
+async def test_a_burst_sent_between_two_reports_does_not_all_see_the_same_free_rows() -> None:
+    clock = FakeClock()
+    admission, book = controller(clock, initial=1e9)
+    book.update("", report(running=0))  # 4 free rows
+    for _ in range(4):
+        await admission.admit(ASK, 10, None, 30.0)
+    fifth = admission.predicted_wait(ASK, 10)
+    assert fifth is not None and fifth.seconds > 0
+    clock.advance(0.1)
+    book.update("", report(running=4, kv_blocks_free=0))  # the engine shows the four: still full
+    assert book.model("").pending == 0
+    full = admission.predicted_wait(ASK, 10)
+    assert full is not None and full.seconds > 0

@@ -6,7 +6,10 @@ and the batch room, the waiting queue, free KV blocks, the recent step time and 
 vanished replica: reports come at least every second) no longer counts, and admission falls back
 to its own guesses for a model with no fresh report. Between two reports the gateway counts
 what it sent itself (`ModelLoad.dispatched`), so a burst that arrives within one report
-interval does not all see the same free rows.
+interval does not all see the same free rows. A request counts as sent-but-unseen only until a
+report that came after it (plus `TRANSIT_S`): past that the report holds it (running, waiting)
+or it never arrived (it failed on its way, or went to a replica that died), so the estimate
+cannot drift, whatever the failures, restarts and cancellations.
 
 The predicted wait is the time until a row frees for the request: none while the requests ahead
 of it (the queue and what this gateway sent since the report) fit in the free rows and KV;
@@ -22,6 +25,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -38,6 +42,9 @@ DEFAULT_STEP_S = 0.05
 #: Before any answer ended, answers are assumed this long (tokens).
 DEFAULT_OUTPUT_TOKENS = 64.0
 OUTPUT_ALPHA = 0.1
+#: A request reaches its engine's counters within this long of being sent (a report samples
+#: them every 10 ms): one sent longer before a report is in it, or is not coming.
+TRANSIT_S = 0.05
 #: KV share below which a replica that tells only its usage (vLLM without block counts) is full.
 KV_FULL_SHARE = 0.02
 #: WatchLoad is retried this long after its stream broke, and after UNIMPLEMENTED (a backend
@@ -98,33 +105,37 @@ class Wait:
 class ModelLoad:
     """One model's replicas as their reports tell them, and what this gateway sent since."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.replicas: dict[str, ReplicaReport] = {}
-        #: Requests this gateway admitted that no report has shown yet (an estimate).
-        self.pending = 0
+        #: When each request this gateway admitted was sent, oldest first, as long as a report
+        #: may not show it yet (see `pending`).
+        self._sent: deque[float] = deque()
         #: Requests that passed the check before their hops and hold their place until admitted:
         #: on their way to this engine, so later requests queue behind them.
         self.reserved = 0
-        #: Of its requests in flight, the ones that ended since the last report.
-        self._ended_since_report = 0
         self.mean_output_tokens = DEFAULT_OUTPUT_TOKENS
         #: Seconds per token the gateway saw its streams take (EWMA): an engine's decode step
         #: leaves out its prefills and its emitter, so a stream's pace is the truer figure.
         self.seconds_per_token: float | None = None
         self.reports = 0
 
+    @property
+    def pending(self) -> int:
+        """Requests sent from here that the replicas' reports may not show yet: those sent after
+        the oldest fresh report (less TRANSIT_S). Not a running balance of arrivals: a request
+        that failed before its engine saw it, or whose replica restarted, stops counting at the
+        next report (at most a second away) instead of being pending for good."""
+        now = self.clock()
+        fresh = self.fresh(now)
+        horizon = now - STALE_S
+        if fresh:
+            horizon = max(horizon, min(r.received_at for r in fresh) - TRANSIT_S)
+        while self._sent and self._sent[0] <= horizon:
+            self._sent.popleft()
+        return len(self._sent)
+
     def update(self, report: ReplicaReport) -> None:
-        previous = self.replicas.get(report.replica)
-        if previous is not None:
-            # What arrived at the engine since its last report: its occupancy grew by the
-            # arrivals less what ended; those arrivals were (mostly) the ones sent from here.
-            arrived = max(0, report.occupied - previous.occupied + self._ended_since_report)
-            self.pending = max(0, self.pending - arrived)
-        else:
-            # A replica's first report: what it runs now is (mostly) what was sent from here.
-            # What went to the other replicas is still pending there, so the estimate is kept.
-            self.pending = max(0, self.pending - report.occupied)
-        self._ended_since_report = 0
         self.replicas[report.replica] = report
         self.reports += 1
 
@@ -138,7 +149,7 @@ class ModelLoad:
         return [r for r in self.replicas.values() if now - r.received_at <= STALE_S]
 
     def dispatched(self) -> None:
-        self.pending += 1
+        self._sent.append(self.clock())
 
     def reserve(self) -> None:
         self.reserved += 1
@@ -147,7 +158,6 @@ class ModelLoad:
         self.reserved = max(0, self.reserved - 1)
 
     def ended(self, output_tokens: int, seconds_per_token: float | None = None) -> None:
-        self._ended_since_report += 1
         if output_tokens > 0:
             self.mean_output_tokens += OUTPUT_ALPHA * (output_tokens - self.mean_output_tokens)
         if seconds_per_token is not None:
@@ -214,7 +224,7 @@ class LoadBook:
     def model(self, name: str) -> ModelLoad:
         found = self.models.get(name)
         if found is None:
-            found = self.models[name] = ModelLoad()
+            found = self.models[name] = ModelLoad(self.clock)
         return found
 
     def update(self, name: str, message: object) -> None:
