@@ -148,3 +148,33 @@ def test_the_biases_of_every_row_in_one_add_equal_each_rows_own() -> None:
     expected[2, 3] += 2.5
     expected[3, 1] -= 0.5
     assert torch.allclose(out, expected)
+
+
+def test_text_to_the_budget_replays_the_closing_path_instead_of_walking_it(
+    grammars: Grammars, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A free string written to the budget's end: after text the last closing path is checked
+    again by consuming it (no masks), and the row closes along it by its last token."""
+    schema = {"type": "object", "properties": {"title": {"type": "string"}, "note": {"type": "string"}}}
+    schema["required"] = ["title", "note"]
+    budget = 64
+    row = grammars.row(spec(schema), budget)
+    walked = 0
+    path_token = RowGrammar.path_token
+
+    def counted(self: RowGrammar, matcher: object, state: tuple[bool, bool]) -> int | None:
+        nonlocal walked
+        walked += 1
+        return path_token(self, matcher, state)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(RowGrammar, "path_token", counted)
+    text = grammars.tokenizer.tokenize_str('{"title":"' + " the sea is wide and grey" * 30)
+    tokens: list[int] = []
+    while len(tokens) < budget and not row.stopped:
+        wanted = text[len(tokens)] if not row.closing else allowed(grammars, row)[0]
+        tokens.append(row.take(wanted, budget - len(tokens) - 1))
+    answer = json.loads(grammars.tokenizer.decode_str([t for t in tokens if t not in EOS]))
+    assert len(tokens) == budget and set(answer) == {"title", "note"} and len(answer["title"]) > 100
+    # Walks of the ~7-token path: at the start's structural tokens (`{"title":"`, about 30 masks),
+    # none after text (one per token near the end before: about 120).
+    assert walked < 50, walked

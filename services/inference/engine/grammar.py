@@ -170,8 +170,9 @@ class Grammars:
         """A matcher for one row, refused (InvalidArgument naming sampling.max_new_tokens) when its
         closing path from the start is longer than the row's budget."""
         row = RowGrammar(self, self.compiled(spec).deep_copy(), spec.kind in ("json_object", "json_schema"))
-        needed = row.distance(row.matcher, row.text_state, budget)
-        if needed is None:
+        row._path = row.closing_path(row.matcher, row.text_state, budget)
+        row._last_distance = len(row._path or ())
+        if row._path is None:
             raise InvalidArgument(
                 [
                     (
@@ -199,6 +200,10 @@ class RowGrammar:
         # The closing path's length at the last dry run, and tokens taken since without one.
         self._last_distance = 0
         self._unchecked = 0
+        # That closing path's tokens (checked again, not walked again, after text), and on the
+        # closing path the tokens still to take of it.
+        self._path: list[int] | None = None
+        self._plan: list[int] = []
 
     def _inside_text(self, token: int, state: tuple[bool, bool], left: int) -> bool:
         """The token is plain text inside a JSON string (no quote, no backslash; the string was
@@ -219,7 +224,7 @@ class RowGrammar:
     def fill_mask(self, bitmask: torch.Tensor, index: int) -> None:
         """The row's allowed tokens into `bitmask[index]` (int32 words, bit t % 32 of word t // 32)."""
         if self.closing:
-            token = self.path_token(self.matcher, self.text_state)
+            token = self._closing_token()
             bitmask[index].zero_()
             if token is not None:
                 bitmask[index, token >> 5] = _bit(token & 31)
@@ -255,33 +260,72 @@ class RowGrammar:
                 return token
             trial = self.matcher.deep_copy()
             if trial.consume_token(token) and not trial.is_error():
-                needed = self.distance(trial, state, left)
-                if needed is not None:
+                path = self._replay(trial, left)
+                if path is None:
+                    path = self.closing_path(trial, state, left)
+                if path is not None:
                     self.matcher, self.text_state = trial, state
-                    self._last_distance, self._unchecked = needed, 0
+                    self._path, self._last_distance, self._unchecked = path, len(path), 0
                     return token
-            path = self.path_token(self.matcher, self.text_state)
-            if path is None:  # nothing valid at all (cannot happen under the mask): keep the model's
-                path = token
+            # No room left after `token`: the row follows its closing path from here.
             self.closing = True
-            token = path
+            plan = self._replay(self.matcher, left + 1)
+            if plan is None:
+                plan = self.closing_path(self.matcher, self.text_state, left + 1) or []
+            self._plan = list(plan)
+            path_token = self._closing_token()
+            if path_token is not None:  # None: nothing valid (cannot happen under the mask)
+                token = path_token
+        if self._plan:
+            if self._plan[0] == token:
+                self._plan.pop(0)
+            else:  # not the plan's token (a mask was not applied): the greedy path from here on
+                self._plan = []
         self.matcher.consume_token(token)
         self.text_state = self._advance(self.text_state, token)
         return token
 
+    def _closing_token(self) -> int | None:
+        """The next token on the closing path: the plan's, then (complete) end of sequence."""
+        if self._plan:
+            return self._plan[0]
+        return self.path_token(self.matcher, self.text_state)
+
+    def _replay(self, matcher: LLMatcher, cap: int) -> list[int] | None:
+        """The last closing path again when it still closes the value from `matcher`'s state
+        within `cap` tokens (it does after text inside a string: a quote, then the same tail),
+        checked by consuming it on a copy: no mask is computed."""
+        path = self._path
+        if path is None or len(path) > cap:
+            return None
+        if not path:
+            return path if matcher.is_accepting() or matcher.is_stopped() else None
+        walker = matcher.deep_copy()
+        if walker.try_consume_tokens(path) != len(path) or walker.is_error():
+            return None
+        return path if walker.is_accepting() or walker.is_stopped() else None
+
     def distance(self, matcher: LLMatcher, state: tuple[bool, bool], cap: int) -> int | None:
         """Tokens the closing path needs from `matcher`'s state to a complete value (0: complete
         now), or None when that is more than `cap`."""
+        path = self.closing_path(matcher, state, cap)
+        return None if path is None else len(path)
+
+    def closing_path(self, matcher: LLMatcher, state: tuple[bool, bool], cap: int) -> list[int] | None:
+        """The closing path's tokens from `matcher`'s state to a complete value (empty: complete
+        now), or None when it is longer than `cap`: a dry run on a copy."""
         if matcher.is_accepting() or matcher.is_stopped():
-            return 0
+            return []
         walker = matcher.deep_copy()
-        for steps in range(1, cap + 1):
+        path: list[int] = []
+        for _ in range(cap):
             token = self.path_token(walker, state)
             if token is None or not walker.consume_token(token) or walker.is_error():
                 return None
+            path.append(token)
             state = self._advance(state, token)
             if walker.is_accepting() or walker.is_stopped():
-                return steps
+                return path
         return None
 
     def path_token(self, matcher: LLMatcher, state: tuple[bool, bool]) -> int | None:

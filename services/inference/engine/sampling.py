@@ -7,6 +7,8 @@ so a seeded request gets the same tokens in any batch (and alone), and the draw 
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,14 +187,35 @@ def adjust(logits: torch.Tensor, adjustments: Adjustments | None) -> torch.Tenso
         if (a.presence or a.frequency) and a.generated:
             counts = torch.bincount(torch.tensor(a.generated, device=logits.device), minlength=vocab)[:vocab]
             row -= a.frequency * counts + a.presence * (counts > 0)
-    # The biases of every row in one indexed add (after each row's penalties, as before).
-    biased = [(a.row, t, b) for a in adjustments.rows for t, b in a.bias]
-    if biased:
-        at_rows, at_ids, biases = zip(*biased, strict=True)
-        device = logits.device
-        index = (torch.tensor(at_rows, device=device), torch.tensor(at_ids, device=device))
-        logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+        if a.bias:
+            ids, values = _bias_tensors(a.bias, logits.device)
+            row.index_add_(0, ids, values)
     return logits
+
+
+#: A request's logit_bias as device tensors, kept across its steps (by the bias itself: a row's
+#: is the same every step, and building them from Python numbers costs more than the add).
+_BIAS_TENSORS: OrderedDict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+BIAS_CACHE_SIZE = 256
+_BIAS_LOCK = threading.Lock()
+
+
+def _bias_tensors(bias: tuple[tuple[int, float], ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (str(device), bias)
+    with _BIAS_LOCK:  # engines' worker threads share it
+        found = _BIAS_TENSORS.get(key)
+        if found is not None:
+            _BIAS_TENSORS.move_to_end(key)
+            return found
+    found = (
+        torch.tensor([t for t, _ in bias], device=device),
+        torch.tensor([b for _, b in bias], dtype=torch.float32, device=device),
+    )
+    with _BIAS_LOCK:
+        _BIAS_TENSORS[key] = found
+        while len(_BIAS_TENSORS) > BIAS_CACHE_SIZE:
+            _BIAS_TENSORS.popitem(last=False)
+    return found
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
