@@ -18,6 +18,10 @@ the end: the value closes by the last token the budget allows (finish_reason sta
 the budget, not the model, ended it). A format whose closing path from the start is longer than
 the budget is refused before any work (`Grammars.row`). The dry run reads only the candidate
 tokens' bits of each mask (the whole vocabulary only when no closer, comma or forced token fits).
+It is rarely needed: after a token the last closing path is first checked again by consuming it
+on a copy (no masks; after text inside a string it still closes: a quote, then the same tail),
+and the row on its closing path follows the path so checked. Inside a string, far from the
+budget's end, even that check runs only every CHECK_EVERY tokens.
 
 Compiled grammars are kept in a small LRU (`Grammars.cache_size`, by the format's text): a
 schema is compiled once, and each row gets a copy of the compiled matcher (microseconds).
