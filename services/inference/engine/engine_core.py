@@ -57,6 +57,7 @@ from services.inference.engine.runner import ModelRunner, Sampling
 from services.inference.engine.sampling import (
     Adjustments,
     Constraints,
+    GrammarRows,
     LogprobRows,
     RowAdjustment,
     RowLogprobs,
@@ -473,10 +474,11 @@ class EngineCore:
         constrained = [(row, s.grammar) for row, s in enumerate(seqs) if s.grammar is not None]
         if not constrained:
             return None
-        bitmask = torch.zeros((len(constrained), constrained[0][1].grammars.words), dtype=torch.int32)
-        for i, (_, grammar) in enumerate(constrained):
-            grammar.fill_mask(bitmask, i)
-        return [row for row, _ in constrained], bitmask
+        # The masks are computed in the choice, in one batch call (engine/sampling.py).
+        grammars = constrained[0][1].grammars
+        return GrammarRows(
+            [row for row, _ in constrained], [g for _, g in constrained], grammars.words, grammars.fill_masks
+        )
 
     def _register(self, seq: SequenceState) -> None:
         """Puts the full blocks of what `seq` has in the cache into the prefix cache."""

@@ -4,7 +4,10 @@ mask cost on this CPU against xgrammar and outlines-core: bench/results/structur
 
 One `RowGrammar` per constrained row: it gives the row's token mask before each step and takes
 the chosen token after it. Rows with and without grammars share a batch; the mask only touches
-its own row's logits (`sampling.choose`), so a row's tokens never depend on its neighbours.
+its own row's logits (`sampling.choose`), so a row's tokens never depend on its neighbours. The
+masks of a step's grammar rows are filled in one call across llguidance's threads
+(`Grammars.fill_masks`), and applied to the logits only of the rows where they change the token
+(the sampled rows, and greedy rows whose likeliest token the grammar does not allow).
 
 **A structured answer is always complete.** After each token the row checks that its value can
 still be closed within the tokens it has left, by a dry run of the closing path from the new
@@ -13,7 +16,12 @@ then a token the grammar forces, then the shortest token it allows. When the cho
 leave no room to close, the row takes the closing path's token instead and follows that path to
 the end: the value closes by the last token the budget allows (finish_reason stays `length` when
 the budget, not the model, ended it). A format whose closing path from the start is longer than
-the budget is refused before any work (`Grammars.row`).
+the budget is refused before any work (`Grammars.row`). The dry run reads only the candidate
+tokens' bits of each mask (the whole vocabulary only when no closer, comma or forced token fits).
+It is rarely needed: after a token the last closing path is first checked again by consuming it
+on a copy (no masks; after text inside a string it still closes: a quote, then the same tail),
+and the row on its closing path follows the path so checked. Inside a string, far from the
+budget's end, even that check runs only every CHECK_EVERY tokens.
 
 Compiled grammars are kept in a small LRU (`Grammars.cache_size`, by the format's text): a
 schema is compiled once, and each row gets a copy of the compiled matcher (microseconds).
@@ -31,7 +39,7 @@ from typing import TYPE_CHECKING
 import llguidance.torch
 import numpy as np
 import torch
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
 from tokenizers import Tokenizer
 
 from llmesh.errors import InvalidArgument
@@ -50,6 +58,8 @@ NUMBER_TAILS = (b"-", b".", b"e", b"E", b"+")
 # once fewer than its last length + TEXT_MARGIN tokens are left.
 CHECK_EVERY = 16
 TEXT_MARGIN = 8
+# The closing path's shortest allowed token is looked for among this many shortest tokens first.
+SHORTEST_HEAD = 1024
 
 
 @dataclass
@@ -74,6 +84,7 @@ class Grammars:
         self.stats = GrammarStats()
         self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
+        self._executor: LLExecutor | None = None  # the batch mask fill's threads, on first use
         self.words = (n_vocab + 31) // 32
         # Token ids by the bytes they decode to: the closing path's preferences.
         pieces = [self.tokenizer.decode_bytes([t]) for t in range(n_vocab)]
@@ -93,6 +104,7 @@ class Grammars:
             sorted(plain, key=lambda t: (len(pieces[t]), pieces[t][:1] in NUMBER_TAILS, t)), dtype=np.int64
         )
         self.separators = np.array([t for t, b in enumerate(pieces) if b == b","], dtype=np.int64)
+        self.eos_ids = np.array(self.eos, dtype=np.int64)
 
     @staticmethod
     def source(spec: ResponseFormatSpec) -> tuple[str, str]:
@@ -144,12 +156,27 @@ class Grammars:
                 self._compiled.popitem(last=False)
         return matcher
 
+    def fill_masks(self, rows: list[RowGrammar], bitmask: torch.Tensor) -> None:
+        """The masks of `rows` into `bitmask[i]` for rows[i]: the rows on their closing path one
+        token each, the others in one call across llguidance's threads (no GIL held)."""
+        computed = [(r.matcher, i) for i, r in enumerate(rows) if not r.closing]
+        for i, r in enumerate(rows):
+            if r.closing:
+                r.fill_mask(bitmask, i)
+        if len(computed) == 1:
+            llguidance.torch.fill_next_token_bitmask(computed[0][0], bitmask, computed[0][1])
+        elif computed:
+            if self._executor is None:
+                self._executor = LLExecutor()
+            llguidance.torch.fill_next_token_bitmask_par(self._executor, computed, bitmask)
+
     def row(self, spec: ResponseFormatSpec, budget: int) -> RowGrammar:
         """A matcher for one row, refused (InvalidArgument naming sampling.max_new_tokens) when its
         closing path from the start is longer than the row's budget."""
         row = RowGrammar(self, self.compiled(spec).deep_copy(), spec.kind in ("json_object", "json_schema"))
-        needed = row.distance(row.matcher, row.text_state, budget)
-        if needed is None:
+        row._path = row.closing_path(row.matcher, row.text_state, budget)
+        row._last_distance = len(row._path or ())
+        if row._path is None:
             raise InvalidArgument(
                 [
                     (
@@ -173,9 +200,14 @@ class RowGrammar:
         # On the closing path: every further token is the path's.
         self.closing = False
         self._bits = torch.zeros((1, grammars.words), dtype=torch.int32)
+        self._words = self._bits[0].numpy().view(np.uint32)  # the same memory, as numpy reads it
         # The closing path's length at the last dry run, and tokens taken since without one.
         self._last_distance = 0
         self._unchecked = 0
+        # That closing path's tokens (checked again, not walked again, after text), and on the
+        # closing path the tokens still to take of it.
+        self._path: list[int] | None = None
+        self._plan: list[int] = []
 
     def _inside_text(self, token: int, state: tuple[bool, bool], left: int) -> bool:
         """The token is plain text inside a JSON string (no quote, no backslash; the string was
@@ -196,7 +228,7 @@ class RowGrammar:
     def fill_mask(self, bitmask: torch.Tensor, index: int) -> None:
         """The row's allowed tokens into `bitmask[index]` (int32 words, bit t % 32 of word t // 32)."""
         if self.closing:
-            token = self.path_token(self.matcher, self.text_state)
+            token = self._closing_token()
             bitmask[index].zero_()
             if token is not None:
                 bitmask[index, token >> 5] = _bit(token & 31)
@@ -232,64 +264,109 @@ class RowGrammar:
                 return token
             trial = self.matcher.deep_copy()
             if trial.consume_token(token) and not trial.is_error():
-                needed = self.distance(trial, state, left)
-                if needed is not None:
+                path = self._replay(trial, left)
+                if path is None:
+                    path = self.closing_path(trial, state, left)
+                if path is not None:
                     self.matcher, self.text_state = trial, state
-                    self._last_distance, self._unchecked = needed, 0
+                    self._path, self._last_distance, self._unchecked = path, len(path), 0
                     return token
-            path = self.path_token(self.matcher, self.text_state)
-            if path is None:  # nothing valid at all (cannot happen under the mask): keep the model's
-                path = token
+            # No room left after `token`: the row follows its closing path from here.
             self.closing = True
-            token = path
+            plan = self._replay(self.matcher, left + 1)
+            if plan is None:
+                plan = self.closing_path(self.matcher, self.text_state, left + 1) or []
+            self._plan = list(plan)
+            path_token = self._closing_token()
+            if path_token is not None:  # None: nothing valid (cannot happen under the mask)
+                token = path_token
+        if self._plan:
+            if self._plan[0] == token:
+                self._plan.pop(0)
+            else:  # not the plan's token (a mask was not applied): the greedy path from here on
+                self._plan = []
         self.matcher.consume_token(token)
         self.text_state = self._advance(self.text_state, token)
         return token
 
+    def _closing_token(self) -> int | None:
+        """The next token on the closing path: the plan's, then (complete) end of sequence."""
+        if self._plan:
+            return self._plan[0]
+        return self.path_token(self.matcher, self.text_state)
+
+    def _replay(self, matcher: LLMatcher, cap: int) -> list[int] | None:
+        """The last closing path again when it still closes the value from `matcher`'s state
+        within `cap` tokens (it does after text inside a string: a quote, then the same tail),
+        checked by consuming it on a copy: no mask is computed."""
+        path = self._path
+        if path is None or len(path) > cap:
+            return None
+        if not path:
+            return path if matcher.is_accepting() or matcher.is_stopped() else None
+        walker = matcher.deep_copy()
+        if walker.try_consume_tokens(path) != len(path) or walker.is_error():
+            return None
+        return path if walker.is_accepting() or walker.is_stopped() else None
+
     def distance(self, matcher: LLMatcher, state: tuple[bool, bool], cap: int) -> int | None:
         """Tokens the closing path needs from `matcher`'s state to a complete value (0: complete
         now), or None when that is more than `cap`."""
+        path = self.closing_path(matcher, state, cap)
+        return None if path is None else len(path)
+
+    def closing_path(self, matcher: LLMatcher, state: tuple[bool, bool], cap: int) -> list[int] | None:
+        """The closing path's tokens from `matcher`'s state to a complete value (empty: complete
+        now), or None when it is longer than `cap`: a dry run on a copy."""
         if matcher.is_accepting() or matcher.is_stopped():
-            return 0
+            return []
         walker = matcher.deep_copy()
-        for steps in range(1, cap + 1):
+        path: list[int] = []
+        for _ in range(cap):
             token = self.path_token(walker, state)
             if token is None or not walker.consume_token(token) or walker.is_error():
                 return None
+            path.append(token)
             state = self._advance(state, token)
             if walker.is_accepting() or walker.is_stopped():
-                return steps
+                return path
         return None
 
     def path_token(self, matcher: LLMatcher, state: tuple[bool, bool]) -> int | None:
         """The closing path's next token from `matcher`'s state: end of sequence when complete,
         else the longest allowed run of closers (inside a JSON string: a quote first), else a
-        comma outside a string, else a forced token, else the shortest allowed."""
+        comma outside a string, else a forced token, else the shortest allowed. The candidates'
+        bits are read from the mask's words; the whole vocabulary is unpacked only for the last
+        two (rare: a number or a patterned string)."""
         g = self.grammars
-        bits = self._bits
-        llguidance.torch.fill_next_token_bitmask(matcher, bits, 0)
-        allowed = np.unpackbits(bits[0].numpy().view(np.uint8), bitorder="little").astype(bool)
+        llguidance.torch.fill_next_token_bitmask(matcher, self._bits, 0)
+        words = self._words
         if matcher.is_accepting():
-            for eos in g.eos:
-                if allowed[eos]:
-                    return eos
+            ok = _allowed(words, g.eos_ids)
+            if len(ok):
+                return int(ok[0])
         if self.json_text:
-            closers = g.string_closers if state[0] and not state[1] else g.struct_closers
-            ok = closers[allowed[closers]]
+            ok = _allowed(words, g.string_closers if state[0] and not state[1] else g.struct_closers)
             if len(ok):
                 return int(ok[0])
             if not state[0]:  # the next required member or item (a value cannot end sooner)
-                ok = g.separators[allowed[g.separators]]
+                ok = _allowed(words, g.separators)
                 if len(ok):
                     return int(ok[0])
         forced = matcher.compute_ff_tokens()
         if forced:
             return int(forced[0])
-        ok = g.shortest_first[allowed[g.shortest_first]]
-        if len(ok):
-            return int(ok[0])
-        anything = np.flatnonzero(allowed)
-        return int(anything[0]) if len(anything) else None
+        for ids in (g.shortest_first[:SHORTEST_HEAD], g.shortest_first[SHORTEST_HEAD:]):
+            ok = _allowed(words, ids)
+            if len(ok):
+                return int(ok[0])
+        anything = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+        return int(anything[0]) if len(anything) and anything[0] < g.vocab_size else None
+
+
+def _allowed(words: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The tokens of `ids` (in their order) whose bit is set in a mask's uint32 words."""
+    return ids[((words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)]
 
 
 def _bit(k: int) -> int:

@@ -7,6 +7,9 @@ so a seeded request gets the same tokens in any batch (and alone), and the draw 
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,9 +122,31 @@ class StagedParams:
         return self._tensors
 
 
+@dataclass(frozen=True)
+class GrammarRows:
+    """Rows under a grammar, their masks computed in the choice, all in one call (`fill`, the
+    grammar library's batch fill: engine/grammar.py), and applied to the logits only where they
+    change the token: a greedy row whose likeliest token its grammar allows takes it with no
+    masking of its logits (the masked argmax is the same token: it is the first index of the
+    maximum, and masking only removes other indices). `words`: int32 words of a mask."""
+
+    rows: list[int]
+    grammars: list[Any]
+    words: int
+    fill: Callable[[list[Any], torch.Tensor], None]
+
+    def bitmask(self) -> BitmaskRows:
+        """Every row's mask as a bitmask [rows, words]."""
+        bitmask = torch.zeros((len(self.rows), self.words), dtype=torch.int32)
+        self.fill(self.grammars, bitmask)
+        return self.rows, bitmask
+
+
 # Rows under a grammar: (their rows in the batch, their allowed tokens as an int32 bitmask
-# [rows, ceil(vocab / 32)], bit t % 32 of word t // 32 set for an allowed token t).
-Constraints = tuple[list[int], torch.Tensor]
+# [rows, ceil(vocab / 32)], bit t % 32 of word t // 32 set for an allowed token t)...
+BitmaskRows = tuple[list[int], torch.Tensor]
+# ...or their grammars, the masks computed as the choice needs them.
+Constraints = BitmaskRows | GrammarRows
 
 
 @dataclass(frozen=True)
@@ -163,9 +188,34 @@ def adjust(logits: torch.Tensor, adjustments: Adjustments | None) -> torch.Tenso
             counts = torch.bincount(torch.tensor(a.generated, device=logits.device), minlength=vocab)[:vocab]
             row -= a.frequency * counts + a.presence * (counts > 0)
         if a.bias:
-            ids = torch.tensor([t for t, _ in a.bias], device=logits.device)
-            row.index_add_(0, ids, torch.tensor([b for _, b in a.bias], device=logits.device))
+            ids, values = _bias_tensors(a.bias, logits.device)
+            row.index_add_(0, ids, values)
     return logits
+
+
+#: A request's logit_bias as device tensors, kept across its steps (by the bias itself: a row's
+#: is the same every step, and building them from Python numbers costs more than the add).
+_BIAS_TENSORS: OrderedDict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+BIAS_CACHE_SIZE = 256
+_BIAS_LOCK = threading.Lock()
+
+
+def _bias_tensors(bias: tuple[tuple[int, float], ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (str(device), bias)
+    with _BIAS_LOCK:  # engines' worker threads share it
+        found = _BIAS_TENSORS.get(key)
+        if found is not None:
+            _BIAS_TENSORS.move_to_end(key)
+            return found
+    found = (
+        torch.tensor([t for t, _ in bias], device=device),
+        torch.tensor([b for _, b in bias], dtype=torch.float32, device=device),
+    )
+    with _BIAS_LOCK:
+        _BIAS_TENSORS[key] = found
+        while len(_BIAS_TENSORS) > BIAS_CACHE_SIZE:
+            _BIAS_TENSORS.popitem(last=False)
+    return found
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -178,7 +228,7 @@ def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return allowed
 
 
-def constrain(logits: torch.Tensor, constraints: Constraints | None) -> torch.Tensor:
+def constrain(logits: torch.Tensor, constraints: BitmaskRows | None) -> torch.Tensor:
     """Float32 logits with every token a row's grammar does not allow at -inf (its own row only)."""
     logits = logits.float()
     if constraints is None or not constraints[0]:
@@ -304,8 +354,15 @@ def _choose(
     logits = adjust(logits, adjustments)
     # Before the mask (constrain may write into `logits`): a new tensor of the asked rows only.
     measured = _log_probs(logits, logprobs) if logprobs is not None and logprobs.rows else None
-    logits = constrain(logits, constraints)
-    chosen = torch.argmax(logits, dim=-1)
+    if isinstance(constraints, GrammarRows):
+        if logits.device.type == "cpu":
+            chosen, logits = _choose_masked_lazily(logits, constraints, sampled_rows)
+        else:  # on an accelerator a check per row would sync with the host: every mask, once
+            logits = constrain(logits, constraints.bitmask())
+            chosen = torch.argmax(logits, dim=-1)
+    else:
+        logits = constrain(logits, constraints)
+        chosen = torch.argmax(logits, dim=-1)
     if sampled_rows:
         chosen = _sample(logits, chosen, sampled_rows, temperature, top_p, seeds, counters, adjustments, stage)
     if measured is None or logprobs is None:
@@ -316,6 +373,31 @@ def _choose(
     host_values = torch.cat([dist.gather(1, picked), values], dim=1).tolist()
     host_ids = torch.cat([picked, ids], dim=1).tolist()
     return chosen, Scores(logprobs, dist, host_values, host_ids)
+
+
+def _choose_masked_lazily(
+    logits: torch.Tensor, grammars: GrammarRows, sampled_rows: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens, and the logits with the grammar rows' masks applied only to the rows that
+    need them: the sampled ones, and the greedy ones whose likeliest token is not allowed."""
+    chosen = torch.argmax(logits, dim=-1)
+    rows, bitmask = grammars.bitmask()
+    likeliest = chosen.numpy()[rows]
+    words = bitmask.numpy().view(np.uint32)
+    word = np.minimum(likeliest >> 5, words.shape[1] - 1)
+    bit = (words[np.arange(len(rows)), word] >> (likeliest & 31).astype(np.uint32)) & 1
+    allowed = (bit == 1) & (likeliest >> 5 < words.shape[1])
+    sampled = set(sampled_rows)
+    need = [k for k, row in enumerate(rows) if row in sampled or not allowed[k]]
+    if not need:
+        return chosen, logits
+    masked = [rows[k] for k in need]
+    logits = constrain(logits, (masked, bitmask[need] if len(need) < len(rows) else bitmask))
+    greedy = [row for row in masked if row not in sampled]
+    if greedy:
+        index = torch.tensor(greedy)
+        chosen[index] = torch.argmax(logits.index_select(0, index), dim=-1)
+    return chosen, logits
 
 
 def _sample(
