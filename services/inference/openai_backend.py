@@ -4,7 +4,8 @@
   use) and go to the server unchanged, as token ids or as the rendered text (LLMESH_BACKEND_PROMPT).
 * One `httpx.AsyncClient` for all replicas: pooled keep-alive connections with a bound, no
   connection per request. Streams are `/completions` with `stream=true` and
-  `stream_options.include_usage`, read with the standard SSE framing (httpx-sse).
+  `stream_options.include_usage`, read off the socket with a lean SSE framing; the chunks one
+  read brings become one event (one gRPC message), nothing held back waiting for more.
 * A cancelled or expired call closes its HTTP stream at once (the handler task is cancelled
   inside `client.stream`), so the server frees the sequence (vLLM aborts on disconnect).
 * Replicas: a list of base URLs, each polled on `/models`; a request goes to the healthy replica
@@ -26,7 +27,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-from httpx_sse import EventSource
 from opentelemetry import propagate, trace
 from tokenizers import Tokenizer
 
@@ -39,8 +39,10 @@ from services.inference.engine import FINISH_STOP, GenerationEvent, ModelDescrip
 from services.inference.engine.load import EngineLoad
 from services.inference.openai_protocol import (
     Chunk,
+    SSEReader,
     completion_body,
     error_for_status,
+    merge_chunks,
     parse_chunk,
     token_logprobs,
 )
@@ -410,7 +412,7 @@ class OpenAIBackend:
     def _event(self, chunk: Chunk, resolved: ResolvedParams) -> GenerationEvent:
         """A chunk's text; with logprobs asked, its tokens and their log probabilities too."""
         if not resolved.logprobs or not chunk.logprobs:
-            return GenerationEvent([], chunk.text)
+            return GenerationEvent(list(chunk.token_ids), chunk.text)
         entries = token_logprobs(chunk.logprobs, resolved.top_logprobs, self.tokenizer.piece_of)
         return GenerationEvent([e.token_id for e in entries], chunk.text, logprobs=entries)
 
@@ -421,7 +423,7 @@ class OpenAIBackend:
         headers: dict[str, str] = {"x-request-id": request_id} if request_id else {}
         propagate.inject(headers, context=trace.set_span_in_context(span))
         started = time.monotonic()
-        last_token_at = 0.0
+        first_token = True
         finish: str | None = None
         usage = Chunk()  # the usage chunk (include_usage): counts, model and id
         outcome = "error"
@@ -432,19 +434,26 @@ class OpenAIBackend:
             ) as response:
                 if response.status_code != 200:
                     raise error_for_status(response.status_code, response.headers, await response.aread())
-                async for sse in EventSource(response).aiter_sse():
-                    if sse.data == "[DONE]":
-                        break
-                    chunk = parse_chunk(sse.data)
+                # What one socket read brings is one event (one gRPC message), never held
+                # back for more: several tokens coalesce only when they arrived together.
+                reader = SSEReader()
+                async for raw in response.aiter_bytes():
+                    payloads = reader.feed(raw)
+                    if not payloads:
+                        if reader.done:
+                            break
+                        continue
+                    chunk = merge_chunks([parse_chunk(p) for p in payloads])
                     if chunk.prompt_tokens is not None:
                         usage = chunk
                     finish = chunk.finish_reason or finish
-                    if chunk.text or chunk.logprobs:
-                        now = time.monotonic()
-                        if not last_token_at:
-                            metrics.TIME_TO_FIRST_TOKEN.observe(now - started)
-                        last_token_at = now
+                    if chunk.text or chunk.logprobs or chunk.token_ids:
+                        if first_token:
+                            first_token = False
+                            metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - started)
                         yield self._event(chunk, resolved)
+                    if reader.done:
+                        break
             if finish is None:
                 raise errors.Unavailable(
                     f"inference backend {replica.base_url} ended the stream without finishing",

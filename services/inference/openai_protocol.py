@@ -133,9 +133,55 @@ def token_logprobs(raw: tuple[RawLogprob, ...], top: int, piece_of: PieceOf) -> 
     return out
 
 
-@dataclass(frozen=True)
+class SSEReader:
+    """Server-sent events framing over raw bytes as they come off the socket: `feed` takes one
+    read and returns the `data` of each event it completed (a line or an event may straddle
+    reads). Lines end in LF, CRLF or CR; comments (keep-alives) and the fields other than
+    `data` are skipped; the `[DONE]` sentinel sets `done` and ends the stream."""
+
+    __slots__ = ("_after_cr", "_data", "_tail", "done")
+
+    def __init__(self) -> None:
+        self._tail = b""  # an unterminated line
+        self._data: list[bytes] = []  # the `data` lines of the event being read
+        self._after_cr = False  # the last read ended in CR: an LF opening the next is its CRLF
+        self.done = False
+
+    def feed(self, raw: bytes) -> list[bytes]:
+        if self.done or not raw:
+            return []
+        if self._after_cr and raw[:1] == b"\n":
+            raw = raw[1:]
+        buf = self._tail + raw if self._tail else raw
+        if b"\r" in buf:
+            self._after_cr = buf.endswith(b"\r")
+            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        else:
+            self._after_cr = False
+        lines = buf.split(b"\n")
+        self._tail = lines.pop()
+        out: list[bytes] = []
+        data = self._data
+        for line in lines:
+            if not line:  # a blank line ends the event
+                if data:
+                    payload = data[0] if len(data) == 1 else b"\n".join(data)
+                    data.clear()
+                    if payload == b"[DONE]":
+                        self.done = True
+                        break
+                    out.append(payload)
+            elif line.startswith(b"data:"):
+                data.append(line[6:] if line[5:6] == b" " else line[5:])
+            elif line == b"data":
+                data.append(b"")
+            # ":" comments (keep-alives), event/id/retry fields: nothing a completion needs
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class Chunk:
-    """What one streamed chunk carries."""
+    """What one streamed chunk carries (or several merged: `merge_chunks`)."""
 
     text: str = ""
     finish_reason: str | None = None
@@ -144,10 +190,45 @@ class Chunk:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     logprobs: tuple[RawLogprob, ...] = ()
+    token_ids: tuple[int, ...] = ()  # where the server sends them (vLLM's `return_token_ids`)
 
 
-def parse_chunk(data: str) -> Chunk:
-    """One SSE `data:` payload of a streamed completion; an error object raises its typed error."""
+def merge_chunks(chunks: list[Chunk]) -> Chunk:
+    """Chunks that arrived together as one: their text, token ids and logprobs in order; the
+    finish reason, usage, model and id the latest that carries each."""
+    if len(chunks) == 1:
+        return chunks[0]
+    finish: str | None = None
+    model = response_id = ""
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    logprobs: list[RawLogprob] = []
+    token_ids: list[int] = []
+    for chunk in chunks:
+        finish = chunk.finish_reason or finish
+        model = chunk.model or model
+        response_id = chunk.response_id or response_id
+        if chunk.prompt_tokens is not None:
+            prompt_tokens = chunk.prompt_tokens
+        if chunk.completion_tokens is not None:
+            completion_tokens = chunk.completion_tokens
+        logprobs += chunk.logprobs
+        token_ids += chunk.token_ids
+    return Chunk(
+        text="".join(chunk.text for chunk in chunks),
+        finish_reason=finish,
+        model=model,
+        response_id=response_id,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        logprobs=tuple(logprobs),
+        token_ids=tuple(token_ids),
+    )
+
+
+def parse_chunk(data: str | bytes) -> Chunk:
+    """One SSE `data:` payload of a streamed completion, its JSON parsed once; an error object
+    raises its typed error."""
     try:
         payload = json.loads(data)
     except ValueError as exc:
@@ -162,8 +243,12 @@ def parse_chunk(data: str) -> Chunk:
     text = ""
     finish: str | None = None
     logprobs: list[RawLogprob] = []
+    token_ids: list[int] = []
     for choice in payload.get("choices") or ():
         text += choice.get("text") or ""
+        ids = choice.get("token_ids")
+        if isinstance(ids, list):
+            token_ids += ids
         scored = choice.get("logprobs")
         if isinstance(scored, dict):
             tokens = scored.get("tokens") or []
@@ -182,6 +267,7 @@ def parse_chunk(data: str) -> Chunk:
         prompt_tokens=usage.get("prompt_tokens"),
         completion_tokens=usage.get("completion_tokens"),
         logprobs=tuple(logprobs),
+        token_ids=tuple(token_ids),
     )
 
 

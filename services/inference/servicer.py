@@ -96,12 +96,14 @@ def logprob_to_proto(entry: TokenLogprob) -> common_pb2.TokenLogprob:
 
 
 def response_for(event: GenerationEvent) -> inference_pb2.InferenceResponse:
-    reply = inference_pb2.InferenceResponse(
-        token_ids=event.token_ids,
-        text=event.text,
-        batch_id=event.batch_id,
-        logprobs=[logprob_to_proto(entry) for entry in event.logprobs],
-    )
+    # Once per streamed event: only the fields the event carries are set.
+    reply = inference_pb2.InferenceResponse(text=event.text)
+    if event.token_ids:
+        reply.token_ids.extend(event.token_ids)
+    if event.batch_id:
+        reply.batch_id = event.batch_id
+    if event.logprobs:
+        reply.logprobs.extend([logprob_to_proto(entry) for entry in event.logprobs])
     if event.finish_reason is not None:
         reply.finish_reason = FINISH_REASONS[event.finish_reason]
         reply.usage.input_tokens = event.input_tokens
