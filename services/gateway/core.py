@@ -1358,9 +1358,9 @@ class Gateway:
 
         def take(answer: Answer, message: inference_pb2.InferenceResponse) -> Delta | None:
             nonlocal generated
-            # Tokens as they come (a backend that sends text only: a message is a token); the
-            # final usage settles the count.
-            step = len(message.token_ids) or (1 if message.text else 0)
+            # Tokens as they come (a backend that sends text only: a message is the tokens it
+            # says, else one); the final usage settles the count.
+            step = len(message.token_ids) or message.tokens or (1 if message.text else 0)
             if message.finish_reason and message.usage.output_tokens:
                 step = max(step, message.usage.output_tokens - answer.generated)
             answer.generated += step

@@ -412,7 +412,7 @@ class OpenAIBackend:
     def _event(self, chunk: Chunk, resolved: ResolvedParams) -> GenerationEvent:
         """A chunk's text; with logprobs asked, its tokens and their log probabilities too."""
         if not resolved.logprobs or not chunk.logprobs:
-            return GenerationEvent(list(chunk.token_ids), chunk.text)
+            return GenerationEvent(list(chunk.token_ids), chunk.text, tokens=chunk.tokens)
         entries = token_logprobs(chunk.logprobs, resolved.top_logprobs, self.tokenizer.piece_of)
         return GenerationEvent([e.token_id for e in entries], chunk.text, logprobs=entries)
 

@@ -191,6 +191,9 @@ class Chunk:
     completion_tokens: int | None = None
     logprobs: tuple[RawLogprob, ...] = ()
     token_ids: tuple[int, ...] = ()  # where the server sends them (vLLM's `return_token_ids`)
+    #: Tokens the chunk stands for: a server streams one chunk per token it samples, so merged
+    #: chunks without ids stand for one each (0: a single chunk, as parsed).
+    tokens: int = 0
 
 
 def merge_chunks(chunks: list[Chunk]) -> Chunk:
@@ -215,6 +218,7 @@ def merge_chunks(chunks: list[Chunk]) -> Chunk:
         logprobs += chunk.logprobs
         token_ids += chunk.token_ids
     return Chunk(
+        tokens=sum(len(c.token_ids) or c.tokens or (1 if c.text or c.logprobs else 0) for c in chunks),
         text="".join(chunk.text for chunk in chunks),
         finish_reason=finish,
         model=model,

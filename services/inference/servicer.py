@@ -100,6 +100,8 @@ def response_for(event: GenerationEvent) -> inference_pb2.InferenceResponse:
     reply = inference_pb2.InferenceResponse(text=event.text)
     if event.token_ids:
         reply.token_ids.extend(event.token_ids)
+    elif event.tokens:
+        reply.tokens = event.tokens
     if event.batch_id:
         reply.batch_id = event.batch_id
     if event.logprobs:

@@ -109,3 +109,22 @@ def test_merge_keeps_the_finish_reason_and_usage_of_the_chunks_that_carry_them()
     assert merge_chunks([last, Chunk(text="")]).finish_reason == "length"
     # Zero counts are counts.
     assert merge_chunks([Chunk(prompt_tokens=0, completion_tokens=0), Chunk()]).completion_tokens == 0
+
+
+def test_merged_text_only_chunks_say_how_many_tokens_they_stand_for() -> None:
+    # A server that streams text only sends a chunk per token: three merged are three tokens,
+    # which the gateway counts for admission progress and for billing a stream that ends early.
+    merged = merge_chunks([Chunk(text="a"), Chunk(text="b"), Chunk(text=""), Chunk(text="c")])
+    assert merged.text == "abc" and merged.tokens == 3
+    with_ids = merge_chunks([Chunk(text="a", token_ids=(1, 2)), Chunk(text="b")])
+    assert with_ids.tokens == 3
+    assert merge_chunks([merged, Chunk(text="d")]).tokens == 4
+
+
+def test_the_inference_response_carries_the_count_only_without_ids() -> None:
+    from services.inference.engine.sequence import GenerationEvent
+    from services.inference.servicer import response_for
+
+    assert response_for(GenerationEvent([], "abc", tokens=3)).tokens == 3
+    with_ids = response_for(GenerationEvent([7, 8], "ab", tokens=2))
+    assert list(with_ids.token_ids) == [7, 8] and with_ids.tokens == 0

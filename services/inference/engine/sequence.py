@@ -55,6 +55,8 @@ class GenerationEvent:
     input_tokens: int = 0
     output_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: Without token_ids: how many tokens the text stands for (0: one per event with text).
+    tokens: int = 0
 
 
 class Sink:
