@@ -942,12 +942,21 @@ class Gateway:
             )
 
         ordered = sorted(self.routes.values(), key=lambda r: r.name != self.default_model)
+        embedder = asyncio.ensure_future(self.embedding_model(deadline))
         entries = list(await asyncio.gather(*(entry(r) for r in ordered)))
         by_name = {e.name: e for e in entries}
         for alias, chain in self.aliases.items():  # issue 29: available while one of its models is
             available = any(by_name[m].available for m in chain if m in by_name)
             entries.append(gateway_pb2.ModelEntry(name=alias, available=available, alias_of=chain))
+        name = await embedder
+        if name:  # the embedding model, for Embed (while retrieval can say its name): last, no key
+            entries.append(gateway_pb2.ModelEntry(name=name, available=True))
         return gateway_pb2.ListModelsResponse(models=entries)
+
+    async def embedding_model(self, deadline: Deadline) -> str:
+        """The mesh's embedding model's name, the one Embed and /v1/embeddings embed with ("" while
+        retrieval cannot say it): learned from retrieval's answers (services/gateway/embeddings.py)."""
+        return await self.embeddings.model_name(deadline)
 
     async def _retrieval_scope(self, plan: Plan, deadline: Deadline) -> tuple[str, int]:
         """(collection, version) the answer will be grounded in, or ("", 0) without retrieval.
@@ -1258,7 +1267,7 @@ class Gateway:
                 with plan.timed("cache"):
                     hit = await self._lookup(plan, scope, deadline)
                 if hit is not None:
-                    for event in from_cache(plan, hit, model):
+                    for event in from_cache(plan, hit, model, route.public_name() or ""):
                         yield event
                     return
         # --- end of the cache scope ------------------------------------------------------------
