@@ -30,7 +30,7 @@ from llmesh.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
-from services.gateway import core
+from services.gateway import core, pipeline
 from services.gateway.core import Delta, Final
 from services.gateway.peers import Deadline
 from services.gateway.servicer import GatewayApp
@@ -508,9 +508,9 @@ async def test_under_overload_a_request_the_cache_answered_lately_waits_for_its_
     # the model nothing); another cacheable request, unknown, misses and is shed at once.
     # Widened for a loaded machine: the unknown request's answer counts as the cache answering
     # for a whole second.
-    monkeypatch.setattr(core, "SHED_RISK_LOOKUP_S", 0.3)
-    monkeypatch.setattr(core, "KNOWN_HIT_WAIT_S", 4.0)
-    monkeypatch.setattr(core, "CACHE_ALIVE_S", 1.0)
+    monkeypatch.setattr(pipeline, "SHED_RISK_LOOKUP_S", 0.3)
+    monkeypatch.setattr(pipeline, "KNOWN_HIT_WAIT_S", 4.0)
+    monkeypatch.setattr(core, "CACHE_ALIVE_S", 1.0)  # read by Gateway._wait_while_cache_answers
     env = {"LLMESH_HOP_CACHE_LOOKUP_SECONDS": "5", "LLMESH_ADMISSION_INITIAL_IN_FLIGHT": "640"}
     async with fake_mesh(**env) as (fake, app, _):
         known_prompt = ask().prompt
