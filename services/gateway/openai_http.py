@@ -303,7 +303,7 @@ class OpenAiApi:
         deadline = Deadline.after(self.default_deadline)
         served = await self.gateway.served_models(deadline)
         cards = [model_card(m) for m in served]
-        embedder = await self.gateway.embeddings.model_name(deadline)
+        embedder = await self.gateway.embedding_model(deadline)
         if embedder:  # the embedding model, for /v1/embeddings (while retrieval can say its name)
             cards.append(model_card(embedder))
         body = {"object": "list", "data": cards}
@@ -313,7 +313,7 @@ class OpenAiApi:
         self._authenticated(request)
         model = request.path_params["model"]
         deadline = Deadline.after(self.default_deadline)
-        if model != await self.gateway.embeddings.model_name(deadline):
+        if model != await self.gateway.embedding_model(deadline):
             await self.check_model(model, deadline)
         return Response(_json(model_card(model)), 200, media_type="application/json")
 

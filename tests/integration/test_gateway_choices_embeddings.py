@@ -26,6 +26,7 @@ from llmesh.server import ServiceHost
 from llmesh.testing import hosted
 from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.cache.servicer import CacheApp
+from services.gateway.peers import Deadline
 from services.gateway.servicer import GatewayApp
 from services.inference.servicer import InferenceApp
 from services.retrieval.servicer import RetrievalApp
@@ -356,6 +357,26 @@ async def test_openai_client_embeddings_are_unit_vectors_and_similar_texts_score
     one = await client.embeddings.create(model=EMBEDDER, input=texts[0], encoding_format="float")
     assert cosine(one.data[0].embedding, vectors[0]) > 0.999
     assert EMBEDDER in [m.id async for m in client.models.list()]
+
+
+async def test_grpc_list_models_lists_the_embedding_model_last(mesh: Mesh) -> None:
+    gateway = mesh.gateway.app.gateway  # type: ignore[attr-defined]
+    assert await gateway.embedding_model(Deadline.after(10)) == EMBEDDER
+    listed = await mesh.stub.ListModels(gateway_pb2.ListModelsRequest(), metadata=AUTH, timeout=30)
+    assert [m.name for m in listed.models] == [MODEL, EMBEDDER]
+    embedder = listed.models[-1]
+    assert (embedder.default, embedder.available, embedder.key, list(embedder.alias_of)) == (False, True, "", [])
+    assert listed.models[0].default and listed.models[0].key
+
+
+async def test_http_models_lists_the_embedding_model_from_the_gateway(mesh: Mesh) -> None:
+    headers = {"authorization": f"Bearer {KEY}"}
+    async with httpx.AsyncClient(base_url=mesh.http_base, headers=headers, timeout=60) as http:
+        listed = await http.get("/models")
+        assert listed.status_code == 200, listed.text
+        assert [m["id"] for m in listed.json()["data"]] == [MODEL, EMBEDDER]
+        one = await http.get(f"/models/{EMBEDDER}")
+        assert one.status_code == 200 and one.json()["id"] == EMBEDDER
 
 
 async def test_http_embeddings_errors_and_base64(mesh: Mesh) -> None:

@@ -30,7 +30,7 @@ from llmesh.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
-from services.gateway import core
+from services.gateway import core, pipeline
 from services.gateway.core import Delta, Final
 from services.gateway.peers import Deadline
 from services.gateway.servicer import GatewayApp
@@ -78,6 +78,7 @@ class FakePeers(
         self.token_interval = 0.0
         self.hit_text = ""  # a cache hit with this text when set
         self.hit_prompts: set[str] | None = None  # ...for these prompts only (None: any)
+        self.hit_version: int | None = None  # ...under this collection version (None: `version`)
         self.slow_prompts: set[str] = set()  # lookups of these hang until released
         self.version = 1
         self.stored: list[cache_pb2.CacheStoreRequest] = []
@@ -121,7 +122,8 @@ class FakePeers(
         else:
             await self.lookup.act(context, self.release)
         hits = self.hit_prompts is None or request.prompt in self.hit_prompts
-        if self.hit_text and hits and request.scope.collection_version == self.version:
+        version = self.version if self.hit_version is None else self.hit_version
+        if self.hit_text and hits and request.scope.collection_version == version:
             return cache_pb2.CacheLookupResponse(
                 hit=True, tier=common_pb2.CACHE_TIER_EXACT, answer=cache_pb2.CachedAnswer(text=self.hit_text)
             )
@@ -506,9 +508,9 @@ async def test_under_overload_a_request_the_cache_answered_lately_waits_for_its_
     # the model nothing); another cacheable request, unknown, misses and is shed at once.
     # Widened for a loaded machine: the unknown request's answer counts as the cache answering
     # for a whole second.
-    monkeypatch.setattr(core, "SHED_RISK_LOOKUP_S", 0.3)
-    monkeypatch.setattr(core, "KNOWN_HIT_WAIT_S", 4.0)
-    monkeypatch.setattr(core, "CACHE_ALIVE_S", 1.0)
+    monkeypatch.setattr(pipeline, "SHED_RISK_LOOKUP_S", 0.3)
+    monkeypatch.setattr(pipeline, "KNOWN_HIT_WAIT_S", 4.0)
+    monkeypatch.setattr(core, "CACHE_ALIVE_S", 1.0)  # read by Gateway._wait_while_cache_answers
     env = {"LLMESH_HOP_CACHE_LOOKUP_SECONDS": "5", "LLMESH_ADMISSION_INITIAL_IN_FLIGHT": "640"}
     async with fake_mesh(**env) as (fake, app, _):
         known_prompt = ask().prompt
@@ -650,3 +652,20 @@ def test_shed_replies_carry_retry_info_from_the_in_flight_limit() -> None:
 def test_settings_parse() -> None:
     s = service_settings("gateway", {"LLMESH_HOP_TOKENIZER_SECONDS": "0.05"})
     assert s.hop_tokenizer_seconds == 0.05 and s.admission_adaptive is True
+
+
+async def test_a_hit_without_the_lost_context_says_which_model_answered() -> None:
+    # The search fails after the grounded lookup missed: the answer made earlier without context
+    # serves (the second lookup), and like any hit it names the model that answered it.
+    async with fake_mesh() as (fake, app, _):
+        fake.hit_text, fake.hit_version = "30 days", 0
+        fake.search.mode = "fail"
+        served = await run(app, ask(), 5)
+        assert served.response.cache.hit and served.response.text == "30 days"
+        assert "retrieval_unavailable" in served.response.degradations
+        assert fake.search.calls >= 1
+        assert served.response.answered_by == "fake"
+        fake.hit_version = None  # the grounded lookup hits: the same name
+        grounded = await run(app, ask(), 5)
+        assert grounded.response.cache.hit and grounded.response.answered_by == "fake"
+        no_weight_left(app)

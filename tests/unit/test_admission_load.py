@@ -227,3 +227,45 @@ async def test_a_burst_sent_between_two_reports_does_not_all_see_the_same_free_r
     assert book.model("").pending == 0
     full = admission.predicted_wait(ASK, 10)
     assert full is not None and full.seconds > 0
+
+
+class _SlowCapacity:
+    """A learned limit whose drain estimate is fixed (the fallback's deadline check)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def drain_seconds(self, weight: float) -> float:
+        return self.seconds
+
+
+async def test_both_deadline_refusals_advise_one_retry_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One formula whether the engines' reports or the measured throughput estimated the time:
+    # the excess over the deadline, at least MIN_RETRY_S, at most one window, to the millisecond.
+    clock = FakeClock()
+    admission, book = controller(clock)
+    window_s = admission.config.window_seconds
+    book.update("", report(running=4, waiting=1, kv_blocks_free=0))
+    wait = admission.predicted_wait(ASK, 100)
+    assert wait is not None
+    finish = wait.seconds + wait.service_seconds
+    from_reports = []
+    for left in (finish - 0.0001, finish - 1.25, 0.0):
+        _hold, refusal = admission.reserve(ASK, 100, left)
+        assert refusal is not None and refusal.reason == REASON_DEADLINE
+        assert "then at the engine's step time" in str(refusal)
+        from_reports.append(refusal.retry_after)
+    clock.advance(STALE_S + 1)  # no fresh report: the fallback decides
+    from_throughput = []
+    for expected, left in ((10.0, 10.0 - 0.0001), (10.0, 10.0 - 1.25), (10.0 + window_s * 3, 0.0)):
+        monkeypatch.setattr(admission, "capacity", lambda model, s=expected: _SlowCapacity(s))
+        _hold, refusal = admission.reserve(ASK, 100, left)
+        assert refusal is not None and refusal.reason == REASON_DEADLINE
+        assert "at the measured throughput" in str(refusal)
+        from_throughput.append(refusal.retry_after)
+        with pytest.raises(ResourceExhausted) as shed:
+            await admission.admit(ASK, 100, None, left)
+        assert shed.value.retry_after == refusal.retry_after
+    expected_advice = [0.05, 1.25, min(window_s, round(finish, 3))]
+    assert from_reports == pytest.approx(expected_advice, abs=1e-3)
+    assert from_throughput == pytest.approx([0.05, 1.25, window_s], abs=1e-3)

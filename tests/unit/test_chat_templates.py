@@ -13,6 +13,7 @@ from llmesh.errors import InvalidArgument, Unavailable
 from llmesh.v1 import common_pb2, gateway_pb2, tokenizer_pb2
 from services.gateway.core import Gateway, GatewayConfig, InputTokenPredictor, validate
 from services.gateway.peers import Deadline, PeerCallError
+from services.gateway.pipeline import RequestPath, RequestState
 from services.tokenizer.core import TokenizerCore
 
 # A Llama-3-like template: nothing like ChatML, so a ChatML fallback would show.
@@ -77,36 +78,40 @@ def bare_gateway(peers: object) -> Gateway:
     return gateway
 
 
+def path_of(gateway: Gateway, request: gateway_pb2.GenerateRequest) -> RequestPath:
+    """The request's path through `gateway` (its `_render` stage alone is run here)."""
+    return RequestPath(gateway, RequestState(validate(request, CONFIG)), Deadline.after(5))
+
+
 async def test_while_the_tokenizer_is_away_the_gateway_renders_with_the_template_it_learned() -> None:
     peers = TokenizerAway()
     gateway = bare_gateway(peers)
     request = gateway_pb2.GenerateRequest(messages=[turn("user", "Hi"), turn("assistant", "Yo"), turn("user", "Q?")])
-    plan = validate(request, CONFIG)
-    ids, count = await gateway._render(plan, [], Deadline.after(5), "llama")
+    ids, count = await path_of(gateway, request)._render([], "llama")
     assert ids == [1, 2, 3] and count == 3
     await asyncio.gather(*gateway._background)  # learned in the background
     peers.away = True
-    plan = validate(request, CONFIG)
-    text, _ = await gateway._render(plan, [], Deadline.after(5), "llama")
+    path = path_of(gateway, request)
+    text, _ = await path._render([], "llama")
     assert isinstance(text, str) and text.startswith("<BOS><|start_header_id|>system")
     assert "<|start_header_id|>assistant<|end_header_id|>\n\nYo<|eot_id|>" in text and "<|im_start|>" not in text
-    assert plan.degradations == ["tokenizer_estimate"]
+    assert path.state.degradations == ["tokenizer_estimate"]
 
 
 async def test_a_model_whose_template_is_not_known_here_falls_back_to_chatml_and_says_so() -> None:
     peers = TokenizerAway()
     peers.away = True
     gateway = bare_gateway(peers)
-    plan = validate(gateway_pb2.GenerateRequest(prompt="Q?"), CONFIG)
-    text, _ = await gateway._render(plan, [], Deadline.after(5), "other")
+    path = path_of(gateway, gateway_pb2.GenerateRequest(prompt="Q?"))
+    text, _ = await path._render([], "other")
     assert isinstance(text, str) and text.startswith("<|im_start|>system")
-    assert plan.degradations == ["tokenizer_estimate", "chat_template_unknown"]
+    assert path.state.degradations == ["tokenizer_estimate", "chat_template_unknown"]
 
 
 def test_a_template_refusing_the_turns_is_a_bad_request() -> None:
     template = ChatTemplate("{{ raise_exception('roles must alternate') }}", {})
     gateway = bare_gateway(TokenizerAway())
     gateway.local_templates["strict"] = template
-    plan = validate(gateway_pb2.GenerateRequest(prompt="Q?"), CONFIG)
+    path = path_of(gateway, gateway_pb2.GenerateRequest(prompt="Q?"))
     with pytest.raises(InvalidArgument, match="roles must alternate"):
-        gateway._render_locally(plan, [turn("user", "Q?")], "strict")
+        path._render_locally([turn("user", "Q?")], "strict")

@@ -39,6 +39,8 @@ from services.gateway.admission.reservations import Hold, Ticket
 
 #: Shortest retry advice (seconds).
 MIN_RETRY_S = 0.05
+#: How a deadline refusal's time was estimated without load reports.
+THROUGHPUT = "at the measured throughput"
 
 
 class Window(Protocol):
@@ -136,7 +138,7 @@ class AdmissionController:
             return held, refusal
         expected = self.capacity(ask.model).drain_seconds(predicted_tokens * ask.max_new_tokens)
         if expected > deadline_left:
-            return None, self._too_slow(expected, deadline_left)
+            return None, self._too_slow(expected, deadline_left, THROUGHPUT)
         return self._precheck(ask, predicted_tokens, hold=True, in_flight_limit=True)
 
     async def admit(self, ask: Ask, input_tokens: int, hold: Hold | None, deadline_left: float) -> Admission:
@@ -158,7 +160,7 @@ class AdmissionController:
             if not own_hold and expected > deadline_left:
                 if hold is not None:
                     hold.release()
-                raise self._too_slow(expected, deadline_left)
+                raise self._too_slow(expected, deadline_left, THROUGHPUT)
             flight = True
         decision = self.window.plan(
             ask.tenant,
@@ -210,20 +212,17 @@ class AdmissionController:
             )
         finish = wait.seconds + wait.service_seconds
         if finish > deadline_left:
-            return ResourceExhausted(
-                f"expected to take {finish:.1f}s (queue {wait.seconds:.2f}s, then at the engine's step time); "
-                f"{deadline_left:.1f}s of the deadline left",
-                retry_after=self._retry(finish - deadline_left),
-                reason=REASON_DEADLINE,
-            )
+            how = f"(queue {wait.seconds:.2f}s, then at the engine's step time)"
+            return self._too_slow(finish, deadline_left, how)
         return None
 
-    def _too_slow(self, expected: float, deadline_left: float) -> ResourceExhausted:
-        # At the measured throughput the request would not finish in time: refuse it now
-        # rather than let it run into the caller's deadline.
+    def _too_slow(self, expected: float, deadline_left: float, how: str) -> ResourceExhausted:
+        """The one deadline refusal: the request would not finish in time (`expected` seconds,
+        estimated as `how` says), so it is refused now rather than run into the caller's
+        deadline. Retry when the excess has passed (`_retry`: at least MIN_RETRY_S, at most a window)."""
         return ResourceExhausted(
-            f"expected to take {expected:.1f}s at the measured throughput; {deadline_left:.1f}s of the deadline left",
-            retry_after=min(expected - deadline_left, self.config.window_seconds),
+            f"expected to take {expected:.1f}s {how}; {deadline_left:.1f}s of the deadline left",
+            retry_after=self._retry(expected - deadline_left),
             reason=REASON_DEADLINE,
         )
 
