@@ -10,7 +10,7 @@
 * Replicas: a list of base URLs, each polled on `/models`; a request goes to the healthy replica
   with the fewest requests in flight. The service serves while any replica lists the model.
 * Silence: a replica that answered nothing (neither its `/metrics`, scraped every 0.1 s, nor its
-  `/models`) for `silence_s` (LLMESH_BACKEND_SILENCE_SECONDS) is out of service (a frozen or
+  `/models`, nor a stream's chunk) for `silence_s` (LLMESH_BACKEND_SILENCE_SECONDS) is out of service (a frozen or
   wedged server accepts connections and answers nothing) until its first answer brings it back.
   A change of health is announced at once (`wait_changed`): the service's NOT_SERVING goes out
   without waiting for a poll.
@@ -159,10 +159,14 @@ class Replica:
 
 
 class OpenAIStream:
-    """A request's events from the backend; cancel() closes the HTTP stream if still open."""
+    """A request's events from the backend; cancel() closes the HTTP stream if still open.
+    `on_event`: told of each event (the replica answers: not frozen)."""
 
-    def __init__(self, events: AsyncGenerator[GenerationEvent, None]) -> None:
+    def __init__(
+        self, events: AsyncGenerator[GenerationEvent, None], on_event: Callable[[], None] | None = None
+    ) -> None:
         self._events = events
+        self._on_event = on_event
         self._done = False
         self._closing: asyncio.Future[None] | None = None  # held so the close task is not collected
 
@@ -171,10 +175,13 @@ class OpenAIStream:
 
     async def __anext__(self) -> GenerationEvent:
         try:
-            return await self._events.__anext__()
+            event = await self._events.__anext__()
         except BaseException:  # finished, failed or cancelled: the generator has closed the stream
             self._done = True
             raise
+        if self._on_event is not None:
+            self._on_event()
+        return event
 
     def cancel(self) -> None:
         if not self._done:
@@ -453,7 +460,9 @@ class OpenAIBackend:
         replica = self._pick()
         prompt: list[int] | str = prompt_ids if self.config.prompt_as == "tokens" else self.tokenizer.decode(prompt_ids)
         body = completion_body(self.config.model, prompt, resolved, response_format=params.response_format)
-        return OpenAIStream(self._stream(replica, body, resolved, len(prompt_ids), request_id))
+        return OpenAIStream(
+            self._stream(replica, body, resolved, len(prompt_ids), request_id), lambda: self._answered(replica)
+        )
 
     def _start_span(
         self, resolved: ResolvedParams, prompt_tokens: int, request_id: str, replica: Replica

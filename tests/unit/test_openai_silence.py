@@ -6,6 +6,7 @@ once (`wait_changed`), and a load watch sends no report while the backend does n
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,6 +16,7 @@ import httpx
 import pytest
 
 from services.inference import servicer as servicer_module
+from services.inference.decoding import SamplingParams
 from services.inference.openai_backend import BackendConfig, LocalTokenizer, OpenAIBackend
 from services.inference.servicer import InferenceApp, InferenceServicer
 
@@ -214,4 +216,34 @@ async def test_the_app_announces_its_backends_changes(tokenizer: LocalTokenizer)
     assert await backend.check_health()
     await asyncio.wait_for(waiting, 1)
     assert app.serving
+    await backend.client.aclose()
+
+
+async def test_a_streams_chunks_are_answers_too(tokenizer: LocalTokenizer) -> None:
+    """A replica busy streaming tokens is alive even while its /metrics is slow to answer."""
+    clock = Clock()
+    chunks = [
+        {"choices": [{"index": 0, "text": "a", "finish_reason": None}]},
+        {"choices": [{"index": 0, "text": "b", "finish_reason": "length"}]},
+        {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 2}},
+    ]
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/completions"):
+            clock.now += 0.5  # the answer starts after 0.5 s of nothing else heard
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body.encode())
+        return await Server().handle(request)
+
+    backend = await make(tokenizer, Server(), clock)
+    backend.client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+    assert await backend.check_health()
+    events = [e async for e in backend.submit([1, 2], SamplingParams(max_new_tokens=2))]
+    assert events[-1].finish_reason is not None
+    backend.check_silence()
+    assert backend.serving, "its chunks were answers: not silent"
+    for _ in range(5):
+        clock.now += 0.1
+        backend.check_silence()
+    assert not backend.serving, "then nothing for 0.5 s"
     await backend.client.aclose()
