@@ -875,7 +875,8 @@ DECLARED: tuple[Setting, ...] = (
         "LLMESH_BACKEND_SILENCE_SECONDS",
         "0.4",
         "An openai backend replica that answers nothing this long (its /metrics is scraped every 0.1 s, its "
-        "/models polled) is out of service until it answers again: a frozen server is seen in this time.",
+        "/models polled, its streams' chunks count too) is out of service, its open streams failed UNAVAILABLE, "
+        "until it answers again: a frozen server is seen in this time.",
         ("inference",),
         _positive_float,
     ),
