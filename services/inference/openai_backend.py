@@ -12,9 +12,8 @@
 * Silence: a replica that answered nothing (neither its `/metrics`, scraped every 0.1 s, nor its
   `/models`, nor a stream's chunk) for `silence_s` (LLMESH_BACKEND_SILENCE_SECONDS) is out of service (a frozen or
   wedged server accepts connections and answers nothing) until its first answer brings it back.
-  Its open streams fail UNAVAILABLE at once (a caller retries those without a first token on
-  another replica) rather than hang until the read timeout. A change of health is announced at
-  once (`wait_changed`): the service's NOT_SERVING goes out without waiting for a poll.
+  A change of health is announced at once (`wait_changed`): the service's NOT_SERVING goes out
+  without waiting for a poll.
 * At start, the token count of a probe text is compared with the server's `usage.prompt_tokens`:
   a tokenizer that does not match the served model stops the service.
 """
@@ -152,7 +151,6 @@ class Replica:
     max_model_len: int = 0
     engine: str = ""  # what the server calls itself, e.g. "vllm 0.32.0"
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
-    streams: set[OpenAIStream] = field(default_factory=set)  # open there now
 
     @property
     def origin(self) -> str:
@@ -161,66 +159,33 @@ class Replica:
 
 
 class OpenAIStream:
-    """A request's events from the backend; cancel() closes the HTTP stream if still open,
-    fail() ends it with an error. `on_event`: told of each event (the replica answers: it is not
-    frozen); `on_done`: told once when the stream is over, however it ended."""
+    """A request's events from the backend; cancel() closes the HTTP stream if still open.
+    `on_event`: told of each event (the replica answers: not frozen)."""
 
     def __init__(
-        self,
-        events: AsyncGenerator[GenerationEvent, None],
-        on_event: Callable[[], None] | None = None,
-        on_done: Callable[[], None] | None = None,
+        self, events: AsyncGenerator[GenerationEvent, None], on_event: Callable[[], None] | None = None
     ) -> None:
         self._events = events
         self._on_event = on_event
-        self._on_done = on_done
         self._done = False
-        self._failure: errors.LlmeshError | None = None
-        self._waiting: asyncio.Task[Any] | None = None  # the consumer, while it awaits an event
         self._closing: asyncio.Future[None] | None = None  # held so the close task is not collected
 
     def __aiter__(self) -> OpenAIStream:
         return self
 
     async def __anext__(self) -> GenerationEvent:
-        if self._failure is not None:
-            self.cancel()
-            raise self._failure
-        task = self._waiting = asyncio.current_task()
         try:
             event = await self._events.__anext__()
-        except asyncio.CancelledError:
-            self._finished()
-            if self._failure is not None and task is not None and task.uncancel() == 0:
-                raise self._failure from None  # fail()'s cancellation, nobody else's
-            raise
         except BaseException:  # finished, failed or cancelled: the generator has closed the stream
-            self._finished()
+            self._done = True
             raise
-        finally:
-            self._waiting = None
         if self._on_event is not None:
             self._on_event()
         return event
 
-    def fail(self, error: errors.LlmeshError) -> None:
-        """Ends the stream with `error` (its replica went silent): a pending __anext__ raises it
-        at once (the HTTP stream closes as on a cancel), a later one raises it."""
-        if self._done or self._failure is not None:
-            return
-        self._failure = error
-        if self._waiting is not None:
-            self._waiting.cancel()
-
-    def _finished(self) -> None:
-        if not self._done:
-            self._done = True
-            if self._on_done is not None:
-                self._on_done()
-
     def cancel(self) -> None:
         if not self._done:
-            self._finished()
+            self._done = True
             self._closing = asyncio.ensure_future(self._events.aclose())
 
 
@@ -373,25 +338,12 @@ class OpenAIBackend:
             return
         for r in self.replicas:
             if r.healthy and self._silent(r, now):
-                silent = now - r.answered_at
                 log.warning(
-                    "inference backend %s answered nothing for %.2f s: out of service until it answers, "
-                    "its %d open streams failed",
+                    "inference backend %s answered nothing for %.2f s: out of service until it answers",
                     r.base_url,
-                    silent,
-                    len(r.streams),
+                    now - r.answered_at,
                 )
                 self._set_healthy(r, False)
-                # Its requests would hang until the read timeout: UNAVAILABLE now, so the caller
-                # retries those without a first token elsewhere (the gateway's other replicas).
-                for stream in list(r.streams):
-                    stream.fail(
-                        errors.Unavailable(
-                            f"inference backend {r.base_url} answered nothing for {silent:.2f} s",
-                            reason="BACKEND_SILENT",
-                            retry_after=self.config.silence_s,
-                        )
-                    )
 
     # ------------------------------------------------------------------ load
 
@@ -508,13 +460,9 @@ class OpenAIBackend:
         replica = self._pick()
         prompt: list[int] | str = prompt_ids if self.config.prompt_as == "tokens" else self.tokenizer.decode(prompt_ids)
         body = completion_body(self.config.model, prompt, resolved, response_format=params.response_format)
-        stream = OpenAIStream(
-            self._stream(replica, body, resolved, len(prompt_ids), request_id),
-            on_event=lambda: self._answered(replica),
-            on_done=lambda: replica.streams.discard(stream),
+        return OpenAIStream(
+            self._stream(replica, body, resolved, len(prompt_ids), request_id), lambda: self._answered(replica)
         )
-        replica.streams.add(stream)
-        return stream
 
     def _start_span(
         self, resolved: ResolvedParams, prompt_tokens: int, request_id: str, replica: Replica
