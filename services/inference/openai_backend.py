@@ -10,8 +10,11 @@
 * Replicas: a list of base URLs, each polled on `/models`; a request goes to the healthy replica
   with the fewest requests in flight. The service serves while any replica lists the model.
 * Silence: a replica that answered nothing (neither its `/metrics`, scraped every 0.1 s, nor its
-  `/models`, nor a stream's chunk) for `silence_s` (LLMESH_BACKEND_SILENCE_SECONDS) is out of service (a frozen or
-  wedged server accepts connections and answers nothing) until its first answer brings it back.
+  `/models`, nor a stream's chunk) for `silence_s` (LLMESH_BACKEND_SILENCE_SECONDS) is out of
+  service (a frozen or wedged server accepts connections and answers nothing) until its first
+  answer brings it back:
+  the service turns NOT_SERVING (a gateway with other replicas ejects it) but, with no healthy
+  replica, still sends work to a listed one (it may only be slow) and fails no stream.
   A change of health is announced at once (`wait_changed`): the service's NOT_SERVING goes out
   without waiting for a poll.
 * At start, the token count of a probe text is compared with the server's `usage.prompt_tokens`:
@@ -367,12 +370,13 @@ class OpenAIBackend:
         replica.load.update(parse_metrics(answer.text), time.monotonic())
 
     def load(self) -> EngineLoad | None:
-        """The healthy replicas' load from their latest scrapes (None: no server reports one)."""
+        """The listed replicas' load from their scrapes of the last LOAD_STALE_S (None: no server
+        reports one); a silent one's goes stale on its own."""
         now = time.monotonic()
         loads = [
             found
             for r in self.replicas
-            if r.healthy and now - r.load.scraped_at <= LOAD_STALE_S and (found := r.load.load()) is not None
+            if r.listed and now - r.load.scraped_at <= LOAD_STALE_S and (found := r.load.load()) is not None
         ]
         return combine(loads)
 
@@ -440,7 +444,10 @@ class OpenAIBackend:
     # ------------------------------------------------------------------ generation
 
     def _pick(self) -> Replica:
-        healthy = [r for r in self.replicas if r.healthy]
+        # A silent replica that still lists the model may only be slow (a starved machine): with
+        # no healthy one it still takes work rather than the service refusing it. Its NOT_SERVING
+        # has told the callers who have another replica to go there.
+        healthy = [r for r in self.replicas if r.healthy] or [r for r in self.replicas if r.listed]
         if not healthy:
             raise errors.Unavailable(
                 f"inference backend: no replica serves {self.config.model!r}",

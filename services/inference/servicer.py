@@ -223,19 +223,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.LoadReport]:
         """Samples the backend's load every `min` seconds (plain counters: cheap) and sends it
-        when it changed, or when `max` seconds passed since the last report. Nothing goes out
-        while the backend does not serve (a frozen vLLM behind the openai backend): the reports
-        are the replica's heartbeat, and a watcher takes a silent one for stalled."""
+        when it changed, or when `max` seconds passed since the last report."""
         least, most = watch_intervals(request)
         sequence = 0
         last: inference_pb2.LoadReport | None = None
         sent_at = 0.0
         while True:
             backend = self._manager.get()
-            if not backend.serving:
-                last = None  # the first report once it serves again goes out at once
-                await asyncio.sleep(least)
-                continue
             report = load_report(backend.load(), backend.description, self.replica)
             now = time.monotonic()
             if report != last or now - sent_at >= most:

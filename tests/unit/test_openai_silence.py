@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
-from services.inference import servicer as servicer_module
+from llmesh import errors
 from services.inference.decoding import SamplingParams
 from services.inference.openai_backend import BackendConfig, LocalTokenizer, OpenAIBackend
-from services.inference.servicer import InferenceApp, InferenceServicer
+from services.inference.servicer import InferenceApp
 
 URL = "http://10.0.0.1:8000/v1"
 OTHER = "http://10.0.0.2:8000/v1"
@@ -90,10 +89,9 @@ async def test_a_silent_replica_is_out_after_silence_s_and_back_on_its_first_ans
     clock.now += 0.11
     backend.check_silence()
     assert not backend.serving, "0.41 s without an answer: out of service (the /models poll would take 3 s)"
-    assert not backend.load() and replica.listed
+    assert replica.listed
     await asyncio.wait_for(backend.wait_changed(), 1)  # announced at once
-    with pytest.raises(Exception, match="no replica serves"):
-        backend._pick()
+    assert backend._pick() is replica, "with no healthy replica a listed one still takes work (it may be slow)"
     server.thawed.set()  # SIGCONT: the hanging scrape is answered
     await scrape
     assert backend.serving, "its first answer (a /metrics scrape) brings it back"
@@ -169,44 +167,6 @@ async def test_one_frozen_replica_does_not_stall_the_others_load(tokenizer: Loca
     await backend.client.aclose()
 
 
-class FakeBackend:
-    """Serves after `down` looks at `serving`; counts the loads asked while it did not."""
-
-    def __init__(self, down: int) -> None:
-        self.down = down
-        self.looks = 0
-        self.loads_while_down = 0
-        self.description = SimpleNamespace(model_id="m", version="v")
-
-    @property
-    def serving(self) -> bool:
-        self.looks += 1
-        return self.looks > self.down
-
-    def load(self) -> None:
-        if self.looks <= self.down:
-            self.loads_while_down += 1
-        return None
-
-
-async def test_the_load_watch_is_silent_while_the_backend_does_not_serve(monkeypatch: pytest.MonkeyPatch) -> None:
-    backend = FakeBackend(down=5)
-    manager = SimpleNamespace(get=lambda: backend)
-    watcher = InferenceServicer(manager, SimpleNamespace(admin_token=""))  # type: ignore[arg-type]
-    monkeypatch.setattr(
-        servicer_module,
-        "load_report",
-        lambda load, desc, replica: servicer_module.inference_pb2.LoadReport(replica=replica),
-    )
-    request = servicer_module.inference_pb2.WatchLoadRequest(min_interval_seconds=0.001)
-    reports: AsyncIterator[Any] = watcher.WatchLoad(request, None)  # type: ignore[arg-type]
-    first = await asyncio.wait_for(anext(reports), 5)
-    assert backend.looks == 6, "the first report went out once the backend served"
-    assert backend.loads_while_down == 0
-    assert first.sequence == 1
-    await reports.aclose()  # type: ignore[attr-defined]
-
-
 async def test_the_app_announces_its_backends_changes(tokenizer: LocalTokenizer) -> None:
     server, clock = Server(), Clock()
     backend = await make(tokenizer, server, clock)
@@ -246,4 +206,23 @@ async def test_a_streams_chunks_are_answers_too(tokenizer: LocalTokenizer) -> No
         clock.now += 0.1
         backend.check_silence()
     assert not backend.serving, "then nothing for 0.5 s"
+    await backend.client.aclose()
+
+
+async def test_a_silent_replica_gets_work_only_when_no_healthy_one_is_left(tokenizer: LocalTokenizer) -> None:
+    clock = Clock()
+    backend = await make(tokenizer, Server(), clock, urls=(URL, OTHER))
+    assert await backend.check_health()
+    slow, fine = backend.replicas
+    fine.answered_at = clock.now + 0.3
+    for _ in range(5):
+        clock.now += 0.1
+        backend.check_silence()
+    assert not slow.healthy and fine.healthy
+    assert all(backend._pick() is fine for _ in range(4))
+    fine.listed = fine.healthy = False  # the other one no longer lists the model
+    assert backend._pick() is slow
+    slow.listed = False
+    with pytest.raises(errors.Unavailable):
+        backend._pick()
     await backend.client.aclose()
