@@ -302,7 +302,8 @@ class ServiceHost:
         """Publishes the app's optional component health (e.g. the cache's Redis) as health entries
         named `<service>/<component>`: the service keeps SERVING while a part it can do without is down.
         An app with a `serving` property (inference on a remote backend) turns the whole service
-        NOT_SERVING and back with it."""
+        NOT_SERVING and back with it. An app with a `wait_changed` coroutine (returning when its
+        health changed) has the change published at once, not at the next interval's look."""
         serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
         was_serving = True
         while True:
@@ -314,7 +315,19 @@ class ServiceHost:
                     DEPENDENCY_UP.labels(component).set(1 if ok else 0)
                     for name in self.app.service_names:
                         await self.health.set(f"{name}/{component}", serving if ok else not_serving)
+            await self._next_details()
+
+    async def _next_details(self) -> None:
+        """Until the next look at the app's health: its announced change, or the interval."""
+        wait = getattr(self.app, "wait_changed", None)
+        if wait is None:
             await asyncio.sleep(HEALTH_DETAIL_INTERVAL_S)
+            return
+        try:
+            async with asyncio.timeout(HEALTH_DETAIL_INTERVAL_S):
+                await wait()
+        except TimeoutError:
+            pass
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

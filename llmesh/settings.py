@@ -871,6 +871,15 @@ DECLARED: tuple[Setting, ...] = (
         ("inference",),
         _positive_float,
     ),
+    Setting(
+        "LLMESH_BACKEND_SILENCE_SECONDS",
+        "0.4",
+        "An openai backend replica that answers nothing this long (its /metrics is scraped every 0.1 s, its "
+        "/models polled, its streams' chunks count too) is out of service (the inference service NOT_SERVING) "
+        "until it answers again: a frozen server is seen in this time.",
+        ("inference",),
+        _positive_float,
+    ),
     # Cache.
     Setting(
         "LLMESH_REDIS_URL",

@@ -10,6 +10,14 @@
   inside `client.stream`), so the server frees the sequence (vLLM aborts on disconnect).
 * Replicas: a list of base URLs, each polled on `/models`; a request goes to the healthy replica
   with the fewest requests in flight. The service serves while any replica lists the model.
+* Silence: a replica that answered nothing (neither its `/metrics`, scraped every 0.1 s, nor its
+  `/models`, nor a stream's chunk) for `silence_s` (LLMESH_BACKEND_SILENCE_SECONDS) is out of
+  service (a frozen or wedged server accepts connections and answers nothing) until its first
+  answer brings it back:
+  the service turns NOT_SERVING (a gateway with other replicas ejects it) but, with no healthy
+  replica, still sends work to a listed one (it may only be slow) and fails no stream.
+  A change of health is announced at once (`wait_changed`): the service's NOT_SERVING goes out
+  without waiting for a poll.
 * At start, the token count of a probe text is compared with the server's `usage.prompt_tokens`:
   a tokenizer that does not match the served model stops the service.
 """
@@ -19,8 +27,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +70,8 @@ WAIT_LOG_INTERVAL_S = 10.0
 #: request; a scrape older than LOAD_STALE_S no longer counts.
 LOAD_POLL_INTERVAL_S = 0.1
 LOAD_STALE_S = 2.0
+#: The silence watch looks this many times per `silence_s`.
+SILENCE_CHECKS = 4
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,7 @@ class BackendConfig:
     read_timeout_s: float = 60.0
     max_connections: int = 512
     health_interval_s: float = 1.0
+    silence_s: float = 0.4
     max_prompt_tokens: int = 1536
     max_new_tokens: int = 512
     default_max_new_tokens: int = 128
@@ -88,6 +100,7 @@ class BackendConfig:
             read_timeout_s=settings.backend_read_timeout_seconds,
             max_connections=settings.backend_max_connections,
             health_interval_s=settings.backend_health_interval_seconds,
+            silence_s=settings.backend_silence_seconds,
             max_prompt_tokens=settings.max_prompt_tokens,
             max_new_tokens=settings.max_new_tokens,
             default_max_new_tokens=settings.default_max_new_tokens,
@@ -136,7 +149,9 @@ class LocalTokenizer:
 @dataclass(eq=False)
 class Replica:
     base_url: str
-    healthy: bool = False
+    healthy: bool = False  # serves now: lists the model and answered within silence_s
+    listed: bool = False  # its /models listed the model when it last answered
+    answered_at: float = -math.inf  # when it last answered anything (monotonic)
     in_flight: int = 0
     max_model_len: int = 0
     engine: str = ""  # what the server calls itself, e.g. "vllm 0.32.0"
@@ -149,10 +164,14 @@ class Replica:
 
 
 class OpenAIStream:
-    """A request's events from the backend; cancel() closes the HTTP stream if still open."""
+    """A request's events from the backend; cancel() closes the HTTP stream if still open.
+    `on_event`: told of each event (the replica answers: not frozen)."""
 
-    def __init__(self, events: AsyncGenerator[GenerationEvent, None]) -> None:
+    def __init__(
+        self, events: AsyncGenerator[GenerationEvent, None], on_event: Callable[[], None] | None = None
+    ) -> None:
         self._events = events
+        self._on_event = on_event
         self._done = False
         self._closing: asyncio.Future[None] | None = None  # held so the close task is not collected
 
@@ -161,10 +180,13 @@ class OpenAIStream:
 
     async def __anext__(self) -> GenerationEvent:
         try:
-            return await self._events.__anext__()
+            event = await self._events.__anext__()
         except BaseException:  # finished, failed or cancelled: the generator has closed the stream
             self._done = True
             raise
+        if self._on_event is not None:
+            self._on_event()
+        return event
 
     def cancel(self) -> None:
         if not self._done:
@@ -173,10 +195,16 @@ class OpenAIStream:
 
 
 class OpenAIBackend:
-    def __init__(self, config: BackendConfig, tokenizer: LocalTokenizer) -> None:
+    def __init__(
+        self, config: BackendConfig, tokenizer: LocalTokenizer, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.clock = clock
         self.replicas = [Replica(url) for url in config.urls]
+        self._changed = asyncio.Event()  # a replica's health changed since the last wait_changed
+        self._last_silence_check = math.inf
+        self._hold_silence_until = -math.inf
         self._turn = itertools.count()
         headers = {"authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self.client = httpx.AsyncClient(
@@ -194,7 +222,8 @@ class OpenAIBackend:
             ),
         )
         self._monitor: asyncio.Task[None] | None = None
-        self._load_poll: asyncio.Task[None] | None = None
+        self._load_poll: list[asyncio.Task[None]] = []
+        self._silence: asyncio.Task[None] | None = None
         self.limits = Limits(
             max_prompt_tokens=config.max_prompt_tokens,
             max_new_tokens=config.max_new_tokens,
@@ -222,12 +251,13 @@ class OpenAIBackend:
             await asyncio.sleep(self.config.health_interval_s)
         await self.check_tokenizer()
         self._monitor = asyncio.create_task(self._watch())
-        self._load_poll = asyncio.create_task(self._poll_load())
+        self._load_poll = [asyncio.create_task(self._poll_load(r)) for r in self.replicas]
+        self._silence = asyncio.create_task(self._watch_silence())
         desc = self.description
         log.info("serving %s through %s (%s)", desc.model_id, ", ".join(self.config.urls), desc.version)
 
     async def close(self) -> None:
-        for task in (self._monitor, self._load_poll):
+        for task in (self._monitor, self._silence, *self._load_poll):
             if task is not None:
                 task.cancel()
         await self.client.aclose()
@@ -251,31 +281,82 @@ class OpenAIBackend:
         return self.serving
 
     async def _probe(self, replica: Replica) -> None:
-        healthy = False
+        listed = False
         try:
             answer = await self.client.get(f"{replica.base_url}/models", timeout=self.config.connect_timeout_s + 1)
+            replica.answered_at = self.clock()
             if answer.status_code == 200:
                 for entry in answer.json().get("data") or ():
                     if entry.get("id") == self.config.model:
-                        healthy = True
+                        listed = True
                         replica.max_model_len = int(entry.get("max_model_len") or 0)
                         owner = entry.get("owned_by") or "openai-compatible"
                         if not replica.engine.startswith(owner):
                             replica.engine = await self._engine_name(replica, owner)
+        except httpx.TimeoutException:
+            return  # silent, not refusing: the silence watch judges, and its first answer brings it back
         except (httpx.HTTPError, ValueError):
-            healthy = False
-        if healthy != replica.healthy:
-            if healthy:
+            listed = False
+        if listed != replica.listed:
+            if listed:
                 log.info("inference backend %s serves %s", replica.base_url, self.config.model)
             else:
                 log.warning("inference backend %s does not serve %s", replica.base_url, self.config.model)
+            replica.listed = listed
+        self._set_healthy(replica, listed and not self._silent(replica, self.clock()))
+
+    def _answered(self, replica: Replica) -> None:
+        """The replica answered (any HTTP response): it is not frozen."""
+        replica.answered_at = self.clock()
+        if replica.listed and not replica.healthy:
+            log.info("inference backend %s answers again", replica.base_url)
+            self._set_healthy(replica, True)
+
+    def _silent(self, replica: Replica, now: float) -> bool:
+        return now - replica.answered_at > self.config.silence_s
+
+    def _set_healthy(self, replica: Replica, healthy: bool) -> None:
+        if healthy != replica.healthy:
             replica.healthy = healthy
+            self._changed.set()
+
+    async def wait_changed(self) -> None:
+        """Returns once a replica's health changed since the last call (at once if it did)."""
+        await self._changed.wait()
+        self._changed.clear()
+
+    async def _watch_silence(self) -> None:
+        every = self.config.silence_s / SILENCE_CHECKS
+        while True:
+            await asyncio.sleep(every)
+            self.check_silence()
+
+    def check_silence(self) -> None:
+        """Takes the replicas silent for longer than silence_s out of service. A check that comes
+        late (this process's event loop lagged: the answers may be waiting unread) holds the
+        judgement for a silence period, since the silence was this side's."""
+        now = self.clock()
+        if now - self._last_silence_check > self.config.silence_s / 2:
+            self._hold_silence_until = now + self.config.silence_s
+        self._last_silence_check = now
+        if now < self._hold_silence_until:
+            return
+        for r in self.replicas:
+            if r.healthy and self._silent(r, now):
+                log.warning(
+                    "inference backend %s answered nothing for %.2f s: out of service until it answers",
+                    r.base_url,
+                    now - r.answered_at,
+                )
+                self._set_healthy(r, False)
 
     # ------------------------------------------------------------------ load
 
-    async def _poll_load(self) -> None:
+    async def _poll_load(self, replica: Replica) -> None:
+        """One loop per replica, so a frozen one's hanging scrape delays no other's."""
         while True:
-            await asyncio.gather(*(self._scrape(r) for r in self.replicas if r.healthy))
+            if replica.listed:
+                await self._scrape(replica)
             await asyncio.sleep(LOAD_POLL_INTERVAL_S)
 
     async def _scrape(self, replica: Replica) -> None:
@@ -284,18 +365,20 @@ class OpenAIBackend:
         except httpx.HTTPError:
             replica.load.forget()
             return
+        self._answered(replica)  # any answer, even a server without /metrics: it is alive
         if answer.status_code != 200:
             replica.load.forget()
             return
         replica.load.update(parse_metrics(answer.text), time.monotonic())
 
     def load(self) -> EngineLoad | None:
-        """The healthy replicas' load from their latest scrapes (None: no server reports one)."""
+        """The listed replicas' load from their scrapes of the last LOAD_STALE_S (None: no server
+        reports one); a silent one's goes stale on its own."""
         now = time.monotonic()
         loads = [
             found
             for r in self.replicas
-            if r.healthy and now - r.load.scraped_at <= LOAD_STALE_S and (found := r.load.load()) is not None
+            if r.listed and now - r.load.scraped_at <= LOAD_STALE_S and (found := r.load.load()) is not None
         ]
         return combine(loads)
 
@@ -363,7 +446,10 @@ class OpenAIBackend:
     # ------------------------------------------------------------------ generation
 
     def _pick(self) -> Replica:
-        healthy = [r for r in self.replicas if r.healthy]
+        # A silent replica that still lists the model may only be slow (a starved machine): with
+        # no healthy one it still takes work rather than the service refusing it. Its NOT_SERVING
+        # has told the callers who have another replica to go there.
+        healthy = [r for r in self.replicas if r.healthy] or [r for r in self.replicas if r.listed]
         if not healthy:
             raise errors.Unavailable(
                 f"inference backend: no replica serves {self.config.model!r}",
@@ -383,7 +469,9 @@ class OpenAIBackend:
         replica = self._pick()
         prompt: list[int] | str = prompt_ids if self.config.prompt_as == "tokens" else self.tokenizer.decode(prompt_ids)
         body = completion_body(self.config.model, prompt, resolved, response_format=params.response_format)
-        return OpenAIStream(self._stream(replica, body, resolved, len(prompt_ids), request_id))
+        return OpenAIStream(
+            self._stream(replica, body, resolved, len(prompt_ids), request_id), lambda: self._answered(replica)
+        )
 
     def _start_span(
         self, resolved: ResolvedParams, prompt_tokens: int, request_id: str, replica: Replica

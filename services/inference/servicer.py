@@ -291,6 +291,16 @@ class InferenceApp:
         """Health follows the backend: NOT_SERVING while no backend replica lists the model."""
         return self.manager.ready and self.manager.get().serving
 
+    async def wait_changed(self) -> None:
+        """Returns when the backend announces a change of health (the openai backend's replicas
+        going silent or answering again), so the host publishes it at once; never for a backend
+        that announces none (the host's interval decides)."""
+        wait = getattr(self.manager.get(), "wait_changed", None) if self.manager.ready else None
+        if wait is None:
+            await asyncio.Event().wait()
+        else:
+            await wait()
+
     async def stop(self) -> None:
         if self.manager.ready:
             manager = self.manager.get()
