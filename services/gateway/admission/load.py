@@ -43,8 +43,10 @@ DEFAULT_STEP_S = 0.05
 DEFAULT_OUTPUT_TOKENS = 64.0
 OUTPUT_ALPHA = 0.1
 #: A request reaches its engine's counters within this long of being sent (a report samples
-#: them every 10 ms): one sent longer before a report is in it, or is not coming.
-TRANSIT_S = 0.05
+#: them every 10 ms): one sent longer before a report is in it, or is not coming. Short on
+#: purpose: counted twice (pending, and running in the report) a burst sees rows taken that
+#: are not, and is shed; missed for a moment it is in the next report, 10 ms on.
+TRANSIT_S = 0.01
 #: KV share below which a replica that tells only its usage (vLLM without block counts) is full.
 KV_FULL_SHARE = 0.02
 #: WatchLoad is retried this long after its stream broke, and after UNIMPLEMENTED (a backend
