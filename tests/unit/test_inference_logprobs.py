@@ -45,6 +45,24 @@ def test_greedy_rows_get_the_log_softmax_of_their_logits_and_the_chosen_token_is
     assert top[0][0] == scores.rows[0].token_id  # greedy: the chosen token heads the list
 
 
+def test_a_greedy_token_that_ties_with_others_heads_its_alternatives() -> None:
+    # A flat distribution (random weights, bfloat16 logits) ties often; topk orders equal values
+    # arbitrarily, while argmax takes the lowest id. The list must still start with the token taken.
+    logits = torch.zeros(2, VOCAB)
+    tied = [3, 7, 100, 300, 411]
+    logits[:, tied] = 4.0
+    asked = LogprobRows(rows=(0, 1), temperatures=(1.0, 1.0), top=(2, 3))  # fewer places than ties
+    chosen, scores = choose_scored(logits.clone(), [], [], [], [], [], None, None, asked)
+    assert scores is not None
+    for row in (0, 1):
+        got = scores.rows[row]
+        assert got.token_id == int(chosen[row]) == 3
+        assert got.top[0] == (3, pytest.approx(got.logprob))
+        assert {t for t, _ in got.top} <= set(tied)
+    replaced = scores.get(1, 300)  # a grammar's closing path took another of the tied tokens
+    assert replaced is not None and replaced.top[0][0] == 300 and len(replaced.top) == 3
+
+
 def test_asking_changes_no_token_and_a_batch_that_does_not_ask_gets_none() -> None:
     logits = random_logits(4, seed=1)
     sampling = ([1, 3], [0.8, 1.3], [0.9, 1.0], [7, 8], [2, 2])

@@ -275,17 +275,28 @@ class Scores:
         """`values` and `ids`: per asked row, the chosen token then the likeliest ones."""
         self._dist = dist
         self._index = {row: i for i, row in enumerate(request.rows)}
+        self._ranked = {row: list(zip(ids[i][1:], values[i][1:], strict=True)) for i, row in enumerate(request.rows)}
+        self._top = dict(zip(request.rows, request.top, strict=True))
         self.rows: dict[int, RowLogprobs] = {}
-        for i, (row, k) in enumerate(zip(request.rows, request.top, strict=True)):
-            top = tuple(zip(ids[i][1 : k + 1], values[i][1 : k + 1], strict=True))
-            self.rows[row] = RowLogprobs(ids[i][0], values[i][0], top)
+        for i, row in enumerate(request.rows):
+            self.rows[row] = self._scored(row, ids[i][0], values[i][0])
 
     def get(self, row: int, token: int) -> RowLogprobs | None:
         """Batch row `row`'s scores for `token` (None when the row did not ask)."""
         found = self.rows.get(row)
         if found is None or found.token_id == token:
             return found
-        return RowLogprobs(token, float(self._dist[self._index[row], token]), found.top)
+        return self._scored(row, token, float(self._dist[self._index[row], token]))
+
+    def _scored(self, row: int, token: int, logprob: float) -> RowLogprobs:
+        """`token`'s entry with the row's likeliest alternatives, the token ahead of those that tie
+        with it: topk orders equal values arbitrarily, and a greedy answer's first alternative must
+        be the token it took (a flat, random-weight or bfloat16 distribution ties often)."""
+        ranked = self._ranked[row]
+        if ranked and token not in (t for t, _ in ranked) and logprob >= ranked[-1][1]:
+            ranked = [*ranked, (token, logprob)]  # tied at the cut: it may take a place
+        ordered = sorted(ranked, key=lambda pair: (-pair[1], pair[0] != token))
+        return RowLogprobs(token, logprob, tuple(ordered[: self._top[row]]))
 
 
 def _log_probs(logits: torch.Tensor, request: LogprobRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
