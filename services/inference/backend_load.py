@@ -26,6 +26,8 @@ WANTED = (
     "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total",
 )
+#: What a scrape asks for (WANTED and the KV geometry).
+SCRAPED = (*WANTED, "vllm:cache_config_info")
 #: Step time smoothing (as the builtin engine's EWMA).
 STEP_WEIGHT = 0.3
 #: Blocks reported for a server that tells its KV usage but not its block count.

@@ -186,6 +186,13 @@ async def test_cancel_frees_the_backend_sequence(
         return await running_in_vllm(vllm) >= 1
 
     await wait_until(generating, 10, "vLLM reports the sequence running")
+
+    async def reported() -> bool:  # the load scrape reads it too, on vLLM's filtered /metrics/
+        load = backend_of(inference).load()
+        return load is not None and load.running >= 1 and load.kv_blocks_total > 0
+
+    await wait_until(reported, 5, "the backend's load shows the sequence")
+    assert backend_of(inference).replicas[0].metrics_path.startswith("/metrics/?name[]=")
     call.cancel()
 
     async def freed() -> bool:

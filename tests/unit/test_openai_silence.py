@@ -141,7 +141,7 @@ async def test_one_frozen_replica_does_not_stall_the_others_load(tokenizer: Loca
     frozen = asyncio.Event()
 
     async def handle(request: httpx.Request) -> httpx.Response:
-        if request.url.host == "10.0.0.1" and request.url.path == "/metrics":
+        if request.url.host == "10.0.0.1" and request.url.path.startswith("/metrics"):
             await frozen.wait()
         return await Server().handle(request)
 
