@@ -324,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             with bench_mesh(env, services=MESH_SERVICES) as mesh:
                 prompts = asyncio.run(rendered_prompts(mesh.target("tokenizer")))
                 info = httpx.get(f"{vllm.origin}/version", timeout=5).json()
-                result["backend"] = f"vLLM {info.get('version')} (CPU build, bfloat16, SmolLM2-135M-Instruct)"
+                result["backend"] = f"vLLM {info.get('version')} (CPU build, {vllm.dtype}, SmolLM2-135M-Instruct)"
                 print(f"{result['backend']}: ready in {result['backend_start_s']:.0f} s", flush=True)
                 vllm_pid = (vllm.process.pid, True)
                 pids = {"bench_client": (os.getpid(), False), "vllm": vllm_pid}

@@ -489,7 +489,7 @@ class OpenaiBench(Bench):
         self.restart_s: float | None = None
 
     def _server(self, r: str) -> Any:
-        from llmesh.testing import VllmServer
+        from llmesh.testing import VllmServer, vllm_cpu_dtype
 
         # eager: no torch.compile (minutes on 2 cores, at every start): the restart in the kill
         # phase stays short, and the scenarios measure routing, not decode speed.
@@ -673,7 +673,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         openai["openai_generated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         openai["openai_config"] = {
             "replicas": len(OPENAI_REPLICAS),
-            "model": "smollm2 (vLLM CPU, eager, bfloat16)",
+            "model": f"smollm2 (vLLM CPU, eager, {vllm_cpu_dtype()})",
             "vllm_kv_gib": args.vllm_kv_gib,
             "clients": args.clients,
             "freeze_seconds": args.freeze_seconds,
