@@ -489,7 +489,7 @@ class OpenaiBench(Bench):
         self.restart_s: float | None = None
 
     def _server(self, r: str) -> Any:
-        from llmesh.testing import VllmServer, vllm_cpu_dtype
+        from llmesh.testing import VllmServer
 
         # eager: no torch.compile (minutes on 2 cores, at every start): the restart in the kill
         # phase stays short, and the scenarios measure routing, not decode speed.
@@ -663,7 +663,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             result["builtin_generated_at"] = result.pop("generated_at", result.get("builtin_generated_at"))
             result["passes"] = {k: v for k, v in result.get("passes", {}).items() if not k.startswith("openai_")}
     if "openai" in arms:
-        from llmesh.testing import VllmServer
+        from llmesh.testing import VllmServer, vllm_cpu_dtype
 
         if not VllmServer.available():
             raise SystemExit("the openai arm needs the vLLM CPU build (.venv-vllm: make vllm)")
