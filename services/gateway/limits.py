@@ -210,6 +210,16 @@ class _KeyState:
     limits: KeyLimits = field(default_factory=KeyLimits)
     touched: float = 0.0
 
+    def saw(self, now: float, requests: int, tokens: int, today: int, within: float) -> None:
+        """Takes a use Redis reported. Concurrent calls' replies come back in any order, so a
+        reply that resumes last may be the oldest: within `within` seconds of the last view the
+        highest use read stands (a lower count there is an earlier reading, not requests leaving
+        the window), else a key near its limit would look far from it and be admitted locally."""
+        if self.view is not None and now - self.view[0] <= within:
+            seen, r, t, d = self.view
+            now, requests, tokens, today = max(now, seen), max(requests, r), max(tokens, t), max(today, d)
+        self.view = (now, requests, tokens, today)
+
 
 def _margin(limit: int) -> int:
     return max(NEAR_MIN, math.ceil(limit * NEAR_FRACTION))
@@ -299,7 +309,7 @@ class KeyLimiter:
                 raise refusal from None
             st.local.add_request(now)
             return
-        st.view = (now, requests, tokens, today)
+        st.saw(now, requests, tokens, today, self.sync_seconds)
         if code:
             limit = LIMIT_OF_CODE[code]
             value = getattr(limits, limit)
@@ -370,7 +380,7 @@ class KeyLimiter:
         self.redis_ok = True
         for (_, st), reply in zip(active, replies, strict=True):
             _, _, reqs, toks, today = (int(v) for v in reply)
-            st.view = (now, reqs, toks, today)
+            st.saw(now, reqs, toks, today, self.sync_seconds)
 
     async def run(self) -> None:
         """Syncs every `sync_seconds` until cancelled."""

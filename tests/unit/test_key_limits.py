@@ -110,6 +110,56 @@ async def test_gateways_sharing_redis_share_each_keys_limit(rclients: list[aiore
     await gateways[2].admit("other", limits)
 
 
+class _ReorderingRedis:
+    """A Redis whose script counts each call as it arrives; while `hold` is set it keeps the
+    replies until `answer_newest_first`, as replies on several connections may resume in any
+    order: the oldest reading comes back last."""
+
+    def __init__(self, hold: int) -> None:
+        self.requests = 0
+        self.hold = hold  # replies to keep back
+        self.waiting: list[asyncio.Event] = []
+        self.all_held = asyncio.Event()
+
+    def register_script(self, _lua: str) -> object:
+        async def script(keys: list[str], args: list[int], client: object = None) -> list[int]:
+            self.requests += int(args[1])
+            take, rpm = args[0] == 1, int(args[3])
+            code = 1 if take and self.requests + 1 > rpm else 0
+            if take and not code:
+                self.requests += 1
+            seen = self.requests
+            if len(self.waiting) < self.hold:
+                answered = asyncio.Event()
+                self.waiting.append(answered)
+                if len(self.waiting) == self.hold:
+                    self.all_held.set()
+                await answered.wait()
+            return [code, 60_000 if code else 0, seen, 0, 0]
+
+        return script
+
+    def answer_newest_first(self) -> None:
+        for event in reversed(self.waiting):
+            event.set()
+
+
+async def test_a_late_reply_with_an_older_count_does_not_make_a_key_look_far() -> None:
+    fake = _ReorderingRedis(hold=10)
+    limiter = KeyLimiter(fake, clock=FakeClock(MIDNIGHT + 1.0))
+    limits = KeyLimits(rpm=10)
+    calls = [asyncio.ensure_future(limiter.admit("k", limits)) for _ in range(10)]
+    await fake.all_held.wait()
+    fake.answer_newest_first()  # the reply that read 1 request resumes last
+    await asyncio.gather(*calls)
+    view = limiter.keys["k"].view
+    assert view is not None and view[1] == 10
+    # Near the limit, so it asks Redis and is refused (the old code took the last reply's
+    # reading of 1 request as the key's use and admitted an 11th locally).
+    with pytest.raises(KeyLimitExceeded):
+        await limiter.admit("k", limits)
+
+
 async def test_far_from_its_limit_a_key_is_decided_locally_and_synced(rclients: list[aioredis.Redis]) -> None:
     a, b = KeyLimiter(rclients[0], op_timeout=5.0), KeyLimiter(rclients[1], op_timeout=5.0)
     limits = KeyLimits(rpm=1000, tpm=1_000_000)
