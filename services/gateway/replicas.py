@@ -47,6 +47,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from llmesh.retry_budget import RetryBudget
+
 PICK_LEAST_WAIT = "least_wait"
 PICK_ROUND_ROBIN = "round_robin"
 PICKS = (PICK_LEAST_WAIT, PICK_ROUND_ROBIN)
@@ -226,29 +228,6 @@ class Replica:
             self.sent.move_to_end(h)
         while len(self.sent) > SENT_HASHES:
             self.sent.popitem(last=False)
-
-
-class RetryBudget:
-    """Retries as a share of requests: each request earns `ratio` of a token (up to `burst`),
-    each retry spends one."""
-
-    def __init__(self, ratio: float, burst: float) -> None:
-        self.ratio = ratio
-        self.burst = burst
-        self.tokens = burst
-        self.retries = 0
-        self.refused = 0
-
-    def earn(self) -> None:
-        self.tokens = min(self.burst, self.tokens + self.ratio)
-
-    def spend(self) -> bool:
-        if self.tokens >= 1 - 1e-9:
-            self.tokens -= 1
-            self.retries += 1
-            return True
-        self.refused += 1
-        return False
 
 
 @dataclass(frozen=True)

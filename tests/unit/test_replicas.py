@@ -9,6 +9,7 @@ import random
 import pytest
 
 from llmesh.prefix_hash import block_hashes
+from llmesh.retry_budget import RetryBudget
 from services.gateway.replicas import (
     AFFINITY_HIT,
     AFFINITY_MISS,
@@ -18,7 +19,6 @@ from services.gateway.replicas import (
     Load,
     Replica,
     ReplicaSet,
-    RetryBudget,
     RoutingConfig,
 )
 from services.gateway.routing import ReplicaRouter, dns_name, replica_targets, routed
