@@ -10,6 +10,13 @@
   inside `client.stream`), so the server frees the sequence (vLLM aborts on disconnect).
 * Replicas: a list of base URLs, each polled on `/models`; a request goes to the healthy replica
   with the fewest requests in flight. The service serves while any replica lists the model.
+  A request whose replica fails before its first token in a way another replica may fix (refused
+  or dropped connection, timeout, HTTP 5xx, 429/503 overload, a stream that ends with nothing in
+  it) is sent once more to another replica not tried yet (healthy, else listed); never after the
+  first token (the caller has part of that replica's answer), never a request the server rejects
+  (4xx: another would reject it too), never a cancelled one. Retries are held to a tenth of the
+  requests by a retry budget (`llmesh.retry_budget`), so that they cannot multiply the load while
+  replicas fail. The span says where it was retried; `llmesh_inference_backend_retries` counts.
 * Silence: a replica that answered nothing (neither its `/metrics`, scraped every 0.1 s, nor its
   `/models`, nor a stream's chunk) for `silence_s` (LLMESH_BACKEND_SILENCE_SECONDS) is out of
   service (a frozen or wedged server accepts connections and answers nothing) until its first
@@ -25,22 +32,25 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import grpc
 import httpx
 from opentelemetry import propagate, trace
 from tokenizers import Tokenizer
 
 from llmesh import errors
 from llmesh.models import ModelError, resolve, verify
+from llmesh.retry_budget import RetryBudget
 from services.inference import metrics
 from services.inference.backend_load import SCRAPED, ReplicaLoad, combine, parse_metrics
 from services.inference.decoding import Limits, ResolvedParams, SamplingParams, TokenPieces, resolve_params
@@ -78,6 +88,18 @@ LOAD_STALE_S = 2.0
 FILTERED_METRICS_PATH = "/metrics/?" + "&".join(f"name[]={name}" for name in SCRAPED)
 #: The silence watch looks this many times per `silence_s`.
 SILENCE_CHECKS = 4
+#: Retries on another replica: each request earns a tenth of one, up to ten in a burst (the
+#: gateway's defaults). Constants, not settings: a retry is worth making while replicas fail one
+#: by one, and must stay a small share of the load when they all fail (an outage), which is all
+#: the budget is for; there is no load it should be tuned to.
+RETRY_BUDGET_RATIO = 0.1
+RETRY_BUDGET_BURST = 10.0
+#: Errors before the first token that another replica may not have: refused, failed, timed out
+#: or overloaded. A request the server rejects (INVALID_ARGUMENT, FAILED_PRECONDITION) would be
+#: rejected by any replica.
+RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL})
+#: ...except that our connection pool being full is ours, not the replica's: all replicas share it.
+NO_RETRY_REASONS = frozenset({"BACKEND_CONNECTIONS_BUSY"})
 
 
 @dataclass(frozen=True)
@@ -171,14 +193,10 @@ class Replica:
 
 
 class OpenAIStream:
-    """A request's events from the backend; cancel() closes the HTTP stream if still open.
-    `on_event`: told of each event (the replica answers: not frozen)."""
+    """A request's events from the backend; cancel() closes the HTTP stream if still open."""
 
-    def __init__(
-        self, events: AsyncGenerator[GenerationEvent, None], on_event: Callable[[], None] | None = None
-    ) -> None:
+    def __init__(self, events: AsyncGenerator[GenerationEvent, None]) -> None:
         self._events = events
-        self._on_event = on_event
         self._done = False
         self._closing: asyncio.Future[None] | None = None  # held so the close task is not collected
 
@@ -191,8 +209,6 @@ class OpenAIStream:
         except BaseException:  # finished, failed or cancelled: the generator has closed the stream
             self._done = True
             raise
-        if self._on_event is not None:
-            self._on_event()
         return event
 
     def cancel(self) -> None:
@@ -213,6 +229,7 @@ class OpenAIBackend:
         self._last_silence_check = math.inf
         self._hold_silence_until = -math.inf
         self._turn = itertools.count()
+        self.budget = RetryBudget(RETRY_BUDGET_RATIO, RETRY_BUDGET_BURST)
         headers = {"authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self.client = httpx.AsyncClient(
             headers=headers,
@@ -461,19 +478,26 @@ class OpenAIBackend:
     # ------------------------------------------------------------------ generation
 
     def _pick(self) -> Replica:
-        # A silent replica that still lists the model may only be slow (a starved machine): with
-        # no healthy one it still takes work rather than the service refusing it. Its NOT_SERVING
-        # has told the callers who have another replica to go there.
-        healthy = [r for r in self.replicas if r.healthy] or [r for r in self.replicas if r.listed]
-        if not healthy:
+        replica = self._choose()
+        if replica is None:
             raise errors.Unavailable(
                 f"inference backend: no replica serves {self.config.model!r}",
                 reason="BACKEND_UNAVAILABLE",
                 retry_after=self.config.health_interval_s,
             )
-        start = next(self._turn)
-        order = healthy[start % len(healthy) :] + healthy[: start % len(healthy)]
-        return min(order, key=lambda r: r.in_flight)
+        return replica
+
+    def _choose(self, tried: Collection[Replica] = ()) -> Replica | None:
+        """The healthy replica (not in `tried`) with the fewest in flight, equals taking turns."""
+        # A silent replica that still lists the model may only be slow (a starved machine): with
+        # no healthy one it still takes work rather than the service refusing it. Its NOT_SERVING
+        # has told the callers who have another replica to go there.
+        left = [r for r in self.replicas if r not in tried]
+        ready = [r for r in left if r.healthy] or [r for r in left if r.listed]
+        if not ready:
+            return None
+        start = next(self._turn) % len(ready)
+        return min(ready[start:] + ready[:start], key=lambda r: r.in_flight)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "") -> OpenAIStream:
         try:
@@ -482,16 +506,14 @@ class OpenAIBackend:
             metrics.REQUESTS.labels("invalid").inc()
             raise
         replica = self._pick()
+        self.budget.earn()
         prompt: list[int] | str = prompt_ids if self.config.prompt_as == "tokens" else self.tokenizer.decode(prompt_ids)
         body = completion_body(self.config.model, prompt, resolved, response_format=params.response_format)
-        return OpenAIStream(
-            self._stream(replica, body, resolved, len(prompt_ids), request_id), lambda: self._answered(replica)
-        )
+        return OpenAIStream(self._stream(replica, body, resolved, len(prompt_ids), request_id))
 
     def _start_span(
         self, resolved: ResolvedParams, prompt_tokens: int, request_id: str, replica: Replica
     ) -> trace.Span:
-        parts = urlsplit(replica.base_url)
         span = tracer.start_span(
             "inference.generate",
             attributes={
@@ -502,15 +524,22 @@ class OpenAIBackend:
                 "gen_ai.request.temperature": resolved.temperature,
                 "gen_ai.request.top_p": resolved.top_p,
                 "gen_ai.usage.input_tokens": prompt_tokens,
-                "server.address": parts.hostname or "",
-                "server.port": parts.port or (443 if parts.scheme == "https" else 80),
-                "llmesh.inference.backend": replica.engine or "openai-compatible",
+                **self._server_attributes(replica),
                 "llmesh.request.id": request_id,
             },
         )
         if resolved.seed is not None:
             span.set_attribute("gen_ai.request.seed", resolved.seed)
         return span
+
+    @staticmethod
+    def _server_attributes(replica: Replica) -> dict[str, str | int]:
+        parts = urlsplit(replica.base_url)
+        return {
+            "server.address": parts.hostname or "",
+            "server.port": parts.port or (443 if parts.scheme == "https" else 80),
+            "llmesh.inference.backend": replica.engine or "openai-compatible",
+        }
 
     def _event(self, chunk: Chunk, resolved: ResolvedParams) -> GenerationEvent:
         """A chunk's text; with logprobs asked, its tokens and their log probabilities too."""
@@ -530,38 +559,19 @@ class OpenAIBackend:
         finish: str | None = None
         usage = Chunk()  # the usage chunk (include_usage): counts, model and id
         outcome = "error"
-        replica.in_flight += 1
         try:
-            async with self.client.stream(
-                "POST", f"{replica.base_url}/completions", json=body, headers=headers
-            ) as response:
-                if response.status_code != 200:
-                    raise error_for_status(response.status_code, response.headers, await response.aread())
-                # What one socket read brings is one event (one gRPC message), never held
-                # back for more: several tokens coalesce only when they arrived together.
-                reader = SSEReader()
-                async for raw in response.aiter_bytes():
-                    payloads = reader.feed(raw)
-                    if not payloads:
-                        if reader.done:
-                            break
-                        continue
-                    chunk = merge_chunks([parse_chunk(p) for p in payloads])
+            head, rest = await self._open(replica, body, headers, span)
+            async with contextlib.aclosing(rest):
+                async for chunk in _resumed(head, rest):
                     if chunk.prompt_tokens is not None:
                         usage = chunk
                     finish = chunk.finish_reason or finish
-                    if chunk.text or chunk.logprobs or chunk.token_ids:
+                    if chunk.generated:
                         if first_token:
                             first_token = False
                             metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - started)
                         yield self._event(chunk, resolved)
-                    if reader.done:
-                        break
-            if finish is None:
-                raise errors.Unavailable(
-                    f"inference backend {replica.base_url} ended the stream without finishing",
-                    reason="BACKEND_STREAM_BROKEN",
-                )
+            assert finish is not None  # `_chunks` raised on a stream without one
             input_tokens = usage.prompt_tokens if usage.prompt_tokens is not None else prompt_tokens
             output_tokens = usage.completion_tokens or 0
             outcome = finish
@@ -580,6 +590,99 @@ class OpenAIBackend:
             if outcome == "error":  # not yet answered in full
                 outcome = "cancelled"
             raise
+        except errors.LlmeshError as exc:
+            outcome = "invalid" if isinstance(exc, errors.InvalidArgument) else "error"
+            span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+            raise
+        finally:
+            metrics.REQUESTS.labels(outcome if outcome in metrics.OUTCOMES else FINISH_STOP).inc()
+            if outcome == "error":
+                span.set_status(trace.Status(trace.StatusCode.ERROR, "inference backend failed"))
+            span.end()
+
+    async def _open(
+        self, replica: Replica, body: dict[str, Any], headers: dict[str, str], span: trace.Span
+    ) -> tuple[list[Chunk], AsyncGenerator[Chunk, None]]:
+        """Opens the stream on `replica` and reads it up to its first token (or its end). If it
+        fails before that in a way another replica may fix, it is opened once more on another one
+        not tried yet, within the retry budget. Returns the stream that answered: the chunks read
+        (the first token last) and the rest, which the caller closes. After the first token
+        nothing is retried: the caller has part of that replica's answer."""
+        tried: list[Replica] = []
+        while True:
+            tried.append(replica)
+            chunks = self._chunks(replica, body, headers)
+            head: list[Chunk] = []
+            try:
+                async for chunk in chunks:
+                    head.append(chunk)
+                    if chunk.generated:
+                        break
+            except errors.LlmeshError as exc:  # `chunks` has ended: its stream is closed
+                again = self._retry_on(exc, tried)
+                if again is None:
+                    raise
+                reason = metrics.retry_reason(exc.reason)
+                metrics.BACKEND_RETRIES.labels(reason).inc()
+                log.info(
+                    "retrying on %s: %s failed before the first token: %s",
+                    again.base_url,
+                    replica.base_url,
+                    exc.message,
+                )
+                span.add_event(
+                    "llmesh.inference.retry",
+                    {
+                        "llmesh.inference.failed_replica": replica.base_url,
+                        "llmesh.inference.replica": again.base_url,
+                        "error.type": reason,
+                    },
+                )
+                span.set_attributes({**self._server_attributes(again), "llmesh.inference.retried": True})
+                replica = again
+                continue
+            return head, chunks
+
+    def _retry_on(self, error: errors.LlmeshError, tried: list[Replica]) -> Replica | None:
+        """The replica to try `error`'s request on next: once, where another may do better, on
+        one not tried yet, while the budget allows; None: the error is the caller's."""
+        if len(tried) > 1 or error.code not in RETRY_CODES or error.reason in NO_RETRY_REASONS:
+            return None
+        again = self._choose(tried)
+        if again is None or not self.budget.spend():
+            return None
+        return again
+
+    async def _chunks(
+        self, replica: Replica, body: dict[str, Any], headers: dict[str, str]
+    ) -> AsyncGenerator[Chunk, None]:
+        """One replica's stream: what each socket read brings as one chunk (never held back for
+        more: several tokens coalesce only when they arrived together); its failures, a stream
+        that ends without a finish reason included, as typed errors. The replica counts it in
+        flight from the request until the stream is closed."""
+        replica.in_flight += 1
+        try:
+            finished = False
+            async with self.client.stream(
+                "POST", f"{replica.base_url}/completions", json=body, headers=headers
+            ) as response:
+                if response.status_code != 200:
+                    raise error_for_status(response.status_code, response.headers, await response.aread())
+                reader = SSEReader()
+                async for raw in response.aiter_bytes():
+                    payloads = reader.feed(raw)
+                    if payloads:
+                        chunk = merge_chunks([parse_chunk(p) for p in payloads])
+                        finished = finished or chunk.finish_reason is not None
+                        self._answered(replica)  # it answers: not frozen
+                        yield chunk
+                    if reader.done:
+                        break
+            if not finished:
+                raise errors.Unavailable(
+                    f"inference backend {replica.base_url} ended the stream without finishing",
+                    reason="BACKEND_STREAM_BROKEN",
+                )
         except httpx.TimeoutException as exc:
             if isinstance(exc, httpx.PoolTimeout):
                 raise errors.ResourceExhausted(
@@ -591,20 +694,23 @@ class OpenAIBackend:
             raise errors.Unavailable(
                 f"inference backend {replica.base_url} timed out: {type(exc).__name__}", reason="BACKEND_TIMEOUT"
             ) from exc
+        except httpx.ConnectError as exc:
+            replica.healthy = False  # the health poll brings it back
+            raise errors.Unavailable(
+                f"inference backend {replica.base_url} could not be reached: {exc}", reason="BACKEND_UNREACHABLE"
+            ) from exc
         except httpx.HTTPError as exc:
-            if isinstance(exc, httpx.ConnectError):
-                replica.healthy = False  # the health poll brings it back
             raise errors.Unavailable(
                 f"inference backend {replica.base_url} failed mid-stream: {type(exc).__name__}: {exc}",
                 reason="BACKEND_STREAM_BROKEN",
             ) from exc
-        except errors.LlmeshError as exc:
-            outcome = "invalid" if isinstance(exc, errors.InvalidArgument) else "error"
-            span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
-            raise
         finally:
             replica.in_flight -= 1
-            metrics.REQUESTS.labels(outcome if outcome in metrics.OUTCOMES else FINISH_STOP).inc()
-            if outcome == "error":
-                span.set_status(trace.Status(trace.StatusCode.ERROR, "inference backend failed"))
-            span.end()
+
+
+async def _resumed(head: list[Chunk], rest: AsyncGenerator[Chunk, None]) -> AsyncGenerator[Chunk, None]:
+    """The chunks read already, then the rest of the stream."""
+    for chunk in head:
+        yield chunk
+    async for chunk in rest:
+        yield chunk

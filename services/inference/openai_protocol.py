@@ -195,6 +195,11 @@ class Chunk:
     #: chunks without ids stand for one each (0: a single chunk, as parsed).
     tokens: int = 0
 
+    @property
+    def generated(self) -> bool:
+        """Whether it carries generated tokens (not only a finish reason or the usage)."""
+        return bool(self.text or self.logprobs or self.token_ids)
+
 
 def merge_chunks(chunks: list[Chunk]) -> Chunk:
     """Chunks that arrived together as one: their text, token ids and logprobs in order; the
