@@ -1,6 +1,7 @@
 """The inference service on LLMESH_INFERENCE_BACKEND=openai against a real vLLM (CPU build)
 serving SmolLM2, and the gateway on top of it: streaming, cancellation, deadlines, rejected
-parameters, health, a mismatched tokenizer, a killed and a restarted backend.
+parameters, health, a mismatched tokenizer, a replica failing before the first token (retried on
+vLLM), a killed and a restarted backend.
 
 vLLM starts once per session (the `vllm` fixture, about two minutes on two cores); the test that
 kills and restarts it runs last."""
@@ -8,6 +9,7 @@ kills and restarts it runs last."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import subprocess
@@ -19,6 +21,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -29,7 +32,10 @@ from llmesh.server import ServiceHost
 from llmesh.testing import REPO_ROOT, VLLM_MODEL_NAME, OtlpReceiver, VllmServer, hosted, service_settings
 from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
 from services.gateway.servicer import GatewayApp
-from services.inference.openai_backend import OpenAIBackend
+from services.inference import metrics
+from services.inference.decoding import SamplingParams
+from services.inference.engine import FINISH_LENGTH
+from services.inference.openai_backend import BackendConfig, LocalTokenizer, OpenAIBackend
 from services.inference.servicer import InferenceApp
 from services.tokenizer.servicer import TokenizerApp
 
@@ -339,6 +345,80 @@ async def test_openai_client_n_and_logprobs_through_the_gateway_on_vllm(
                 for entry in content:
                     assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
                     assert entry.top_logprobs[0].token == entry.token  # greedy: the likeliest
+
+
+class FailingReplica:
+    """A second "replica" on a loopback port: it lists the model on /models (so the backend counts
+    it healthy) and fails every /completions before any token, with a 503 as an overloaded vLLM
+    answers, or by dropping the connection once the headers are out (a server that died)."""
+
+    def __init__(self) -> None:
+        self.mode = "503"
+        self.failed = 0
+        self.runner: web.AppRunner | None = None
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        self.runner = web.AppRunner(app, handle_signals=False)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = self.runner.addresses[0][:2]
+        return f"http://{host}:{port}/v1"
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = {"id": VLLM_MODEL_NAME, "object": "model", "owned_by": "vllm", "max_model_len": 2048}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        self.failed += 1
+        if self.mode == "503":
+            error = {"object": "error", "message": "engine overloaded", "type": "ServiceUnavailable", "code": 503}
+            return web.json_response(error, status=503)
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+
+async def test_a_replica_failing_before_the_first_token_is_retried_on_vllm(vllm: VllmServer, models_dir: Path) -> None:
+    """Topology b: one backend in front of two replicas, the first of which fails every request
+    before its first token; every request is answered in full by vLLM, the other replica."""
+    failing = FailingReplica()
+    url = await failing.start()
+    config = BackendConfig(urls=(url, vllm.base_url), model=VLLM_MODEL_NAME)
+    backend = OpenAIBackend(config, LocalTokenizer.load(models_dir, "smollm2"))
+    try:
+        assert await backend.check_health()
+        broken, real = backend.replicas
+        assert broken.healthy and real.healthy, "both list the model"
+        prompt = backend.encoder.encode(PROMPT)
+        counted = {reason: metrics.BACKEND_RETRIES.labels(reason)._value.get() for reason in metrics.RETRY_REASONS}
+        texts = []
+        for mode in ("503", "drop", "503", "drop"):
+            failing.mode = mode
+            # With none in flight the turn decides among equals: it starts at the failing replica.
+            backend._turn = itertools.count()
+            events = [e async for e in backend.submit(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))]
+            assert events[-1].finish_reason == FINISH_LENGTH and events[-1].output_tokens == 6
+            texts.append("".join(e.text for e in events))
+        assert failing.failed == 4, "every request went to the failing replica first"
+        assert backend.budget.retries == 4
+        assert texts[0] and len(set(texts)) == 1, "greedy: vLLM's same answer each time"
+        assert metrics.BACKEND_RETRIES.labels("unavailable")._value.get() == counted["unavailable"] + 2
+        assert metrics.BACKEND_RETRIES.labels("stream_broken")._value.get() == counted["stream_broken"] + 2
+        assert (broken.in_flight, real.in_flight) == (0, 0)
+    finally:
+        await backend.close()
+        await failing.stop()
 
 
 async def test_gateway_on_the_openai_backend_then_backend_killed_and_restarted(
