@@ -189,11 +189,19 @@ class ServerSpan:
 
     __slots__ = ("_token", "span")
 
-    def __init__(self, method: ServerMethod | str, context: grpc.aio.ServicerContext) -> None:
+    def __init__(
+        self,
+        method: ServerMethod | str,
+        context: grpc.aio.ServicerContext,
+        metadata: Sequence[tuple[str, Any]] | None = None,
+    ) -> None:
+        """`metadata`: the caller's, where it is not the call's own (a generation started inside
+        an Inference.GenerateMany stream carries its trace context in its start message)."""
         if isinstance(method, str):
             method = ServerMethod(method)
         attributes = {**method.attributes, **_peer_attributes_of(context.peer())}
-        self.span, self._token = start_server_span(method.name, context.invocation_metadata(), attributes)
+        headers = context.invocation_metadata() if metadata is None else metadata
+        self.span, self._token = start_server_span(method.name, headers, attributes)
 
     def finish(self, code: grpc.StatusCode, exc: BaseException | None = None) -> None:
         self.span.set_attribute("rpc.grpc.status_code", code.value[0])
@@ -219,6 +227,19 @@ def _end_client_span(span: Span, call: Any) -> None:
     code = _call_code(call)
     if code is None:
         code = grpc.StatusCode.CANCELLED if call.cancelled() else grpc.StatusCode.UNKNOWN
+    end_client_span(span, code)
+
+
+def start_client_span(full_method: str, attributes: dict[str, Any] | None = None) -> tuple[Span, list[tuple[str, str]]]:
+    """A CLIENT span for one call of `full_method` that is not a call of its own (a generation
+    inside an Inference.GenerateMany stream), with the metadata that makes it the callee's parent."""
+    service, method = split_method(full_method)
+    attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method, **(attributes or {})}
+    span = _tracer().start_span(f"{service}/{method}", kind=SpanKind.CLIENT, attributes=attributes)
+    return span, _trace_headers(span)
+
+
+def end_client_span(span: Span, code: grpc.StatusCode) -> None:
     span.set_attribute("rpc.grpc.status_code", code.value[0])
     if code is not grpc.StatusCode.OK:
         span.set_status(Status(StatusCode.ERROR, code.name))

@@ -94,20 +94,51 @@ def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
     )
 
 
-def _set_status_for(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
-    """The one mapping of errors to statuses. The status goes out with the call's final batch
-    when the handler returns: cheaper than `context.abort`, which sends it from inside the
-    handler and unwinds with another exception (a shed is a status, and sheds come in floods)."""
+def status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str | bytes], ...]]:
+    """The one mapping of errors to statuses: (code, details, trailing metadata with the
+    google.rpc details). Anything that is not a domain error is INTERNAL with a generic message,
+    its traceback in the log. Used by the interceptor and by what carries a status inside a
+    message (the generations of Inference.GenerateMany)."""
     if isinstance(exc, errors.LlmeshError):
         if exc.code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
             log.error("%s failed: %s", method, exc.message)
-        context.set_code(exc.code)
-        context.set_details(exc.message)
-        context.set_trailing_metadata(tuple(exc.trailing_metadata()))
-        return
+        return exc.code, exc.message, tuple(exc.trailing_metadata())
     log.exception("unhandled error in %s", method, exc_info=exc)
-    context.set_code(grpc.StatusCode.INTERNAL)
-    context.set_details("internal error")
+    return grpc.StatusCode.INTERNAL, "internal error", ()
+
+
+def _set_status_for(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
+    """Sets the status of `exc` (`status_of`) on the call. The status goes out with the call's
+    final batch when the handler returns: cheaper than `context.abort`, which sends it from inside
+    the handler and unwinds with another exception (a shed is a status, and sheds come in floods)."""
+    code, details, trailing = status_of(exc, method)
+    context.set_code(code)
+    context.set_details(details)
+    if trailing:
+        context.set_trailing_metadata(trailing)
+
+
+class MethodMeter:
+    """The gRPC server metrics of one method: started, handled by code, handling time. Built once
+    per method (the label lookups are not free on a hot path)."""
+
+    __slots__ = ("_handled", "_handling", "_labels", "_started")
+
+    def __init__(self, kind: str, service: str, method: str) -> None:
+        self._labels = (kind, service, method)
+        self._started = GRPC_STARTED.labels(kind, service, method)
+        self._handling = GRPC_HANDLING.labels(kind, service, method)
+        self._handled: dict[grpc.StatusCode, Any] = {}
+
+    def started(self) -> None:
+        self._started.inc()
+
+    def handled(self, code: grpc.StatusCode, seconds: float) -> None:
+        counter = self._handled.get(code)
+        if counter is None:
+            counter = self._handled[code] = GRPC_HANDLED.labels(*self._labels, code.name)
+        counter.inc()
+        self._handling.observe(seconds)
 
 
 class RuntimeInterceptor(grpc.aio.ServerInterceptor):
@@ -148,22 +179,18 @@ def _wrap(full: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     traced_method = rpc_tracing.ServerMethod(full) if rpc_tracing.traced(full) else None
     kind = "unary" if handler.unary_unary else "server_stream" if handler.unary_stream else ""
     if not kind:
+        # A bidirectional stream (Inference.GenerateMany) carries many operations, each with its
+        # own span, metrics and status (`status_of`): the handler accounts for them itself.
         return handler
-    started_total = GRPC_STARTED.labels(kind, service, method)
-    handling = GRPC_HANDLING.labels(kind, service, method)
-    handled: dict[grpc.StatusCode, Any] = {}
+    meter = MethodMeter(kind, service, method)
 
     def begin(context: grpc.aio.ServicerContext) -> rpc_tracing.ServerSpan | None:
-        started_total.inc()
+        meter.started()
         return rpc_tracing.ServerSpan(traced_method, context) if traced_method is not None else None
 
     def finish(started: float, context: Any, span: rpc_tracing.ServerSpan | None, exc: BaseException | None) -> None:
         code = _code_of(context, exc)
-        counter = handled.get(code)
-        if counter is None:
-            counter = handled[code] = GRPC_HANDLED.labels(kind, service, method, code.name)
-        counter.inc()
-        handling.observe(time.perf_counter() - started)
+        meter.handled(code, time.perf_counter() - started)
         if span is not None:
             span.finish(code, exc)
 
