@@ -45,6 +45,53 @@ class InferenceResponse(_message.Message):
     tokens: int
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., batch_id: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., tokens: _Optional[int] = ...) -> None: ...
 
+class GenerateManyRequest(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: GenerationStart
+    cancel: int
+    def __init__(self, start: _Optional[_Union[GenerationStart, _Mapping]] = ..., cancel: _Optional[int] = ...) -> None: ...
+
+class GenerationStart(_message.Message):
+    __slots__ = ("id", "request", "timeout_seconds", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    request: InferenceRequest
+    timeout_seconds: float
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, id: _Optional[int] = ..., request: _Optional[_Union[InferenceRequest, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class GenerateManyResponse(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[GenerationUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[GenerationUpdate, _Mapping]]] = ...) -> None: ...
+
+class GenerationUpdate(_message.Message):
+    __slots__ = ("id", "response", "status_code", "status_message", "status_details")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    response: InferenceResponse
+    status_code: int
+    status_message: str
+    status_details: bytes
+    def __init__(self, id: _Optional[int] = ..., response: _Optional[_Union[InferenceResponse, _Mapping]] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., status_details: _Optional[bytes] = ...) -> None: ...
+
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

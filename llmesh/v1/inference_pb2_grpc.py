@@ -55,6 +55,11 @@ class InferenceStub:
                 request_serializer=llmesh_dot_v1_dot_inference__pb2.WatchLoadRequest.SerializeToString,
                 response_deserializer=llmesh_dot_v1_dot_inference__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/llmesh.v1.Inference/GenerateMany',
+                request_serializer=llmesh_dot_v1_dot_inference__pb2.GenerateManyRequest.SerializeToString,
+                response_deserializer=llmesh_dot_v1_dot_inference__pb2.GenerateManyResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -94,6 +99,19 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateMany(self, request_iterator, context):
+        """Many generations over one long-lived stream (issue 26): the gateway keeps one per replica
+        and starts each request on it; the replica answers with what its generations produced since
+        its last message, so an engine step that advances many requests is one message, not one per
+        request (vLLM's engine core hands its front end one output per step the same way). Each
+        generation keeps what a Generate call has: its own deadline, trace, cancellation and status.
+        The first response is empty: the stream is open. A replica that ends the stream (draining)
+        has finished every generation on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -116,6 +134,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.WatchLoad,
                     request_deserializer=llmesh_dot_v1_dot_inference__pb2.WatchLoadRequest.FromString,
                     response_serializer=llmesh_dot_v1_dot_inference__pb2.LoadReport.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=llmesh_dot_v1_dot_inference__pb2.GenerateManyRequest.FromString,
+                    response_serializer=llmesh_dot_v1_dot_inference__pb2.GenerateManyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -227,6 +250,33 @@ class Inference:
             '/llmesh.v1.Inference/WatchLoad',
             llmesh_dot_v1_dot_inference__pb2.WatchLoadRequest.SerializeToString,
             llmesh_dot_v1_dot_inference__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/llmesh.v1.Inference/GenerateMany',
+            llmesh_dot_v1_dot_inference__pb2.GenerateManyRequest.SerializeToString,
+            llmesh_dot_v1_dot_inference__pb2.GenerateManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

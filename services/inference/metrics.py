@@ -93,3 +93,9 @@ for _outcome in OUTCOMES:
     REQUESTS.labels(_outcome)
 for _reason in RETRY_REASONS:
     BACKEND_RETRIES.labels(_reason)
+
+MULTIPLEX_BATCH_UPDATES = Histogram(
+    "llmesh_inference_multiplex_batch_updates",
+    "Updates (tokens or endings of generations) carried by one Inference.GenerateMany message.",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from llmesh import errors
-from llmesh.server import Readiness
+from llmesh.server import Readiness, status_of
 from llmesh.settings import Settings
 from llmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.backend import InferenceBackend
@@ -30,6 +30,7 @@ from services.inference.engine import (
 )
 from services.inference.engine.load import EngineLoad
 from services.inference.lifecycle import ModelManager
+from services.inference.multiplex import Multiplexer
 from services.inference.openai_backend import BackendConfig, LocalTokenizer, OpenAIBackend
 
 log = logging.getLogger("llmesh.inference")
@@ -186,12 +187,32 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(self, manager: Readiness[InferenceBackend], settings: Settings) -> None:
         self._manager = manager
         self._admin_token: str = settings.admin_token
+        self.multiplexer = Multiplexer(self.generate)
         #: This process among the model's replicas (a restart is a new replica).
         self.replica = f"{socket.gethostname()}:{os.getpid()}"
 
     async def Generate(  # type: ignore[override]
         self, request: inference_pb2.InferenceRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.InferenceResponse]:
+        async for response in self.generate(request):
+            yield response
+
+    async def GenerateMany(  # type: ignore[override]
+        self, requests: AsyncIterator[inference_pb2.GenerateManyRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateManyResponse]:
+        """Generations over one stream (services/inference/multiplex.py): each is `generate`."""
+        try:
+            async for response in self.multiplexer.serve(requests, context):
+                yield response
+        except Exception as exc:  # a bidi handler has no interceptor mapping: the one mapping here
+            code, details, trailing = status_of(exc, "/llmesh.v1.Inference/GenerateMany")
+            context.set_code(code)
+            context.set_details(details)
+            if trailing:
+                context.set_trailing_metadata(trailing)
+
+    async def generate(self, request: inference_pb2.InferenceRequest) -> AsyncIterator[inference_pb2.InferenceResponse]:
+        """One generation, as Generate streams it and as each of GenerateMany's runs."""
         manager = self._manager.get()
         params = sampling_from_proto(request.sampling, request.response_format)
         which = request.WhichOneof("input")
@@ -261,9 +282,17 @@ class InferenceApp:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.manager: Readiness[InferenceBackend] = Readiness()
+        self.servicer: InferenceServicer | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
-        inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(self.manager, self.settings), server)
+        self.servicer = InferenceServicer(self.manager, self.settings)
+        inference_pb2_grpc.add_InferenceServicer_to_server(self.servicer, server)
+
+    async def drain(self, grace: float) -> None:
+        """Alongside the server's drain: GenerateMany streams take no new generations and end when
+        theirs have finished (a long-lived stream would otherwise hold the drain for its grace)."""
+        if self.servicer is not None:
+            self.servicer.multiplexer.drain()
 
     async def start(self) -> None:
         backend: ModelManager | OpenAIBackend
