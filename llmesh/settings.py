@@ -630,6 +630,14 @@ DECLARED: tuple[Setting, ...] = (
     ),
     # issue 26: routing over a model's replicas (several targets, or dns:///).
     Setting(
+        "LLMESH_INFERENCE_MULTIPLEX",
+        "true",
+        "The gateway runs its generations to each inference replica over one Inference.GenerateMany stream, a "
+        "message per engine step for all of them (false: a Generate call per request, a message per token).",
+        ("gateway",),
+        _bool,
+    ),
+    Setting(
         "LLMESH_ROUTING_PICK",
         "least_wait",
         "How the gateway picks a model's replica: `least_wait` (the soonest start predicted from each replica's "

@@ -28,6 +28,7 @@ from llmesh.v1 import (
 from services.gateway.breaker import BreakerConfig, CircuitBreaker, Permit, State, TransitionListener
 from services.gateway.deadline import CallerDeadline, Deadline
 from services.gateway.lookups import LookupCoalescer
+from services.gateway.multiplex import GenerationMux
 
 if TYPE_CHECKING:
     from services.gateway.admission.load import LoadBook
@@ -204,6 +205,7 @@ class Peers:
         probe_seconds: float = 0.25,
         routing: RoutingConfig | None = None,
         loads: LoadBook | None = None,
+        multiplex: bool = True,
     ) -> None:
         # Imported here: routing builds on this module's Deadline and errors.
         from services.gateway.routing import ReplicaRouter, routed
@@ -214,7 +216,7 @@ class Peers:
         # issue 26: a model with several replicas (`a:1|b:2`, or dns:///name:port) is routed over
         # them (services/gateway/routing.py); one with a single target keeps its one channel.
         self.routers = {
-            model: ReplicaRouter(model, target, max_message_bytes, credentials, routing, loads)
+            model: ReplicaRouter(model, target, max_message_bytes, credentials, routing, loads, multiplex=multiplex)
             for model, target in models.items()
             if routed(target)
         }
@@ -245,6 +247,8 @@ class Peers:
             for model in models
             if model not in self.routers
         }
+        # issue 26: each model's generations share one GenerateMany stream (services/gateway/multiplex.py).
+        self.generators = {model: GenerationMux(stub, multiplex) for model, stub in self.inferences.items()}
         self.cache = cache_pb2_grpc.CacheStub(self.channels["cache"])
         self.retrieval = retrieval_pb2_grpc.RetrievalStub(self.channels["retrieval"])
         self.lookups = LookupCoalescer(self._cache_lookup, self._cache_lookup_batch)
@@ -259,6 +263,8 @@ class Peers:
             task.cancel()
         for router in self.routers.values():
             await router.close()
+        for generator in self.generators.values():
+            await generator.close()
         for channel in self.channels.values():
             await channel.close()
 
@@ -365,9 +371,9 @@ class Peers:
         router = self.routers.get(model)
         if router is not None:  # issue 26: over the model's replicas, one retry before the first token
             return router.generate(request, deadline, self.breakers[inference_peer(model)])
-        stub = self.inferences[model]
+        generator = self.generators[model]
         return _stream(
-            self.breakers[inference_peer(model)], lambda timeout: stub.Generate(request, timeout=timeout), deadline
+            self.breakers[inference_peer(model)], lambda timeout: generator.generate(request, timeout), deadline
         )
 
     async def watch_load(self, model: str = "") -> AsyncIterator[inference_pb2.LoadReport]:

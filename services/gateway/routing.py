@@ -25,6 +25,7 @@ from llmesh.v1 import inference_pb2, inference_pb2_grpc
 from services.gateway import metrics
 from services.gateway.admission.load import LoadBook
 from services.gateway.breaker import CircuitBreaker
+from services.gateway.multiplex import GenerationMux
 from services.gateway.peers import BREAKER_FAILURE_CODES, CallerDeadline, Deadline, PeerCallError
 from services.gateway.replicas import Flight, Load, Replica, ReplicaSet, RoutingConfig
 
@@ -116,6 +117,7 @@ class ReplicaRouter:
         config: RoutingConfig | None = None,
         loads: LoadBook | None = None,
         resolver: Resolver = system_resolver,
+        multiplex: bool = True,
     ) -> None:
         self.model = model
         self.label = model or "default"
@@ -129,6 +131,8 @@ class ReplicaRouter:
         self.set = ReplicaSet(model, self.config, on_eject=self._ejected, on_return=self._returned)
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.stubs: dict[str, inference_pb2_grpc.InferenceStub] = {}
+        self.multiplex = multiplex
+        self.generators: dict[str, GenerationMux] = {}  # each replica's Generate calls (one stream)
         self.health_stubs: dict[str, health_pb2_grpc.HealthStub] = {}
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
         self._loops: list[asyncio.Task[None]] = []
@@ -148,6 +152,9 @@ class ReplicaRouter:
                 task.cancel()
             self.stubs.pop(r.address, None)
             self.health_stubs.pop(r.address, None)
+            generator = self.generators.pop(r.address, None)
+            if generator is not None:
+                generator.retire()
             channel = self.channels.pop(r.address, None)
             if channel is not None:
                 self._closing.append(channel)
@@ -162,6 +169,7 @@ class ReplicaRouter:
             channel = peer_channel(r.address, self.max_message_bytes, self.credentials, options)
             self.channels[r.address] = channel
             self.stubs[r.address] = inference_pb2_grpc.InferenceStub(channel)
+            self.generators[r.address] = GenerationMux(self.stubs[r.address], self.multiplex)
             self.health_stubs[r.address] = health_pb2_grpc.HealthStub(channel)
             metrics.REPLICA_EJECTED.labels(self.label, r.address).set(0)
             if self.started:
@@ -205,6 +213,8 @@ class ReplicaRouter:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        for generator in self.generators.values():
+            await generator.close()
         for channel in [*self.channels.values(), *self._closing]:
             await channel.close()
 
@@ -421,10 +431,10 @@ class ReplicaRouter:
     ) -> AsyncIterator[inference_pb2.InferenceResponse]:
         name = f"inference/{self.label}@{r.address}"
         remaining = deadline.check(name)
-        stub = self.stubs.get(r.address)
-        if stub is None:
+        generator = self.generators.get(r.address)
+        if generator is None:
             raise _Retry(PeerCallError(Unavailable(f"{name}: the replica left")), False)
-        call = stub.Generate(request, timeout=remaining)
+        call = generator.generate(request, remaining)
         attempt.call = call
         loop = asyncio.get_running_loop()
         timer = None

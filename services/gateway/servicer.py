@@ -212,6 +212,7 @@ class GatewayApp:
             probe_seconds=s.breaker_probe_seconds,
             routing=RoutingConfig.from_settings(s),
             loads=self.loads,
+            multiplex=s.inference_multiplex,
         )
         admission = AdmissionConfig.from_settings(s)
         self.load_watchers = [
