@@ -120,26 +120,36 @@ async def _stream(breaker: CircuitBreaker, start: Callable[[float], Any], deadli
     call = start(remaining)
     last = loop.time()
     worst = 0.0
+    timer: asyncio.TimerHandle | None = None
 
-    def stalled() -> None:
-        permit.success(max(slow_after, loop.time() - last))
+    def watch() -> None:
+        # Due `slow_after` past the last message as it was when armed; a message since moves it
+        # on (one timer per stall, not one per message: messages are tokens).
+        nonlocal timer
+        quiet = loop.time() - last
+        if quiet < slow_after:
+            timer = loop.call_at(last + slow_after, watch)
+        else:
+            timer = None  # the next message watches again
+            permit.success(quiet)
 
-    timer = loop.call_later(slow_after, stalled)
+    timer = loop.call_at(last + slow_after, watch)
     try:
         async for message in call:
             now = loop.time()
             worst = max(worst, now - last)
             last = now
-            timer.cancel()
+            if timer is None:
+                timer = loop.call_at(now + slow_after, watch)
             if permit.trial:
                 permit.success(worst)
-            timer = loop.call_later(slow_after, stalled)
             yield message
         permit.success(worst)
     except grpc.aio.AioRpcError as err:
         raise _judge(permit, breaker.name, err, True, deadline) from err
     finally:
-        timer.cancel()
+        if timer is not None:
+            timer.cancel()
         permit.release()  # no verdict yet (cancelled, or our caller went away): none is given
         # Our caller went away (or we failed): cancel downstream now, freeing its resources.
         call.cancel()
