@@ -86,6 +86,9 @@ LOAD_STALE_S = 2.0
 #: The slash reaches the prometheus_client app vLLM (and SGLang) mount under /metrics, which
 #: honours the filter; a server where it answers nothing usable is scraped on /metrics.
 FILTERED_METRICS_PATH = "/metrics/?" + "&".join(f"name[]={name}" for name in SCRAPED)
+#: How long the rest of a body after [DONE] is read for (it is the end of the chunked encoding,
+#: there at once) so the connection goes back to the pool.
+BODY_END_S = 1.0
 #: The silence watch looks this many times per `silence_s`.
 SILENCE_CHECKS = 4
 #: Retries on another replica: each request earns a tenth of one, up to ten in a burst (the
@@ -669,7 +672,8 @@ class OpenAIBackend:
                 if response.status_code != 200:
                     raise error_for_status(response.status_code, response.headers, await response.aread())
                 reader = SSEReader()
-                async for raw in response.aiter_bytes():
+                body_parts = response.aiter_bytes()
+                async for raw in body_parts:
                     payloads = reader.feed(raw)
                     if payloads:
                         chunk = merge_chunks([parse_chunk(p) for p in payloads])
@@ -678,6 +682,13 @@ class OpenAIBackend:
                         yield chunk
                     if reader.done:
                         break
+                # The body to its end (after [DONE], the chunked encoding's last chunk): a response
+                # closed before its end closes its connection, and every request then opened a
+                # new one, at a cost to both sides (vLLM's server accepts each).
+                with contextlib.suppress(TimeoutError, httpx.HTTPError):
+                    async with asyncio.timeout(BODY_END_S):
+                        async for _ in body_parts:
+                            pass
             if not finished:
                 raise errors.Unavailable(
                     f"inference backend {replica.base_url} ended the stream without finishing",

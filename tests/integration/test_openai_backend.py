@@ -421,6 +421,35 @@ async def test_a_replica_failing_before_the_first_token_is_retried_on_vllm(vllm:
         await failing.stop()
 
 
+async def test_consecutive_streams_reuse_one_connection(
+    vllm: VllmServer, models_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream read to the end of its body ([DONE], then the chunked encoding's end) gives its
+    connection back to the pool: the next request opens none (before, each opened its own)."""
+    import httpcore
+
+    opened: list[object] = []
+    create = httpcore.AsyncConnectionPool.create_connection
+
+    def counting(self: httpcore.AsyncConnectionPool, origin: httpcore.Origin) -> object:
+        opened.append(origin)
+        return create(self, origin)
+
+    monkeypatch.setattr(httpcore.AsyncConnectionPool, "create_connection", counting)
+    backend = OpenAIBackend(
+        BackendConfig(urls=(vllm.base_url,), model=VLLM_MODEL_NAME), LocalTokenizer.load(models_dir, "smollm2")
+    )
+    try:
+        assert await backend.check_health()  # /models: the first connection
+        prompt = backend.encoder.encode(PROMPT)
+        for _ in range(3):
+            events = [e async for e in backend.submit(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))]
+            assert events[-1].finish_reason == FINISH_LENGTH
+        assert len(opened) == 1
+    finally:
+        await backend.close()
+
+
 async def test_gateway_on_the_openai_backend_then_backend_killed_and_restarted(
     inference: ServiceHost, channel: grpc.aio.Channel, vllm: VllmServer, models_dir: Path
 ) -> None:
