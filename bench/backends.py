@@ -13,8 +13,13 @@ side by side in one run:
                       RetryInfo delay as a client should
 * ttft_*_p50_s / _p95_s  time to first token of each, in the closed loop
 
-The direct loop runs before and after the mesh loop and is averaged (the load on a shared
-machine drifts). Backend: vLLM's CPU build (`make vllm`, .venv-vllm) on the prepared SmolLM2.
+* mesh_per_request_tok_s  the mesh with LLMESH_INFERENCE_MULTIPLEX=false: a Generate call (a gRPC
+                      message per token) per request instead of the GenerateMany stream
+
+Direct and mesh loops alternate, `--rounds` of each and a last direct one (D M D M D), each
+figure the mean over its loops: the load on a shared machine drifts, and one closed loop's rate
+differs from the next by several per cent. Backend: vLLM's CPU build (`make vllm`, .venv-vllm)
+on the prepared SmolLM2.
 
 Targets (the `passes` entries, issue 26): mesh_tok_s >= 0.95 x direct_tok_s with 0 sheds; mesh
 TTFT p50 within 15 ms of direct.
@@ -98,7 +103,7 @@ async def direct_one(
             raise RuntimeError(f"vLLM answered {response.status_code}: {(await response.aread())[:300]!r}")
         async for event in EventSource(response).aiter_sse():
             if event.data == "[DONE]":
-                break
+                continue  # read on to the body's end: the connection goes back to the pool
             chunk = event.json()
             now = time.perf_counter()
             if any(c.get("text") for c in chunk.get("choices") or ()):
@@ -286,17 +291,27 @@ def _others() -> list[str]:
     return [" ".join(line.split())[:120] for line in out.splitlines()[:10]]
 
 
+def _mean(runs: Sequence[dict[str, float]], prefix: str) -> dict[str, float]:
+    """The loops' figures averaged (a loop's own p50 and p95, then their mean over the loops)."""
+    figures = [_figures(run, prefix) for run in runs]
+    return {k: sum(f[k] for f in figures) / len(figures) for k in figures[0]}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--measure", type=float, default=40.0, help="measured seconds of each closed loop")
+    parser.add_argument("--measure", type=float, default=30.0, help="measured seconds of each closed loop")
+    parser.add_argument("--rounds", type=int, default=2, help="mesh loops, each after a direct one (and one more last)")
     parser.add_argument("--no-builtin", action="store_true", help="skip the builtin engine's loop")
+    parser.add_argument(
+        "--no-per-request", action="store_true", help="skip the mesh loop with a Generate call per request"
+    )
     args = parser.parse_args(argv)
     if not VllmServer.available():
         raise SystemExit("bench.backends needs vLLM's CPU build: run `make vllm` first")
 
     begun = time.perf_counter()
     models = real_models_dir()
-    result: dict[str, Any] = {"prompts": CLIENTS, "new_tokens": NEW_TOKENS, "clients": CLIENTS}
+    result: dict[str, Any] = {"prompts": CLIENTS, "new_tokens": NEW_TOKENS, "clients": CLIENTS, "rounds": args.rounds}
     loads: dict[str, float] = {}
     others: dict[str, list[str]] = {}
     cpu: dict[str, dict[str, float]] = {}
@@ -308,6 +323,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         "LLMESH_RETRIEVAL_TARGET": CLOSED,
         "LLMESH_NICE": "0",
     }
+    directs: list[dict[str, float]] = []
+    meshes: list[dict[str, float]] = []
+    per_request: dict[str, float] | None = None
+
+    def phase(name: str, figures: dict[str, float], costs: dict[str, float], title: str, prefix: str) -> None:
+        cpu[name] = costs
+        loads[name], others[name] = round(os.getloadavg()[0], 2), _others()
+        print_table(_figures(figures, prefix), title)
+
     with tempfile.TemporaryDirectory(prefix="llmesh-bench-vllm-") as tmp:
         vllm = VllmServer((models / "smollm2" / "current").resolve(), Path(tmp) / "vllm.log")
         vllm.start()
@@ -321,39 +345,54 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "LLMESH_BACKEND_URLS": vllm.base_url,
                 "LLMESH_BACKEND_MODEL": VLLM_MODEL_NAME,
             }
+            pids = {"bench_client": (os.getpid(), False), "vllm": (vllm.process.pid, True)}
+
+            def direct(name: str) -> None:
+                run, costs = measured(pids, direct_loop(vllm.base_url, prompts, args.measure))
+                directs.append(run)
+                phase(name, run, costs, f"direct ({name})", "direct")
+
+            # Direct and mesh loops alternate (D M D M D): a shared machine's load drifts, and one
+            # closed loop's rate varies by several per cent from the next.
             with bench_mesh(env, services=MESH_SERVICES) as mesh:
                 prompts = asyncio.run(rendered_prompts(mesh.target("tokenizer")))
                 info = httpx.get(f"{vllm.origin}/version", timeout=5).json()
                 result["backend"] = f"vLLM {info.get('version')} (CPU build, {vllm.dtype}, SmolLM2-135M-Instruct)"
                 print(f"{result['backend']}: ready in {result['backend_start_s']:.0f} s", flush=True)
-                vllm_pid = (vllm.process.pid, True)
-                pids = {"bench_client": (os.getpid(), False), "vllm": vllm_pid}
                 mesh_pids = {**pids, **service_pids(mesh)}
-                before, cpu["direct_before"] = measured(pids, direct_loop(vllm.base_url, prompts, args.measure))
-                loads["direct_before"], others["direct_before"] = round(os.getloadavg()[0], 2), _others()
-                print_table(_figures(before, "direct"), "direct (before)")
-                mesh_run, cpu["mesh"] = measured(mesh_pids, mesh_loop(mesh.target("gateway"), args.measure))
-                mesh_figures = _figures(mesh_run, "mesh")
-                loads["mesh"], others["mesh"] = round(os.getloadavg()[0], 2), _others()
-                print_table(mesh_figures, "through the mesh (openai backend)")
-                after, cpu["direct_after"] = measured(pids, direct_loop(vllm.base_url, prompts, args.measure))
-                loads["direct_after"], others["direct_after"] = round(os.getloadavg()[0], 2), _others()
-                print_table(_figures(after, "direct"), "direct (after)")
+                for r in range(args.rounds):
+                    direct(f"direct_{r + 1}")
+                    run, costs = measured(mesh_pids, mesh_loop(mesh.target("gateway"), args.measure))
+                    meshes.append(run)
+                    phase(f"mesh_{r + 1}", run, costs, f"through the mesh (openai backend), round {r + 1}", "mesh")
+                direct(f"direct_{args.rounds + 1}")
+            if not args.no_per_request:
+                # The same mesh with a Generate call (a gRPC message per token) per request, as
+                # before GenerateMany: what multiplexing saves, in the same run.
+                with bench_mesh({**env, "LLMESH_INFERENCE_MULTIPLEX": "false"}, services=MESH_SERVICES) as mesh:
+                    run, costs = measured(
+                        {**pids, **service_pids(mesh)}, mesh_loop(mesh.target("gateway"), args.measure)
+                    )
+                    per_request = run
+                    phase("mesh_per_request", run, costs, "through the mesh, a Generate call per request", "mesh")
+                direct(f"direct_{args.rounds + 2}")
         finally:
             vllm.stop()
-    direct = {k: (_figures(before, "direct")[k] + _figures(after, "direct")[k]) / 2 for k in _figures(before, "direct")}
-    result.update(direct)
-    result["direct_tok_s_runs"] = [round(before["tok_s"], 2), round(after["tok_s"], 2)]
-    result.update(mesh_figures)
+    result.update(_mean(directs, "direct"))
+    result["direct_tok_s_runs"] = [round(d["tok_s"], 2) for d in directs]
+    result.update(_mean(meshes, "mesh"))
+    result["mesh_sheds"] = sum(m["sheds"] for m in meshes)
+    result["mesh_tok_s_runs"] = [round(m["tok_s"], 2) for m in meshes]
+    if per_request is not None:
+        result.update(_figures(per_request, "mesh_per_request"))
+        result["mesh_per_request_vs_direct"] = result["mesh_per_request_tok_s"] / result["direct_tok_s"]
     if not args.no_builtin:
         env = {**base, "LLMESH_INFERENCE_MODEL": "smollm2", "LLMESH_MAX_BATCH_SIZE": str(CLIENTS)}
         with bench_mesh(env, services=MESH_SERVICES) as mesh:
             builtin_pids = {"bench_client": (os.getpid(), False), **service_pids(mesh)}
-            builtin_run, cpu["builtin_mesh"] = measured(builtin_pids, mesh_loop(mesh.target("gateway"), args.measure))
-            builtin = _figures(builtin_run, "builtin_mesh")
-        loads["builtin_mesh"], others["builtin_mesh"] = round(os.getloadavg()[0], 2), _others()
-        result.update(builtin)
-        print_table(builtin, "through the mesh (builtin engine)")
+            builtin_run, costs = measured(builtin_pids, mesh_loop(mesh.target("gateway"), args.measure))
+        phase("builtin_mesh", builtin_run, costs, "through the mesh (builtin engine)", "builtin_mesh")
+        result.update(_figures(builtin_run, "builtin_mesh"))
 
     result["mesh_vs_direct"] = result["mesh_tok_s"] / result["direct_tok_s"]
     result["ttft_p50_mesh_minus_direct_ms"] = 1000 * (result["ttft_mesh_p50_s"] - result["ttft_direct_p50_s"])

@@ -69,6 +69,8 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "mesh_tok_s",
         "builtin_mesh_tok_s",
         "mesh_vs_direct",
+        "mesh_per_request_vs_direct",
+        "ttft_p50_mesh_minus_direct_ms",
         "ttft_direct_p50_s",
         "ttft_mesh_p50_s",
         "ttft_builtin_mesh_p50_s",
