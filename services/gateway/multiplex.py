@@ -126,22 +126,17 @@ class MuxCall:
         self._done(asyncio.CancelledError(), grpc.StatusCode.CANCELLED)
         return True
 
-    def done(self) -> bool:
-        return self._end is not None if self._fallback is None else bool(self._fallback[0].done())
-
     # --- what the stream delivers ----------------------------------------------------------------
-    def deliver(self, update: inference_pb2.GenerationUpdate) -> bool:
-        """Takes an update; True when it was the generation's last."""
+    def deliver(self, update: inference_pb2.GenerationUpdate) -> None:
         if update.status_code:
             code = _CODES.get(update.status_code, grpc.StatusCode.UNKNOWN)
             self._done(_rpc_error(code, update.status_message, update.status_details), code)
-            return True
+            return
         self._messages.append(update.response)
         if update.response.finish_reason:
             self._done(_FINISHED, grpc.StatusCode.OK)
-            return True
-        self._wake()
-        return False
+        else:
+            self._wake()
 
     def fail(self, error: grpc.aio.AioRpcError) -> None:
         self._done(error, error.code())

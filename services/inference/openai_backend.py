@@ -5,7 +5,9 @@
 * One `httpx.AsyncClient` for all replicas: pooled keep-alive connections with a bound, no
   connection per request. Streams are `/completions` with `stream=true` and
   `stream_options.include_usage`, read off the socket with a lean SSE framing; the chunks one
-  read brings become one event (one gRPC message), nothing held back waiting for more.
+  read brings become one event, nothing held back waiting for more (the gateway's GenerateMany
+  stream then carries a step's events of every stream as one message), and each body is read to
+  its end so its connection goes back to the pool.
 * A cancelled or expired call closes its HTTP stream at once (the handler task is cancelled
   inside `client.stream`), so the server frees the sequence (vLLM aborts on disconnect).
 * Replicas: a list of base URLs, each polled on `/models`; a request goes to the healthy replica
