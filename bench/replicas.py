@@ -492,13 +492,19 @@ class OpenaiBench(Bench):
         from llmesh.testing import VllmServer
 
         # eager: no torch.compile (minutes on 2 cores, at every start): the restart in the kill
-        # phase stays short, and the scenarios measure routing, not decode speed.
+        # phase stays short, and the scenarios measure routing, not decode speed. Each server's
+        # OpenMP threads on a core of their own, as replicas on hosts of their own would be:
+        # vLLM's `auto` binding put both on core 0, where the restarted one's start-up, beside
+        # the survivor's spinning threads, took 200 to more than 900 s.
+        cores = os.cpu_count() or 1
+        index = OPENAI_REPLICAS.index(r)
         return VllmServer(
             (self.models_dir / "smollm2" / "current").resolve(),
             self.tmp / f"vllm-{r}.log",
             kv_cache_gib=self.args.vllm_kv_gib,
             max_model_len=2048,
             eager=True,
+            env={"VLLM_CPU_OMP_THREADS_BIND": str(index % cores)} if cores >= len(OPENAI_REPLICAS) else None,
         )
 
     def gateways(self) -> tuple[str, ...]:

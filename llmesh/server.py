@@ -107,7 +107,7 @@ def status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str, tu
     return grpc.StatusCode.INTERNAL, "internal error", ()
 
 
-def _set_status_for(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
+def set_status_for(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
     """Sets the status of `exc` (`status_of`) on the call. The status goes out with the call's
     final batch when the handler returns: cheaper than `context.abort`, which sends it from inside
     the handler and unwinds with another exception (a shed is a status, and sheds come in floods)."""
@@ -210,7 +210,7 @@ def _wrap(full: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
             except BaseException as caught:
                 exc = caught
                 if isinstance(caught, Exception) and not _is_abort(caught):
-                    _set_status_for(caught, context, full)
+                    set_status_for(caught, context, full)
                     return None
                 raise
             finally:
@@ -231,7 +231,7 @@ def _wrap(full: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         except BaseException as caught:
             exc = caught
             if isinstance(caught, Exception) and not _is_abort(caught):
-                _set_status_for(caught, context, full)
+                set_status_for(caught, context, full)
                 return
             raise
         finally:

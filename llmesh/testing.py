@@ -223,8 +223,10 @@ class VllmServer:
         otlp_endpoint: str = "",
         extra_args: tuple[str, ...] = (),
         dtype: str = "",
+        env: Mapping[str, str] | None = None,
     ) -> None:
-        """`extra_args`: more vLLM flags (bench.prefix: `--enable-prefix-caching`).
+        """`extra_args`: more vLLM flags (bench.prefix: `--enable-prefix-caching`); `env`: more
+        of its environment (bench.replicas: each server's OpenMP threads on a core of their own).
 
         `dtype` "" follows our engine's rule (`llmesh.hardware`): bfloat16 where the CPU has
         native bf16, float32 where it has none, since torch emulates bf16 there about 100x
@@ -240,6 +242,7 @@ class VllmServer:
         self.kv_cache_gib = kv_cache_gib
         self.max_model_len = max_model_len
         self.extra_args = extra_args
+        self.extra_env = dict(env or {})
         self.dtype = dtype or vllm_cpu_dtype()
         self.port = free_port()
         self.process: Any = None
@@ -266,6 +269,7 @@ class VllmServer:
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
+            **self.extra_env,
         }
         cmd = [
             str(VLLM_PYTHON),

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from llmesh import errors
-from llmesh.server import Readiness, status_of
+from llmesh.server import Readiness, set_status_for
 from llmesh.settings import Settings
 from llmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.backend import InferenceBackend
@@ -204,12 +204,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         try:
             async for response in self.multiplexer.serve(requests, context):
                 yield response
-        except Exception as exc:  # a bidi handler has no interceptor mapping: the one mapping here
-            code, details, trailing = status_of(exc, "/llmesh.v1.Inference/GenerateMany")
-            context.set_code(code)
-            context.set_details(details)
-            if trailing:
-                context.set_trailing_metadata(trailing)
+        except Exception as exc:  # a bidi handler is not wrapped by the interceptor: its mapping here
+            set_status_for(exc, context, "/llmesh.v1.Inference/GenerateMany")
 
     async def generate(self, request: inference_pb2.InferenceRequest) -> AsyncIterator[inference_pb2.InferenceResponse]:
         """One generation, as Generate streams it and as each of GenerateMany's runs."""
