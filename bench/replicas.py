@@ -488,23 +488,20 @@ class OpenaiBench(Bench):
         self.vllm_start_s: dict[str, float] = {}
         self.restart_s: float | None = None
 
-    def _server(self, r: str) -> Any:
+    def _server(self, r: str, core: int | None = None) -> Any:
         from llmesh.testing import VllmServer
 
         # eager: no torch.compile (minutes on 2 cores, at every start): the restart in the kill
-        # phase stays short, and the scenarios measure routing, not decode speed. Each server's
-        # OpenMP threads on a core of their own, as replicas on hosts of their own would be:
-        # vLLM's `auto` binding put both on core 0, where the restarted one's start-up, beside
-        # the survivor's spinning threads, took 200 to more than 900 s.
-        cores = os.cpu_count() or 1
-        index = OPENAI_REPLICAS.index(r)
+        # phase stays short, and the scenarios measure routing, not decode speed. `core`: its
+        # OpenMP threads there (default: vLLM's `auto`, which puts both servers on core 0 and
+        # leaves the other core to the mesh, as engines on hosts or GPUs of their own would).
         return VllmServer(
             (self.models_dir / "smollm2" / "current").resolve(),
             self.tmp / f"vllm-{r}.log",
             kv_cache_gib=self.args.vllm_kv_gib,
             max_model_len=2048,
             eager=True,
-            env={"VLLM_CPU_OMP_THREADS_BIND": str(index % cores)} if cores >= len(OPENAI_REPLICAS) else None,
+            env=None if core is None else {"VLLM_CPU_OMP_THREADS_BIND": str(core)},
         )
 
     def gateways(self) -> tuple[str, ...]:
@@ -547,8 +544,11 @@ class OpenaiBench(Bench):
         self.vllm[r].kill()
 
     def restart_victim(self, r: str) -> None:
-        """A new vLLM on the victim's port (the inference service in front polls it back)."""
-        server = self._server(r)
+        """A new vLLM on the victim's port (the inference service in front polls it back), its
+        threads on the last core: started on core 0 beside the survivor's worker, vLLM's start-up
+        took 200 to more than 900 s here; on a core of its own, about a minute."""
+        cores = os.cpu_count() or 1
+        server = self._server(r, cores - 1 if cores > 1 else None)
         server.port = self.vllm_ports[r]
         self.vllm[r] = server
         started = time.monotonic()

@@ -677,8 +677,7 @@ DECLARED: tuple[Setting, ...] = (
     Setting(
         "LLMESH_ROUTING_HEALTH_SECONDS",
         "0.25",
-        "Each replica's health is checked this often; a NOT_SERVING answer ejects it, as do two checks in a row "
-        "it does not answer.",
+        "Each replica's health is checked this often; two failed checks in a row eject it.",
         ("gateway",),
         _positive_float,
     ),

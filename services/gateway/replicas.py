@@ -21,9 +21,8 @@ Prefix affinity
     (bounded-load consistent hashing): then the pick above decides among the others. Several
     gateways agree because the engines' own hashes lead.
 Outlier ejection (Envoy's outlier detection)
-    A replica is ejected after `eject_consecutive_failures` failures in a row, when it answers
-    its health check NOT_SERVING, after `eject_health_failures` health checks in a row that it did
-    not answer, or when it is stalled: nothing heard
+    A replica is ejected after `eject_consecutive_failures` failures in a row, after
+    `eject_health_failures` failed health checks in a row, or when it is stalled: nothing heard
     from it (no load report, no stream message, no health answer) for `stall_seconds` while
     something was expected. Its requests that have no first token yet are cancelled (and retried
     elsewhere by the caller); those past it fail at once rather than hang. It stays out for
@@ -411,25 +410,21 @@ class ReplicaSet:
         replica.load = None
         replica.load_at = -math.inf
 
-    def health(self, replica: Replica, ok: bool | None, answered: bool = False) -> None:
-        """A health check's verdict (None: the replica serves no health service). `answered`: the
-        replica answered NOT_SERVING itself (it knows it cannot serve: its engine is gone or
-        silent, it drains), which ejects it at once; a check it did not answer counts towards
-        `eject_health_failures` in a row."""
+    def health(self, replica: Replica, ok: bool | None) -> None:
+        """A health check's verdict (None: the replica serves no health service)."""
         now = self.clock()
         if ok is None:
             replica.health_ok = None
             return
         replica.heartbeat = True
         replica.health_ok = ok
-        if ok or answered:
-            replica.last_heard = now
         if ok:
             replica.health_failures = 0
+            replica.last_heard = now
             self.tick()
             return
         replica.health_failures += 1
-        if answered or replica.health_failures >= self.config.eject_health_failures:
+        if replica.health_failures >= self.config.eject_health_failures:
             self.eject(replica, EJECT_HEALTH)
 
     def tick(self, periodic: bool = False) -> None:

@@ -246,16 +246,15 @@ class ReplicaRouter:
             if stub is None:
                 return
             verdict: bool | None
-            answered = False
             try:
                 reply = await stub.Check(request, timeout=self.config.health_timeout_seconds)
-                verdict, answered = reply.status == health_pb2.HealthCheckResponse.SERVING, True
+                verdict = reply.status == health_pb2.HealthCheckResponse.SERVING
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                     self.set.health(r, None)
                     return  # no health service: ejection from calls and load only
                 verdict = False
-            self.set.health(r, verdict, answered)
+            self.set.health(r, verdict)
             await asyncio.sleep(max(0.0, self.config.health_interval_seconds - (loop.time() - started)))
 
     async def _watch_loop(self, r: Replica) -> None:

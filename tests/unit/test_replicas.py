@@ -151,16 +151,6 @@ def test_consecutive_failures_eject_with_a_growing_backoff_and_health_brings_it_
     assert a.ejected and a.ejected_until == pytest.approx(clock.now + 2.0)
 
 
-def test_a_not_serving_answer_ejects_at_once_and_unanswered_checks_two_in_a_row() -> None:
-    rs, _clock, (a, b, _c) = replica_set(max_ejected_share=1.0)
-    rs.health(a, False, answered=True)  # the replica says it cannot serve (its engine went silent)
-    assert a.ejected
-    rs.health(b, False)  # no answer: it may be a lost packet
-    assert not b.ejected
-    rs.health(b, False)
-    assert b.ejected
-
-
 def test_never_more_than_the_share_is_ejected_and_never_the_only_replica() -> None:
     rs, _clock, (a, b, c) = replica_set(max_ejected_share=0.5)
     assert rs.eject(a, "failures")
