@@ -178,7 +178,10 @@ class OtlpReceiver:
             return [s for s in self.spans if s["trace_id"] == trace_id]
 
     def close(self) -> None:
-        self._server.stop(0)
+        # stop(None) cancels the calls and waits for the shutdown here. stop(0) returns at once
+        # and leaves a thread cancelling calls on the C-core server; at interpreter exit (a
+        # session fixture's teardown) that thread raced gRPC's own shutdown and segfaulted.
+        self._server.stop(None).wait()
 
 
 class FakeClock:

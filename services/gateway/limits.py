@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmesh import tasks
 from llmesh.errors import ResourceExhausted
 from services.gateway.auth import KeyLimits
 
@@ -397,9 +398,9 @@ class KeyLimiter:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # tasks.stop, not one cancel(): a cancellation landing as a sync's Redis reply
+            # arrives is swallowed by wait_for on 3.11, and the loop would run on forever.
+            await tasks.stop(self._task)
             self._task = None
             with contextlib.suppress(*self._errors):
                 await self.sync()  # what was counted here reaches the others

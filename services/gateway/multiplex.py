@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import itertools
 import logging
 from typing import Any
@@ -33,7 +32,7 @@ from typing import Any
 import grpc
 from opentelemetry.trace import Span
 
-from llmesh import rpc_tracing
+from llmesh import rpc_tracing, tasks
 from llmesh.errors import STATUS_DETAILS_KEY
 from llmesh.v1 import inference_pb2, inference_pb2_grpc
 
@@ -271,9 +270,7 @@ class _MuxStream:
 
     async def close(self) -> None:
         self.call.cancel()
-        for task in (self.reader, self.writer):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await tasks.stop(self.reader, self.writer)
 
 
 class GenerationMux:

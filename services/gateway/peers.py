@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmesh import tasks
 from llmesh.channels import peer_channel
 from llmesh.errors import LlmeshError, from_rpc_error
 from llmesh.v1 import (
@@ -269,8 +270,7 @@ class Peers:
             await router.start()
 
     async def close(self) -> None:
-        for task in list(self._probes.values()):
-            task.cancel()
+        await tasks.stop_all(list(self._probes.values()))
         for router in self.routers.values():
             await router.close()
         for generator in self.generators.values():

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmesh import tasks
 from llmesh.channels import peer_channel
 from llmesh.errors import LlmeshError, Unavailable, from_rpc_error
 from llmesh.prefix_hash import block_hashes
@@ -207,12 +208,7 @@ class ReplicaRouter:
         self._tasks[r.address] = [loop.create_task(self._health_loop(r)), loop.create_task(self._watch_loop(r))]
 
     async def close(self) -> None:
-        tasks = [*self._loops, *(t for ts in self._tasks.values() for t in ts)]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await tasks.stop_all([*self._loops, *(t for ts in self._tasks.values() for t in ts)])
         for generator in self.generators.values():
             await generator.close()
         for channel in [*self.channels.values(), *self._closing]:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
 import grpc
 from opentelemetry import trace
 
-from llmesh import redis_server
+from llmesh import redis_server, tasks
 from llmesh.channels import peer_credentials, remaining_seconds
 from llmesh.chat_template import ChatTemplate, load_template
 from llmesh.models import resolve
@@ -296,10 +295,7 @@ class GatewayApp:
         for watcher in self.load_watchers:
             await watcher.stop()
         await self.gateway.settle()
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
+        await tasks.stop(self._watch)
         await self.limiter.close()
         if self.limiter.redis is not None:
             await self.limiter.redis.aclose()

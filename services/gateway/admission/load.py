@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from llmesh import tasks
 from llmesh.errors import LlmeshError
 
 log = logging.getLogger("llmesh.gateway.admission")
@@ -258,12 +259,7 @@ class LoadWatcher:
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            try:
-                await self.task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await tasks.stop(self.task)
 
     async def _run(self) -> None:
         while True:
