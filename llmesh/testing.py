@@ -4,6 +4,7 @@ random-weight model on the real tokenizer, and services hosted in-process on por
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
@@ -95,10 +96,17 @@ async def hosted(
     """Runs one service in this event loop on port 0; yields the host (host.port, host.app)."""
     host = ServiceHost(factory(service_settings(service, env)), service_settings(service, env))
     await host.start()
+    # As `serve` does after warm-up: the heap so far (torch, the suite's earlier tests) out of
+    # the collector's sight. Every service of a test shares this process, whose full collections
+    # otherwise pause all of them for 0.3 s at a time: longer than a cache lookup's budget, so
+    # a test's hop failed on where the collector happened to run. Unfrozen again when the host
+    # stops, so what earlier tests left behind is still collected.
+    gc.freeze()
     try:
         yield host
     finally:
         await host.stop(grace=1.0)
+        gc.unfreeze()
 
 
 class OtlpReceiver:
