@@ -122,6 +122,7 @@ class MuxCall:
         if self._end is not None:
             return False
         self._stream.cancel(self.id)  # before _done: a retiring stream half-closes after its last call
+        self._messages.clear()  # as a cancelled gRPC call: the next read raises, unread tokens or not
         self._done(asyncio.CancelledError(), grpc.StatusCode.CANCELLED)
         return True
 
@@ -160,6 +161,7 @@ class MuxCall:
     def _expire(self) -> None:
         if self._end is None:
             self._stream.cancel(self.id)
+            self._messages.clear()
             error = _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
             self._done(error, grpc.StatusCode.DEADLINE_EXCEEDED)
 
