@@ -1228,26 +1228,33 @@ class Reliability:
         """Every request of a fault and the breaker samples, times relative to the fault's start
         (`t_down`), for looking at where the time went (--dump DIR)."""
         t0 = fault.t_down or fault.t_inject
+        self.dump_requests(
+            name,
+            sink,
+            t0,
+            t_back=round(fault.t_back - t0, 3),
+            breakers=[(round(ts - t0, 3), states) for ts, states in watch.samples],
+            admission=[(round(ts - t0, 3), gauges) for ts, gauges in watch.admission],
+        )
+
+    def dump_requests(self, name: str, sink: Sequence[Outcome], t0: float, **extra: Any) -> None:
+        """Every request of a phase (--dump DIR/<name>.json), times relative to `t0`."""
         self.args.dump.mkdir(parents=True, exist_ok=True)
-        record = {
-            "t_back": round(fault.t_back - t0, 3),
-            "requests": [
-                {
-                    "kind": o.kind,
-                    "code": o.code,
-                    "reason": o.reason,
-                    "start": round(o.started - t0, 3),
-                    "latency": round(o.latency, 4),
-                    "degradations": list(o.degradations),
-                    "hit": o.cache_hit,
-                    "timings": o.timings,
-                }
-                for o in sink
-            ],
-            "breakers": [(round(ts - t0, 3), states) for ts, states in watch.samples],
-            "admission": [(round(ts - t0, 3), gauges) for ts, gauges in watch.admission],
-        }
-        (self.args.dump / f"{name}.json").write_text(json.dumps(record) + "\n")
+        requests = [
+            {
+                "kind": o.kind,
+                "code": o.code,
+                "reason": o.reason,
+                "start": round(o.started - t0, 4),
+                "latency": round(o.latency, 4),
+                "degradations": list(o.degradations),
+                "hit": o.cache_hit,
+                "retry_after": o.retry_after,
+                "timings": o.timings,
+            }
+            for o in sink
+        ]
+        (self.args.dump / f"{name}.json").write_text(json.dumps({**extra, "requests": requests}) + "\n")
 
     async def fault_freeze(self, name: str, result: FaultResult) -> None:
         """SIGSTOP for --freeze-seconds, then SIGCONT: the process is there, and answers nothing.
@@ -1540,9 +1547,12 @@ class Reliability:
         stop, lags = asyncio.Event(), []
         lag_task = asyncio.create_task(loop_lag(stop, lags))
         lag_before = self.loop_lags()
+        started = now()
         with process_niceness(args.client_nice):
             outcomes, elapsed = await self.load.for_seconds(args.clients, args.duration, deadline=args.deadline)
         stop.set()
+        if args.dump is not None:
+            self.dump_requests("load", outcomes, started)
         await lag_task
         lag_after = self.loop_lags()
         load = summarize(outcomes)
@@ -1583,8 +1593,11 @@ class Reliability:
         # ~800 clients that asks for overload the client and the gateway themselves.
         clients = overload_clients(rows or args.clients, GENERATION_SHARE, DEFAULT_BUDGET_OVERLOAD)
         print(f"default budget: {clients} clients ({rows} engine rows) for {args.duration:.0f}s", flush=True)
+        started = now()
         with process_niceness(args.client_nice):
             outcomes, elapsed = await self.load.for_seconds(clients, args.duration, deadline=args.deadline)
+        if args.dump is not None:
+            self.dump_requests("default_budget", outcomes, started)
         limit = gauge(self.mesh.procs["gateway"].metrics_port, "llmesh_gateway_admission_in_flight_limit")
         throughput = gauge(self.mesh.procs["gateway"].metrics_port, "llmesh_gateway_admission_throughput")
         out = summarize(outcomes)
@@ -1871,7 +1884,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here instead of bench/results")
     parser.add_argument(
-        "--dump", type=Path, default=None, help="write every request and breaker sample of each fault under DIR"
+        "--dump",
+        type=Path,
+        default=None,
+        help="write every request of each load phase and fault (and each fault's breaker samples) under DIR",
     )
     parser.add_argument(
         "--gateway-nice",
