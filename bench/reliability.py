@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import math
 import os
@@ -649,7 +650,8 @@ class Load:
     ) -> None:
         """`pinned`: client i asks only the i-th kind of the mix (round robin)."""
         mix = mix or {"cached": 0.4, "rag": 0.3, "plain": 0.3}
-        await asyncio.gather(*(self.client(i, stop, sink, mix, deadline, pinned) for i in range(clients)))
+        with collection_paused():
+            await asyncio.gather(*(self.client(i, stop, sink, mix, deadline, pinned) for i in range(clients)))
 
     async def for_seconds(self, clients: int, seconds: float, **kw: Any) -> tuple[list[Outcome], float]:
         sink: list[Outcome] = []
@@ -660,6 +662,26 @@ class Load:
         stop.set()
         await task
         return sink, now() - started
+
+
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """No cyclic garbage collection in this process while the load runs (one pass afterwards).
+    The load generator stands for callers on other machines: its full collections, over the
+    thousands of outcomes a phase keeps, stopped every client for 0.16-0.19 s at a time here,
+    and each such pause was counted as the mesh's latency (in a shed's p99 above all). The
+    mesh's own services freeze their heap after warm-up for the same reason."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+        gc.unfreeze()
+        gc.collect()
 
 
 @contextlib.contextmanager
