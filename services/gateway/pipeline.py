@@ -379,8 +379,7 @@ class RequestPath:
                     ]
                 ) from exc
             except ResourceExhausted as exc:
-                self._shed(exc, "shed_deadline" if exc.reason == REASON_DEADLINE else "shed")
-                raise
+                raise self._shed(exc, "shed_deadline" if exc.reason == REASON_DEADLINE else "shed") from None
             metrics.ADMISSION_WEIGHT.set(admission.occupancy)
             metrics.ADMISSION_IN_FLIGHT_LIMIT.set(capacity.limit())
             metrics.ADMISSION_IN_FLIGHT.set(capacity.in_flight)
@@ -549,7 +548,11 @@ class RequestPath:
     # ------------------------------------------------------------------ what the stages call
 
     def _shed(self, exc: ResourceExhausted, decision: str) -> ResourceExhausted:
-        """The one record of a refusal (metric and span); returns it for the caller to raise."""
+        """The one record of a refusal (metric and span); returns it for the caller to raise,
+        with its retry advice spread when many callers are being refused (not for a request
+        too heavy ever to fit: no retry helps it)."""
+        if not isinstance(exc, RequestTooHeavy):
+            exc = self.gateway.admission.shed(self._ask(), exc)
         metrics.SHED.labels(exc.reason).inc()
         self.span.set_attribute("llmesh.admission.decision", decision)
         self.span.set_attribute("llmesh.admission.reason", exc.reason)

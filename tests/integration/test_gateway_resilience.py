@@ -147,6 +147,44 @@ async def test_over_budget_is_shed_at_once_with_retry_info(models_dir: Path, tin
     assert "admission" in hops and float(hops["total"]) < elapsed * 1000
 
 
+async def test_a_refused_herd_is_told_to_come_back_spread_out(models_dir: Path, tiny_model: Path) -> None:
+    # The window is full: every refusal's own advice is the same moment (when the first
+    # admitted entries leave). Refused many times per admission, callers are spread over a
+    # longer span instead, never past the window, and each message says its own delay (the
+    # spread itself, with a fake clock: tests/unit/test_retry_pacing.py).
+    async with backends(models_dir) as (tok, inf):
+        weight = await weight_of(tok, "Hello there", 16)
+        env = gateway_env(
+            tok,
+            inf,
+            LLMESH_ADMISSION_BUDGET=str(2 * weight + weight // 2),
+            LLMESH_ADMISSION_WINDOW_SECONDS="20",
+            LLMESH_ADMISSION_TENANT_SHARE="1",
+            LLMESH_ADMISSION_DEGRADE="false",
+        )
+        async with hosted("gateway", GatewayApp, env) as gw:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
+                stub = gateway_pb2_grpc.GatewayStub(channel)
+                for _ in range(2):
+                    await stub.Generate(ask("Hello there", 16), timeout=30)
+                advice: list[float] = []
+                for _ in range(24):
+                    with pytest.raises(grpc.aio.AioRpcError) as shed:
+                        await stub.Generate(ask("Hello there", 16), timeout=30)
+                    assert shed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    delay = unpack_details(status_details(shed.value.trailing_metadata()))["retry_info"].retry_delay  # type: ignore[attr-defined]
+                    advice.append(delay.seconds + delay.nanos / 1e9)
+                    assert f"retry in {advice[-1]:.3f}s" in (shed.value.details() or "")
+    # The first refusal: fewer refusals than admissions so far, so its own advice (the time
+    # until the first entry leaves: almost the whole window, just admitted).
+    exact = advice[0]
+    assert 15 < exact <= 20
+    assert all(a <= 20 for a in advice)  # never past the window
+    # Later ones, many refusals per admission: stretched toward the window (without pacing
+    # each is the same moment, a little less as time passes).
+    assert sum(a > exact + 0.05 for a in advice[12:]) >= 6
+
+
 async def test_cancelled_stream_frees_the_inference_slot(models_dir: Path, tiny_model: Path) -> None:
     async with backends(models_dir) as (tok, inf), hosted("gateway", GatewayApp, gateway_env(tok, inf)) as gw:
         engine = inf.app.manager.get().engine  # type: ignore[attr-defined]

@@ -35,6 +35,7 @@ from services.gateway.admission.config import (
     RequestTooHeavy,
 )
 from services.gateway.admission.load import LoadBook, Wait
+from services.gateway.admission.pacing import RetryPacing
 from services.gateway.admission.reservations import Hold, Ticket
 
 #: Shortest retry advice (seconds).
@@ -103,6 +104,8 @@ class AdmissionController:
         self.loads = loads or LoadBook(clock)
         self.target_seconds = target_seconds if target_seconds is not None else window.config.target_seconds
         self.clock = clock
+        # Refusals' advice spread by how many callers are refused per admission (`shed`).
+        self.pacing = RetryPacing(window.config.window_seconds, clock=clock)
 
     @property
     def config(self) -> AdmissionConfig:
@@ -145,6 +148,17 @@ class AdmissionController:
         """Admits the request at its exact size (or raises ResourceExhausted / RequestTooHeavy).
         A request still holding its reservation was judged by `reserve` before its hops; it is
         not refused for the time they took."""
+        admission = await self._admit(ask, input_tokens, hold, deadline_left)
+        self.pacing.admitted(ask.route)
+        return admission
+
+    def shed(self, ask: Ask, refusal: ResourceExhausted) -> ResourceExhausted:
+        """The refusal a caller gets: its advice spread by how many callers are refused per
+        admission lately (`RetryPacing`). Called once per refusal that reaches a caller (not for
+        one a cache hit made moot)."""
+        return self.pacing.refused(ask.route, refusal)
+
+    async def _admit(self, ask: Ask, input_tokens: int, hold: Hold | None, deadline_left: float) -> Admission:
         own_hold = hold.weight if hold is not None and not hold.released else 0
         wait = self.predicted_wait(ask, input_tokens)
         if wait is not None:
