@@ -297,9 +297,12 @@ class RequestPath:
             hit = await self._lookup(self.scope, wait, request_key(plan.prompt, self.scope))
         if hit is not None:
             return from_cache(state, hit, self.model, self.answered_by)
-        # Missed, and it did not fit before the lookup: shed before the expensive hops
-        # (retrieval search, tokenizer) unless room opened meanwhile.
-        if refusal is not None:
+        # Missed. It did not fit before the lookup, or it fit but holds nothing (where engines
+        # report their load, a request holds nothing while its lookup waits) and the engines may
+        # have filled meanwhile (a lookup can take its whole budget): decided again now, before
+        # the expensive hops (retrieval search, tokenizer). Shed here, or it holds its
+        # prediction from here on and is not refused after them.
+        if refusal is not None or self.state.hold is None:
             self._precheck()
         return None
 

@@ -83,6 +83,9 @@ class FakePeers(
         self.version = 1
         self.stored: list[cache_pb2.CacheStoreRequest] = []
         self.streams_done = 0
+        # Load reports the fake inference streams on WatchLoad (none unless a test puts some:
+        # then admission falls back to its own guesses, as for a backend that reports nothing).
+        self.load_reports: asyncio.Queue[inference_pb2.LoadReport] = asyncio.Queue()
 
     # health
     async def Check(self, request, context):  # type: ignore[no-untyped-def]
@@ -113,6 +116,10 @@ class FakePeers(
                 usage=common_pb2.Usage(input_tokens=PROMPT_TOKENS, output_tokens=want) if last else None,
             )
         self.streams_done += 1
+
+    async def WatchLoad(self, request, context):  # type: ignore[no-untyped-def]
+        while True:
+            yield await self.load_reports.get()
 
     # cache
     async def Lookup(self, request, context):  # type: ignore[no-untyped-def]
@@ -497,6 +504,48 @@ async def test_a_request_waiting_for_the_cache_holds_its_room_and_is_not_shed_af
         final = await waiting
         assert final.response.text and "cache_unavailable" in final.response.degradations
         assert fake.generate.calls == 1
+        no_weight_left(app)
+
+
+def load_report(running: int, max_running: int, waiting: int, step_seconds: float) -> inference_pb2.LoadReport:
+    return inference_pb2.LoadReport(
+        model_id="fake",
+        replica="fake-0",
+        reported=True,
+        running=running,
+        max_running=max_running,
+        waiting=waiting,
+        kv_blocks_free=1000,
+        kv_blocks_total=1000,
+        block_tokens=16,
+        waiting_prompt_tokens=waiting * PROMPT_TOKENS,
+        step_seconds=step_seconds,
+        prefill_tokens_per_second=10_000,
+    )
+
+
+async def test_a_cacheable_request_that_missed_is_judged_again_before_the_tokenizer() -> None:
+    # Where the engine reports its load, a cacheable request holds nothing while its lookup
+    # waits. This one fit when it asked; its lookup then took the whole budget while the
+    # engine's queue grew far past the target. It is refused right after the lookup, before
+    # the tokenizer's work (it used to be refused at admission, after it).
+    async with fake_mesh(LLMESH_HOP_CACHE_LOOKUP_SECONDS="0.3") as (fake, app, _):
+        watcher = app.load_watchers[0]
+        fake.load_reports.put_nowait(load_report(running=0, max_running=4, waiting=0, step_seconds=0.01))
+        await asyncio.wait_for(watcher.connected.wait(), 10)
+        fake.lookup.mode = "hang"
+        deadline = Deadline.after(10)
+        waiting = asyncio.create_task(run(app, ask(max_new_tokens=8, use_retrieval=False), 10))
+        await fake.lookup.called.wait()
+        watcher.connected.clear()
+        fake.load_reports.put_nowait(load_report(running=4, max_running=4, waiting=400, step_seconds=0.5))
+        await asyncio.wait_for(watcher.connected.wait(), 10)  # the full engine's report is in
+        with pytest.raises(LlmeshError) as shed:
+            await waiting
+        assert shed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert shed.value.reason == "QUEUE_WAIT_TOO_LONG"
+        assert deadline.remaining() > 9  # after the lookup's 0.3 s budget, not the deadline
+        assert fake.tokenizer.calls == 0 and fake.generate.calls == 0
         no_weight_left(app)
 
 

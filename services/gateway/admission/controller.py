@@ -14,7 +14,9 @@ hold the predicted weight in the window until `admit`), and `admit` once the exa
 known (it returns the Admission with its Ticket). A cacheable request asks `reserve` while it
 waits for its cache lookup with `waiting_for_cache=True`: where load reports decide, it holds
 nothing meanwhile (a hit costs the model nothing, and a busy cache must not crowd generation
-out); on the fallback it holds its prediction as before, so it is not refused after the wait.
+out), and after a miss the request path asks `reserve` again before its expensive hops (the
+engines may have filled during the lookup); on the fallback it holds its prediction as before,
+so it is not refused after the wait.
 """
 
 from __future__ import annotations
