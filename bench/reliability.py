@@ -1272,6 +1272,7 @@ class Reliability:
                 "degradations": list(o.degradations),
                 "hit": o.cache_hit,
                 "retry_after": o.retry_after,
+                "detail": o.detail if not (o.ok or o.shed) else "",
                 "timings": o.timings,
             }
             for o in sink
