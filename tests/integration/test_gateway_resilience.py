@@ -115,26 +115,35 @@ async def test_inference_down_opens_the_breaker_and_fails_fast(models_dir: Path)
     assert gw.app.peers.breakers["inference:info"].state.value == "open"  # type: ignore[attr-defined]
 
 
-async def test_over_budget_is_shed_at_once_with_retry_info(models_dir: Path, tiny_model: Path) -> None:
+@contextlib.asynccontextmanager
+async def window_filled(models_dir: Path, admitted: int, **extra: str) -> AsyncIterator[gateway_pb2_grpc.GatewayStub]:
+    """A gateway whose admission budget holds `admitted` requests for "Hello there" x 16 new
+    tokens (and half of one more), with those admitted: the next one is refused."""
     async with backends(models_dir) as (tok, inf):
         weight = await weight_of(tok, "Hello there", 16)
         env = gateway_env(
             tok,
             inf,
-            LLMESH_ADMISSION_BUDGET=str(3 * weight + weight // 2),
+            LLMESH_ADMISSION_BUDGET=str(admitted * weight + weight // 2),
             LLMESH_ADMISSION_TENANT_SHARE="1",
             LLMESH_ADMISSION_DEGRADE="false",
+            **extra,
         )
         async with hosted("gateway", GatewayApp, env) as gw:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
                 stub = gateway_pb2_grpc.GatewayStub(channel)
-                for _ in range(3):
+                for _ in range(admitted):
                     reply = await stub.Generate(ask("Hello there", 16), timeout=30)
                     assert reply.usage.input_tokens * 16 == weight
-                started = time.perf_counter()
-                with pytest.raises(grpc.aio.AioRpcError) as shed:
-                    await stub.Generate(ask("Hello there", 16), timeout=30)
-                elapsed = time.perf_counter() - started
+                yield stub
+
+
+async def test_over_budget_is_shed_at_once_with_retry_info(models_dir: Path, tiny_model: Path) -> None:
+    async with window_filled(models_dir, 3) as stub:
+        started = time.perf_counter()
+        with pytest.raises(grpc.aio.AioRpcError) as shed:
+            await stub.Generate(ask("Hello there", 16), timeout=30)
+        elapsed = time.perf_counter() - started
     assert shed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     details = unpack_details(status_details(shed.value.trailing_metadata()))
     delay = details["retry_info"].retry_delay  # type: ignore[attr-defined]
@@ -152,29 +161,15 @@ async def test_a_refused_herd_is_told_to_come_back_spread_out(models_dir: Path, 
     # admitted entries leave). Refused many times per admission, callers are spread over a
     # longer span instead, never past the window, and each message says its own delay (the
     # spread itself, with a fake clock: tests/unit/test_retry_pacing.py).
-    async with backends(models_dir) as (tok, inf):
-        weight = await weight_of(tok, "Hello there", 16)
-        env = gateway_env(
-            tok,
-            inf,
-            LLMESH_ADMISSION_BUDGET=str(2 * weight + weight // 2),
-            LLMESH_ADMISSION_WINDOW_SECONDS="20",
-            LLMESH_ADMISSION_TENANT_SHARE="1",
-            LLMESH_ADMISSION_DEGRADE="false",
-        )
-        async with hosted("gateway", GatewayApp, env) as gw:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
-                stub = gateway_pb2_grpc.GatewayStub(channel)
-                for _ in range(2):
-                    await stub.Generate(ask("Hello there", 16), timeout=30)
-                advice: list[float] = []
-                for _ in range(24):
-                    with pytest.raises(grpc.aio.AioRpcError) as shed:
-                        await stub.Generate(ask("Hello there", 16), timeout=30)
-                    assert shed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                    delay = unpack_details(status_details(shed.value.trailing_metadata()))["retry_info"].retry_delay  # type: ignore[attr-defined]
-                    advice.append(delay.seconds + delay.nanos / 1e9)
-                    assert f"retry in {advice[-1]:.3f}s" in (shed.value.details() or "")
+    advice: list[float] = []
+    async with window_filled(models_dir, 2, LLMESH_ADMISSION_WINDOW_SECONDS="20") as stub:
+        for _ in range(24):
+            with pytest.raises(grpc.aio.AioRpcError) as shed:
+                await stub.Generate(ask("Hello there", 16), timeout=30)
+            assert shed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            delay = unpack_details(status_details(shed.value.trailing_metadata()))["retry_info"].retry_delay  # type: ignore[attr-defined]
+            advice.append(delay.seconds + delay.nanos / 1e9)
+            assert f"retry in {advice[-1]:.3f}s" in (shed.value.details() or "")
     # The first refusal: fewer refusals than admissions so far, so its own advice (the time
     # until the first entry leaves: almost the whole window, just admitted).
     exact = advice[0]
