@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hmac
 import inspect
 import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -36,6 +37,7 @@ from llmesh.metrics import (
     SERVING,
     MetricsEndpoint,
 )
+from llmesh.request_limits import RequestLimit
 from llmesh.settings import Settings, load_or_exit
 
 log = logging.getLogger("llmesh.server")
@@ -141,12 +143,42 @@ class MethodMeter:
         self._handling.observe(seconds)
 
 
-class RuntimeInterceptor(grpc.aio.ServerInterceptor):
-    """The one server interceptor: the RPC's span, domain errors mapped to statuses (one place)
-    and the gRPC server metrics. Each method's wrapped handler is built once, not per call."""
+#: Refuses a call before its request is read, from its method and metadata alone (raises a
+#: domain error: a missing credential, an unknown API key).
+CallGate = Callable[[str, Sequence[tuple[str, Any]]], None]
 
-    def __init__(self) -> None:
-        self._handlers: dict[str, grpc.RpcMethodHandler] = {}
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+MESH_TOKEN_HEADER = "x-llmesh-mesh-token"
+
+
+def mesh_token_gate(token: str) -> CallGate:
+    """Every call but a health check carries the mesh's credential (LLMESH_MESH_TOKEN): the
+    internal services answer only the mesh's own processes, whoever else can reach their port."""
+    expected = token.encode()
+
+    def check(method: str, metadata: Sequence[tuple[str, Any]]) -> None:
+        if method.startswith(HEALTH_PREFIX):
+            return
+        given = next((v for k, v in metadata if k == MESH_TOKEN_HEADER), "")
+        given_bytes = given.encode() if isinstance(given, str) else bytes(given)
+        if not hmac.compare_digest(given_bytes, expected):
+            raise errors.Unauthenticated(
+                "this service answers the mesh only: the call lacks the mesh credential", reason="MESH_TOKEN_INVALID"
+            )
+
+    return check
+
+
+class RuntimeInterceptor(grpc.aio.ServerInterceptor):
+    """The one server interceptor: the call gates (before the request is read), each method's
+    request limit (on the request's bytes, before it is parsed), the RPC's span, domain errors
+    mapped to statuses (one place) and the gRPC server metrics. Each method's wrapped handler is
+    built once, not per call."""
+
+    def __init__(self, gates: Sequence[CallGate] = (), limits: Mapping[str, RequestLimit] | None = None) -> None:
+        self._handlers: dict[str, _Method] = {}
+        self._gates = tuple(gates)
+        self._limits = dict(limits or {})
 
     async def intercept_service(
         self,
@@ -154,13 +186,59 @@ class RuntimeInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         full = handler_call_details.method
-        wrapped = self._handlers.get(full)
-        if wrapped is None:
+        method = self._handlers.get(full)
+        if method is None:
             handler = await continuation(handler_call_details)
             if handler is None:
                 return handler
-            wrapped = self._handlers[full] = _wrap(full, handler)
-        return wrapped
+            method = self._handlers[full] = _Method(full, handler, self._limits.get(full))
+        for gate in self._gates:
+            try:
+                gate(full, handler_call_details.invocation_metadata or ())
+            except errors.LlmeshError as refused:
+                return method.refusing(refused)
+        return method.wrapped
+
+
+class _Method:
+    """One served method: its wrapped handler, and refusals that answer without reading the request."""
+
+    def __init__(self, full: str, handler: grpc.RpcMethodHandler, limit: RequestLimit | None) -> None:
+        self.full = full
+        self.handler = handler
+        self.wrapped = _wrap(full, handler, limit)
+        service, method = rpc_tracing.split_method(full)
+        kind = "unary" if handler.unary_unary else "server_stream" if handler.unary_stream else "bidi_stream"
+        self.meter = MethodMeter(kind, service, method)
+
+    def refusing(self, refused: errors.LlmeshError) -> grpc.RpcMethodHandler:
+        """A handler that answers `refused`; its request is never parsed (its bytes are dropped)."""
+        full, meter, handler = self.full, self.meter, self.handler
+
+        def answer(context: grpc.aio.ServicerContext) -> None:
+            meter.started()
+            set_status_for(refused, context, full)
+            meter.handled(refused.code, 0.0)
+
+        if handler.unary_unary:
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                answer(context)
+                return None
+
+            return grpc.unary_unary_rpc_method_handler(unary, _unread, handler.response_serializer)
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            answer(context)
+            return
+            yield  # an async generator that yields nothing
+
+        make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
+        return make(stream, _unread, handler.response_serializer)
+
+
+def _unread(raw: bytes) -> None:
+    return None
 
 
 def _code_of(context: grpc.aio.ServicerContext, exc: BaseException | None) -> grpc.StatusCode:
@@ -174,7 +252,7 @@ def _code_of(context: grpc.aio.ServicerContext, exc: BaseException | None) -> gr
     return grpc.StatusCode.INTERNAL if exc is not None else grpc.StatusCode.OK
 
 
-def _wrap(full: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _wrap(full: str, handler: grpc.RpcMethodHandler, limit: RequestLimit | None = None) -> grpc.RpcMethodHandler:
     service, method = rpc_tracing.split_method(full)
     traced_method = rpc_tracing.ServerMethod(full) if rpc_tracing.traced(full) else None
     kind = "unary" if handler.unary_unary else "server_stream" if handler.unary_stream else ""
@@ -217,7 +295,7 @@ def _wrap(full: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
                 finish(started, context, span, exc)
 
         make = grpc.unary_stream_rpc_method_handler if writes else grpc.unary_unary_rpc_method_handler
-        return make(unary_unary, _tolerant(handler.request_deserializer), handler.response_serializer)
+        return make(unary_unary, _tolerant(handler.request_deserializer, full, limit), handler.response_serializer)
     inner_us = handler.unary_stream
 
     async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -238,39 +316,60 @@ def _wrap(full: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
             finish(started, context, span, exc)
 
     return grpc.unary_stream_rpc_method_handler(
-        unary_stream, _tolerant(handler.request_deserializer), handler.response_serializer
+        unary_stream, _tolerant(handler.request_deserializer, full, limit), handler.response_serializer
     )
 
 
 class _Unparsable:
-    """Stands in for a request whose bytes did not parse, so the handler can refuse it with
-    INVALID_ARGUMENT (grpc would otherwise answer UNKNOWN with a protobuf traceback)."""
+    """Stands in for a request that is not parsed: its bytes did not parse, or its method's
+    limit refused them; the handler refuses it with INVALID_ARGUMENT (grpc would otherwise answer
+    UNKNOWN with a protobuf traceback)."""
 
-    def __init__(self, error: Exception) -> None:
+    def __init__(self, error: errors.InvalidArgument) -> None:
         self.error = error
 
 
-def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+def _tolerant(
+    deserializer: Callable[[bytes], Any] | None, full: str = "", limit: RequestLimit | None = None
+) -> Callable[[bytes], Any] | None:
     if deserializer is None:
         return None
+    method = rpc_tracing.split_method(full)[1] if full else "this method"
 
     def parse(raw: bytes) -> Any:
+        if limit is not None:
+            refused = limit.refusal(raw, method)
+            if refused is not None:
+                return _Unparsable(refused)
         try:
             return deserializer(raw)
         except DecodeError as exc:
-            return _Unparsable(exc)
+            return _Unparsable(errors.InvalidArgument([("", f"request is not a valid message: {exc}")]))
 
     return parse
 
 
 def _refuse_unparsable(request: Any) -> None:
     if isinstance(request, _Unparsable):
-        raise errors.InvalidArgument([("", f"request is not a valid message: {request.error}")])
+        raise request.error
 
 
 def _is_abort(exc: BaseException) -> bool:
     # grpc.aio signals context.abort() with this internal exception type.
     return type(exc).__name__ == "AbortError"
+
+
+def call_gates(app: ServiceApp, settings: Settings) -> list[CallGate]:
+    """The gates of a service's calls: the mesh credential on every service but the public
+    gateway, where LLMESH_MESH_TOKEN is set; then the app's own (`admit_call`: the gateway's API
+    keys, checked before a request's bytes are parsed)."""
+    gates: list[CallGate] = []
+    if getattr(settings, "mesh_token", "") and settings.service != "gateway":
+        gates.append(mesh_token_gate(settings.mesh_token))
+    admit = getattr(app, "admit_call", None)
+    if admit is not None:
+        gates.append(admit)
+    return gates
 
 
 class ServiceHost:
@@ -281,7 +380,7 @@ class ServiceHost:
         self.settings = settings
         self.health = health_aio.HealthServicer()
         self.server = grpc.aio.server(
-            interceptors=[RuntimeInterceptor()],
+            interceptors=[RuntimeInterceptor(call_gates(app, settings), getattr(app, "request_limits", None))],
             options=server_options(settings),
             maximum_concurrent_rpcs=None,
         )

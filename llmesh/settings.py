@@ -338,6 +338,14 @@ DECLARED: tuple[Setting, ...] = (
     ),
     Setting("LLMESH_LOG_PROMPTS", "false", "Put prompt and answer text in logs and spans (opt-in).", ALL, _bool),
     Setting(
+        "LLMESH_MESH_TOKEN",
+        "",
+        "The mesh's shared credential: set, every service but the gateway refuses a call (health checks "
+        "aside) that does not carry it, and every service sends it to its peers. `llmesh up` generates one "
+        "when unset. Empty: internal services answer any caller that reaches their port.",
+        ALL,
+    ),
+    Setting(
         "LLMESH_MAX_MESSAGE_BYTES", str(8 * 1024 * 1024), "Max gRPC message size, both directions.", ALL, _positive_int
     ),
     # Transport security. With a cert and key the service serves TLS; with a client CA it also
@@ -478,7 +486,44 @@ DECLARED: tuple[Setting, ...] = (
         ("gateway",),
         _optional_address,
     ),
-    Setting("LLMESH_MAX_PROMPT_BYTES", "32768", "Largest accepted prompt in bytes.", ("gateway",), _positive_int),
+    Setting(
+        "LLMESH_MAX_PROMPT_BYTES",
+        "32768",
+        "Largest accepted prompt in bytes: every turn's text, tool-call arguments, names and ids together.",
+        ("gateway",),
+        _positive_int,
+    ),
+    # What each public method accepts, checked on the request's bytes before they are parsed (and
+    # on HTTP while the body is read): the cost of a request is bounded before any work starts.
+    Setting(
+        "LLMESH_MAX_GENERATE_REQUEST_BYTES",
+        str(256 * 1024),
+        "Largest Generate / GenerateStream request (gRPC bytes) and chat or completions body (HTTP). Keep "
+        "it above LLMESH_MAX_PROMPT_BYTES plus 64 KiB of schemas.",
+        ("gateway",),
+        _positive_int,
+    ),
+    Setting(
+        "LLMESH_MAX_EMBED_REQUEST_BYTES",
+        str(1024 * 1024),
+        "Largest Embed request and /v1/embeddings body.",
+        ("gateway",),
+        _positive_int,
+    ),
+    Setting(
+        "LLMESH_MAX_INGEST_REQUEST_BYTES",
+        str(2 * 1024 * 1024),
+        "Largest Ingest request (its documents together; each is also held to LLMESH_MAX_DOCUMENT_BYTES).",
+        ("gateway",),
+        _positive_int,
+    ),
+    Setting(
+        "LLMESH_MAX_QUERY_REQUEST_BYTES",
+        str(64 * 1024),
+        "Largest Search, ListModels or PurgeCache request, and body of any other HTTP route.",
+        ("gateway",),
+        _positive_int,
+    ),
     # Gateway admission by request weight (input tokens x max_new_tokens over a sliding window).
     Setting(
         "LLMESH_ADMISSION_BUDGET",

@@ -19,7 +19,8 @@ import re
 import ssl
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -134,14 +135,42 @@ def _validation_response(exc: ValidationError) -> Response:
     return error_response(400, message, problems[0][0] if problems and problems[0][0] else None, "invalid_request")
 
 
+class BodyTooLarge(Exception):
+    """The body read so far passed its route's limit: the rest is never read."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body larger than {limit} bytes")
+        self.limit = limit
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """Largest body of each route, in bytes: generation, embeddings, anything else."""
+
+    generate: int
+    embed: int
+    other: int
+
+    def of(self, path: str) -> int:
+        if path in (CHAT, COMPLETIONS):
+            return self.generate
+        return self.embed if path == EMBEDDINGS else self.other
+
+
+def too_large(limit: int) -> Response:
+    return error_response(413, f"request body larger than {limit} bytes", None, "request_too_large")
+
+
 class ObservedHttp:
     """Pure ASGI middleware around the API: the request's SERVER span (continuing the caller's
     `traceparent`), `x-request-id` and `x-trace-id` on every response, request metrics by route
-    and status, and the body size limit (413)."""
+    and status, the API key checked before any of the body is read (401), and the route's body
+    limit applied while the body is read (413): a body is never read past its limit."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, limits: BodyLimits, authenticate: Callable[[str | None], object]) -> None:
         self.app = app
-        self.max_body_bytes = max_body_bytes
+        self.limits = limits
+        self.authenticate = authenticate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -171,13 +200,11 @@ class ObservedHttp:
             await send(message)
 
         try:
-            body = await self._bounded_body(scope, headers, receive)
-            if body is None:
-                limit = self.max_body_bytes
-                too_large = error_response(413, f"request body larger than {limit} bytes", None, "request_too_large")
-                await too_large(scope, receive, send_with_ids)
+            refusal = self._refusal(path, headers)
+            if refusal is not None:
+                await refusal(scope, receive, send_with_ids)
             else:
-                await self.app(scope, body, send_with_ids)
+                await self.app(scope, self._counted(receive, self.limits.of(path)), send_with_ids)
         finally:
             span.set_attribute("http.response.status_code", status)
             if status >= 500:
@@ -188,31 +215,35 @@ class ObservedHttp:
             metrics.HTTP_REQUESTS.labels(route, label, str(status)).inc()
             metrics.HTTP_DURATION.labels(route).observe(time.perf_counter() - started)
 
-    async def _bounded_body(self, scope: Scope, headers: Sequence[tuple[str, str]], receive: Receive) -> Receive | None:
-        """`receive` when the body fits the limit (a chunked body is read here to know); None when not."""
+    def _refusal(self, path: str, headers: Sequence[tuple[str, str]]) -> Response | None:
+        """The answer to a request refused on its headers alone: no known key (keys on), or a
+        declared length past the route's limit. None: read it."""
+        if path.startswith("/v1/"):
+            try:
+                self.authenticate(next((v for k, v in headers if k == "authorization"), None))
+            except LlmeshError as exc:
+                return from_llmesh_error(exc, "")
+        limit = self.limits.of(path)
         length = next((v for k, v in headers if k == "content-length"), None)
-        if length is not None:
-            return receive if not length.isdigit() or int(length) <= self.max_body_bytes else None
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
-            return receive
-        chunks: list[bytes] = []
+        if length is not None and length.isdigit() and int(length) > limit:
+            return too_large(limit)
+        return None
+
+    @staticmethod
+    def _counted(receive: Receive, limit: int) -> Receive:
+        """`receive` that raises BodyTooLarge as soon as the body read passes `limit`."""
         size = 0
-        while True:
+
+        async def counted() -> Message:
+            nonlocal size
             message = await receive()
-            if message["type"] != "http.request":
-                return receive
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body_bytes:
-                return None
-            if not message.get("more_body", False):
-                break
-        replay: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+            if message["type"] == "http.request":
+                size += len(message.get("body", b""))
+                if size > limit:
+                    raise BodyTooLarge(limit)
+            return message
 
-        async def replayed() -> Message:
-            return replay.pop() if replay else await receive()
-
-        return replayed
+        return counted
 
 
 class OpenAiApi:
@@ -223,7 +254,7 @@ class OpenAiApi:
         self.api_keys = api_keys
         self.default_deadline = default_deadline
 
-    def app(self, max_body_bytes: int) -> ASGIApp:
+    def app(self, limits: BodyLimits) -> ASGIApp:
         # Plain Starlette routes with pydantic models parsing the body straight from JSON: a
         # framework's dependency injection and its own telemetry would cost more per cache hit
         # than the rest of the HTTP path (the span and metrics here are llmesh's own).
@@ -250,13 +281,18 @@ class OpenAiApi:
         async def on_gone(request: Request, exc: Exception) -> Response:
             return Response(b"", 499)  # nginx's "client closed request": never sent, only logged
 
+        async def on_too_large(request: Request, exc: Exception) -> Response:
+            assert isinstance(exc, BodyTooLarge)
+            return too_large(exc.limit)
+
         handlers = {
             LlmeshError: on_llmesh_error,
             ValidationError: on_invalid,
             HTTPException: on_http,
             ClientGone: on_gone,
+            BodyTooLarge: on_too_large,
         }
-        return ObservedHttp(Starlette(routes=routes, exception_handlers=handlers), max_body_bytes)
+        return ObservedHttp(Starlette(routes=routes, exception_handlers=handlers), limits, self.api_keys.authenticate)
 
     def _authenticated(self, request: Request) -> None:
         # Before the body is parsed: a bad key is a 401 whatever the body says.
@@ -676,7 +712,8 @@ def http_api(gateway: Gateway, api_keys: ApiKeys | KeyRing, settings: Any) -> Ht
     s = settings
     if not s.http_listen:
         return None
-    app = OpenAiApi(gateway, api_keys, s.default_deadline_seconds).app(s.max_message_bytes)
+    limits = BodyLimits(s.max_generate_request_bytes, s.max_embed_request_bytes, s.max_query_request_bytes)
+    app = OpenAiApi(gateway, api_keys, s.default_deadline_seconds).app(limits)
     return HttpServer(app, s.http_listen, s.grace_seconds, s.tls_cert, s.tls_key, s.tls_client_ca)
 
 

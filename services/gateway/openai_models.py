@@ -9,7 +9,7 @@ Parameters llmesh does not implement are refused with a 400 naming them, never i
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -18,6 +18,16 @@ from llmesh.v1 import common_pb2, gateway_pb2
 
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
+# Bounds on every list and map a body holds, checked while the body is validated (pydantic stops
+# at the first element past one): a body is refused before its elements cost their parsed size.
+# Beside the gateway's own counts (services/gateway/plan.py), which say the same on gRPC.
+MAX_LIST = 256
+MAX_TOOLS = 64
+MAX_STOP = 4
+MAX_LOGIT_BIAS = 300
+MAX_STOP_TOKEN_IDS = 16
+MAX_METADATA = 16
+MAX_EMBED_INPUTS = 256
 # OpenAI's "developer" turn is the system turn of models that know no such role.
 ROLE_OF = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
@@ -61,10 +71,10 @@ class ToolCallParam(Strict):
 
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_LIST)] | None = None
     name: str | None = None
     tool_call_id: str | None = None
-    tool_calls: list[ToolCallParam] | None = None
+    tool_calls: list[ToolCallParam] | None = Field(default=None, max_length=MAX_TOOLS)
     # Sent back by clients that echo an assistant message as they received it.
     refusal: str | None = None
 
@@ -131,7 +141,7 @@ class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema", "regex", "choice"]
     json_schema: JsonSchemaFormat | None = None
     regex: str | None = None
-    choices: list[str] | None = None
+    choices: list[str] | None = Field(default=None, max_length=MAX_TOOLS)
 
     def proto(self) -> common_pb2.ResponseFormat:
         form = common_pb2.ResponseFormat(type=self.type, regex=self.regex or "", choices=self.choices or [])
@@ -151,7 +161,7 @@ class Sampling(Strict):
     temperature: float | None = None
     top_p: float | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -159,12 +169,12 @@ class Sampling(Strict):
     llmesh: LlmeshOptions = Field(default_factory=lambda: LlmeshOptions())
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     # vLLM's extensions, accepted as it accepts them.
     top_k: int | None = Field(default=None, ge=-1, le=UINT32_MAX)
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     # Independent answers (GenerateRequest.n; at most 16, checked by the gateway).
     n: int | None = Field(default=None, ge=1, le=UINT32_MAX)
 
@@ -232,23 +242,23 @@ class Sampling(Strict):
 
 
 class ChatCompletionRequest(Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_LIST)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=UINT32_MAX)
     # Refused unless unset: llmesh has no audio, predictions or legacy functions.
-    tools: list[ToolDef] | None = None
+    tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # At most one call is made: "allowed" in parallel, never more than one.
     parallel_tool_calls: bool | None = None
-    functions: list[Any] | None = None
+    functions: list[Any] | None = Field(default=None, max_length=MAX_TOOLS)
     function_call: Any = None
-    modalities: list[Literal["text"]] | None = None
+    modalities: list[Literal["text"]] | None = Field(default=None, max_length=MAX_STOP)
     audio: Any = None
     prediction: Any = None
     store: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=MAX_METADATA)
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = super().unsupported()
@@ -284,7 +294,7 @@ class ChatCompletionRequest(Sampling):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[str]
+    prompt: str | Annotated[list[str], Field(max_length=MAX_LIST)]
     # The legacy form: the k likeliest alternatives at each position (0: the tokens' own only).
     logprobs: int | None = Field(default=None, ge=0, le=UINT32_MAX)
     # Refused unless unset or off.
@@ -322,7 +332,12 @@ class EmbeddingRequest(Strict):
     tokenizer is retrieval's, not the caller's)."""
 
     model: str
-    input: str | list[str] | list[int] | list[list[int]]
+    input: (
+        str
+        | Annotated[list[str], Field(max_length=MAX_EMBED_INPUTS)]
+        | Annotated[list[int], Field(max_length=MAX_LIST * 64)]
+        | Annotated[list[Annotated[list[int], Field(max_length=MAX_LIST * 64)]], Field(max_length=MAX_EMBED_INPUTS)]
+    )
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None

@@ -35,6 +35,8 @@ RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "choice")
 MAX_SCHEMA_BYTES = 64 * 1024
 MAX_CHOICES = 64
 MAX_TOOLS = 64
+# Tool calls in one assistant turn of a conversation.
+MAX_TOOL_CALLS = 64
 # GenerateRequest.n (OpenAI's n) and SamplingParams.top_logprobs (OpenAI's top_logprobs).
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -97,7 +99,7 @@ class Plan:
         """Bytes of the text the model is given before retrieval (every turn, or the question and
         the effective system prompt)."""
         if self.turns:
-            return sum(len(t.content.encode("utf-8", "surrogatepass")) for t in self.turns) + (
+            return sum(turn_bytes(t) for t in self.turns) + (
                 0 if self.turns[0].role == "system" else len(DEFAULT_SYSTEM_PROMPT)
             )
         return len(self.prompt.encode()) + len((self.system_prompt or DEFAULT_SYSTEM_PROMPT).encode())
@@ -111,6 +113,19 @@ class Plan:
 
     def without_retrieval(self) -> Plan:
         return self if not self.use_retrieval else dataclasses.replace(self, use_retrieval=False)
+
+
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def turn_bytes(turn: common_pb2.ChatMessage) -> int:
+    """What one turn gives the model in bytes: its text, its speaker's name, the call it answers
+    and the calls it made (names, ids, arguments). All of it is rendered by the template."""
+    size = _utf8_len(turn.content) + _utf8_len(turn.name) + _utf8_len(turn.tool_call_id)
+    for call in turn.tool_calls:
+        size += _utf8_len(call.id) + _utf8_len(call.name) + _utf8_len(call.arguments)
+    return size
 
 
 def _plain_turn(message: common_pb2.ChatMessage) -> bool:
@@ -172,7 +187,14 @@ def _check_tools(request: gateway_pb2.GenerateRequest, bad: list[tuple[str, str]
     tools, choice = request.tools, request.tool_choice
     if len(tools) > MAX_TOOLS:
         bad.append(("tools", f"at most {MAX_TOOLS} tools"))
+        return ""  # counted before walked: nothing of the rest is looked at
     names = [t.name for t in tools]
+    # The tools are the schemas a call decodes under (one grammar of them all for "required"), and
+    # the template renders every description: they are held to one schema's size together.
+    schema_bytes = sum(_utf8_len(t.parameters) + _utf8_len(t.description) for t in tools)
+    if schema_bytes > MAX_SCHEMA_BYTES:
+        bad.append(("tools", f"parameters and descriptions longer than {MAX_SCHEMA_BYTES} bytes in all"))
+        return ""
     for i, tool in enumerate(tools):
         if not TOOL_NAME_RE.match(tool.name):
             bad.append((f"tools[{i}].name", "1-64 letters, digits, '_' or '-'"))
@@ -278,11 +300,15 @@ def _check_turns(request: gateway_pb2.GenerateRequest, config: GatewayConfig, ba
         bad.append(("system_prompt", "with messages, give the system prompt as a turn with role 'system'"))
     if len(turns) > MAX_TURNS:
         bad.append(("messages", f"at most {MAX_TURNS} turns"))
+        return ""  # counted before walked: no turn is looked at
     size = 0
     call_ids: set[str] = set()
     for i, turn in enumerate(turns):
         where = f"messages[{i}]"
-        size += len(turn.content.encode("utf-8", "surrogatepass"))
+        if len(turn.tool_calls) > MAX_TOOL_CALLS:
+            bad.append((f"{where}.tool_calls", f"at most {MAX_TOOL_CALLS} tool calls"))
+            return ""
+        size += turn_bytes(turn)
         if turn.role not in TURN_ROLES:
             bad.append((f"{where}.role", f"must be one of {', '.join(TURN_ROLES)}"))
         if turn.tool_calls and turn.role != "assistant":

@@ -22,6 +22,7 @@ from services.gateway.admission.load import LoadWatcher
 from services.gateway.auth import Caller, KeyRing
 from services.gateway.breaker import BreakerConfig, State, TransitionListener
 from services.gateway.core import Delta, Final, Gateway, GatewayConfig, server_timing
+from services.gateway.intake import KeyGate, request_limits
 from services.gateway.limits import KeyLimiter
 from services.gateway.openai_http import announce, http_api
 from services.gateway.peers import Deadline, HopBudgets, Peers, breaker_labels
@@ -262,9 +263,12 @@ class GatewayApp:
             )
         except ValueError as exc:
             raise SettingsError(f"invalid settings: LLMESH_MODEL_ALIASES: {exc}") from None
-        self.servicer = GatewayServicer(
-            self.gateway, s.default_deadline_seconds, self.api_keys, AdminKeys.parse(s.admin_keys)
-        )
+        admin_keys = AdminKeys.parse(s.admin_keys)
+        self.servicer = GatewayServicer(self.gateway, s.default_deadline_seconds, self.api_keys, admin_keys)
+        # Read by the runtime's interceptor: each method's limits on a request's bytes, and the key
+        # check on a call's metadata, both before the request is parsed.
+        self.request_limits = request_limits(s)
+        self.admit_call = KeyGate(self.api_keys, admin_keys)
         # The OpenAI-compatible HTTP API: another adapter over the same Gateway.
         self.http = http_api(self.gateway, self.api_keys, s)
 
