@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from llmesh.rpc_tracing import TracedChannel
+
+# The metadata key of the mesh credential (LLMESH_MESH_TOKEN), checked by llmesh.server's gate.
+MESH_TOKEN_HEADER = "x-llmesh-mesh-token"
 
 # Methods safe to retry: they change nothing, or setting the same value twice is harmless.
 IDEMPOTENT_METHODS: dict[str, tuple[str, ...]] = {
@@ -59,6 +63,15 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     ]
 
 
+@dataclass(frozen=True)
+class PeerAccess:
+    """How a service proves itself to its peers: TLS credentials (mutual TLS) and the metadata
+    every call carries (the mesh credential)."""
+
+    credentials: grpc.ChannelCredentials | None = None
+    metadata: tuple[tuple[str, str], ...] = ()
+
+
 def peer_credentials(settings: Any) -> grpc.ChannelCredentials | None:
     """TLS to peers when LLMESH_TLS_CA is set, presenting this service's own cert (mutual TLS)."""
     if not getattr(settings, "tls_ca", ""):
@@ -67,18 +80,27 @@ def peer_credentials(settings: Any) -> grpc.ChannelCredentials | None:
     return grpc.ssl_channel_credentials(read(settings.tls_ca), read(settings.tls_key), read(settings.tls_cert))
 
 
+def peer_access(settings: Any) -> PeerAccess:
+    """This service's access to its peers: its TLS identity, and LLMESH_MESH_TOKEN on every call."""
+    token = getattr(settings, "mesh_token", "")
+    return PeerAccess(peer_credentials(settings), ((MESH_TOKEN_HEADER, token),) if token else ())
+
+
 def peer_channel(
     target: str,
     max_message_bytes: int = 8 * 1024 * 1024,
-    credentials: grpc.ChannelCredentials | None = None,
+    access: PeerAccess | None = None,
     extra_options: Sequence[tuple[str, Any]] = (),
 ) -> TracedChannel:
     """A traced channel to a peer; round-robin over every address the target resolves to
     (`extra_options`: more channel arguments, e.g. a replica's reconnect backoff)."""
+    access = access or PeerAccess()
     options = [*channel_options(max_message_bytes), *extra_options]
-    if credentials is not None:
-        return TracedChannel(grpc.aio.secure_channel(target, credentials, options=options))
-    return TracedChannel(grpc.aio.insecure_channel(target, options=options))
+    if access.credentials is not None:
+        channel = grpc.aio.secure_channel(target, access.credentials, options=options)
+    else:
+        channel = grpc.aio.insecure_channel(target, options=options)
+    return TracedChannel(channel, access.metadata)
 
 
 def remaining_seconds(context: grpc.aio.ServicerContext | None, default: float) -> float:

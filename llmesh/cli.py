@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import sys
 import time
@@ -40,6 +41,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     from llmesh.supervisor import Mesh as Processes
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # The mesh's credential, new for each start: the internal services answer only the processes
+    # started here (any other local process reaches their ports, but not their methods).
+    os.environ.setdefault("LLMESH_MESH_TOKEN", secrets.token_urlsafe(32))
     procs = Processes(ports=DEFAULT_PORTS, echo_logs=not args.quiet)
     say = (procs.echo or LogEcho(os.environ.get("LLMESH_LOG_FORMAT", "auto"))).say
     stop = {"now": False}

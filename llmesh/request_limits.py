@@ -31,9 +31,9 @@ from llmesh.errors import InvalidArgument
 _SHALLOW_POOL = descriptor_pool.DescriptorPool()
 _SHALLOW_CLASSES: dict[str, type[Message]] = {}
 _SHALLOW_PACKAGE = "llmesh.shallow"
-# Below this size a request is parsed in full at once: at most ~50x it in memory and well under a
-# millisecond, and the handler's own checks count before they walk.
-COUNT_ABOVE_BYTES = 64 * 1024
+# Below this size a request is parsed in full at once (at most ~50x it in memory, microseconds):
+# the shallow parse would cost more than it saves.
+COUNT_ABOVE_BYTES = 1024
 
 
 def repeated_paths(descriptor: Any, prefix: str = "", seen: frozenset[str] = frozenset()) -> list[str]:

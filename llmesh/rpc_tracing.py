@@ -250,30 +250,49 @@ class _TracedMultiCallable:
     """Starts a client span, injects its context into the call's metadata, ends it when the
     call is done. Returns grpc's own call object, so callers await, iterate and cancel it."""
 
-    def __init__(self, inner: Any, full_method: str) -> None:
+    def __init__(self, inner: Any, full_method: str, extra: Sequence[tuple[str, str]] = ()) -> None:
         self._inner = inner
+        self._extra = tuple(extra)
         service, method = split_method(full_method)
         self._name = f"{service}/{method}"
         self._attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
 
     def __call__(self, request: Any, *, metadata: Sequence[tuple[str, Any]] | None = None, **kwargs: Any) -> Any:
         span = _tracer().start_span(self._name, kind=SpanKind.CLIENT, attributes=self._attributes)
-        call = self._inner(request, metadata=(*(metadata or ()), *_trace_headers(span)), **kwargs)
+        call = self._inner(request, metadata=(*(metadata or ()), *self._extra, *_trace_headers(span)), **kwargs)
         call.add_done_callback(partial(_end_client_span, span))
         return call
 
 
-class TracedChannel:
-    """A grpc.aio channel whose stubs trace every call (unary and server-streaming)."""
+class _WithMetadata:
+    """A stream-stream callable whose calls carry `extra` metadata (each operation on such a
+    stream traces itself)."""
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, inner: Any, extra: tuple[tuple[str, str], ...]) -> None:
+        self._inner = inner
+        self._extra = extra
+
+    def __call__(self, *args: Any, metadata: Sequence[tuple[str, Any]] | None = None, **kwargs: Any) -> Any:
+        return self._inner(*args, metadata=(*(metadata or ()), *self._extra), **kwargs)
+
+
+class TracedChannel:
+    """A grpc.aio channel whose stubs trace every call (unary and server-streaming); `metadata`
+    goes with every call (the mesh credential)."""
+
+    def __init__(self, channel: grpc.aio.Channel, metadata: Sequence[tuple[str, str]] = ()) -> None:
         self.channel = channel
+        self.metadata = tuple(metadata)
 
     def unary_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return _TracedMultiCallable(self.channel.unary_unary(method, *args, **kwargs), method)
+        return _TracedMultiCallable(self.channel.unary_unary(method, *args, **kwargs), method, self.metadata)
 
     def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return _TracedMultiCallable(self.channel.unary_stream(method, *args, **kwargs), method)
+        return _TracedMultiCallable(self.channel.unary_stream(method, *args, **kwargs), method, self.metadata)
+
+    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        inner = self.channel.stream_stream(method, *args, **kwargs)
+        return _WithMetadata(inner, self.metadata) if self.metadata else inner
 
     def __getattr__(self, name: str) -> Any:
         # close, get_state, channel_ready, wait_for_state_change, stream_* ...

@@ -28,6 +28,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from llmesh import errors, rpc_tracing, telemetry
+from llmesh.channels import MESH_TOKEN_HEADER
 from llmesh.metrics import (
     DEPENDENCY_UP,
     EVENT_LOOP_LAG,
@@ -148,7 +149,6 @@ class MethodMeter:
 CallGate = Callable[[str, Sequence[tuple[str, Any]]], None]
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
-MESH_TOKEN_HEADER = "x-llmesh-mesh-token"
 
 
 def mesh_token_gate(token: str) -> CallGate:

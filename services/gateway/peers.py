@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmesh import tasks
-from llmesh.channels import peer_channel
+from llmesh.channels import PeerAccess, peer_channel
 from llmesh.errors import LlmeshError, from_rpc_error
 from llmesh.v1 import (
     cache_pb2,
@@ -210,7 +210,7 @@ class Peers:
         max_message_bytes: int,
         breaker_config: BreakerConfig | None = None,
         on_transition: Callable[[str], TransitionListener] | None = None,
-        credentials: grpc.ChannelCredentials | None = None,
+        access: PeerAccess | None = None,
         budgets: HopBudgets | None = None,
         models: Mapping[str, str] | None = None,
         probe_seconds: float = 0.25,
@@ -227,7 +227,7 @@ class Peers:
         # issue 26: a model with several replicas (`a:1|b:2`, or dns:///name:port) is routed over
         # them (services/gateway/routing.py); one with a single target keeps its one channel.
         self.routers = {
-            model: ReplicaRouter(model, target, max_message_bytes, credentials, routing, loads, multiplex=multiplex)
+            model: ReplicaRouter(model, target, max_message_bytes, access, routing, loads, multiplex=multiplex)
             for model, target in models.items()
             if routed(target)
         }
@@ -235,9 +235,7 @@ class Peers:
         all_targets.update(
             {inference_peer(model): target for model, target in models.items() if model not in self.routers}
         )
-        self.channels = {
-            name: peer_channel(target, max_message_bytes, credentials) for name, target in all_targets.items()
-        }
+        self.channels = {name: peer_channel(target, max_message_bytes, access) for name, target in all_targets.items()}
         breaker_names = [*all_targets, *(inference_peer(model) for model in self.routers)]
         breaker_names += [method_breaker(inference_peer(model), INFO) for model in models]
         breaker_names += [method_breaker("retrieval", m) for m in (INGEST, SEARCH, EMBED)]

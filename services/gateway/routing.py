@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmesh import tasks
-from llmesh.channels import peer_channel
+from llmesh.channels import PeerAccess, peer_channel
 from llmesh.errors import LlmeshError, Unavailable, from_rpc_error
 from llmesh.prefix_hash import block_hashes
 from llmesh.v1 import inference_pb2, inference_pb2_grpc
@@ -114,7 +114,7 @@ class ReplicaRouter:
         model: str,
         target: str,
         max_message_bytes: int,
-        credentials: grpc.ChannelCredentials | None = None,
+        access: PeerAccess | None = None,
         config: RoutingConfig | None = None,
         loads: LoadBook | None = None,
         resolver: Resolver = system_resolver,
@@ -127,7 +127,7 @@ class ReplicaRouter:
         self.loads = loads
         self.resolver = resolver
         self.max_message_bytes = max_message_bytes
-        self.credentials = credentials
+        self.access = access or PeerAccess()
         self.dns = dns_name(target)
         self.set = ReplicaSet(model, self.config, on_eject=self._ejected, on_return=self._returned)
         self.channels: dict[str, grpc.aio.Channel] = {}
@@ -165,9 +165,9 @@ class ReplicaRouter:
                 metrics.REPLICA_EJECTED.remove(self.label, r.address)
         for r in added:
             options: list[tuple[str, Any]] = list(REPLICA_CHANNEL_OPTIONS)
-            if self.dns is not None and self.credentials is not None:
+            if self.dns is not None and self.access.credentials is not None:
                 options.append(("grpc.ssl_target_name_override", self.dns[0]))
-            channel = peer_channel(r.address, self.max_message_bytes, self.credentials, options)
+            channel = peer_channel(r.address, self.max_message_bytes, self.access, options)
             self.channels[r.address] = channel
             self.stubs[r.address] = inference_pb2_grpc.InferenceStub(channel)
             self.generators[r.address] = GenerationMux(self.stubs[r.address], self.multiplex)

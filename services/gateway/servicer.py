@@ -10,7 +10,7 @@ import grpc
 from opentelemetry import trace
 
 from llmesh import redis_server, tasks
-from llmesh.channels import peer_credentials, remaining_seconds
+from llmesh.channels import peer_access, remaining_seconds
 from llmesh.chat_template import ChatTemplate, load_template
 from llmesh.models import resolve
 from llmesh.settings import Settings, SettingsError, model_routes
@@ -206,7 +206,7 @@ class GatewayApp:
             s.max_message_bytes,
             breakers,
             breaker_listener,
-            peer_credentials(s),
+            peer_access(s),
             budgets,
             models,
             probe_seconds=s.breaker_probe_seconds,

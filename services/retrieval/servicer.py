@@ -12,7 +12,7 @@ import grpc
 
 from llmesh import collection_versions, errors, redis_server
 from llmesh import qdrant as qdrant_mod
-from llmesh.channels import peer_channel, peer_credentials, remaining_seconds
+from llmesh.channels import PeerAccess, peer_access, peer_channel, remaining_seconds
 from llmesh.embeddings import Embedder
 from llmesh.server import Readiness
 from llmesh.settings import Settings
@@ -26,8 +26,8 @@ DEFAULT_UPSERT_SECONDS = 600.0
 class TokenizerChunker:
     """`Chunker` backed by the tokenizer service's Chunk RPC."""
 
-    def __init__(self, target: str, max_message_bytes: int, credentials: grpc.ChannelCredentials | None = None) -> None:
-        self.channel = peer_channel(target, max_message_bytes, credentials)
+    def __init__(self, target: str, max_message_bytes: int, access: PeerAccess | None = None) -> None:
+        self.channel = peer_channel(target, max_message_bytes, access)
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self.channel)
 
     async def __call__(self, text: str, chunk_tokens: int, overlap_tokens: int, time_left: float) -> list[str]:
@@ -136,7 +136,7 @@ class RetrievalApp:
         )
         await self._embedder.aencode(["warm up"])
         self._qdrant = await asyncio.to_thread(qdrant_mod.open_client, s, "retrieval")
-        self._chunker = TokenizerChunker(s.tokenizer_target, s.max_message_bytes, peer_credentials(s))
+        self._chunker = TokenizerChunker(s.tokenizer_target, s.max_message_bytes, peer_access(s))
         # Collection versions: the mesh's Redis (the cache's), shared by every replica.
         self._versions = collection_versions.connect(redis_server.resolve_url(s.redis_url, s), s.redis_timeout_seconds)
         core = RetrievalCore(
