@@ -807,6 +807,14 @@ DECLARED: tuple[Setting, ...] = (
     ),
     Setting("LLMESH_MAX_BATCH_SIZE", "32", "Most sequences decoded together.", ("inference",), _positive_int),
     Setting(
+        "LLMESH_GRAMMAR_COMPILE_SECONDS",
+        "2",
+        "Longest a response format's or tool's grammar may take to compile (on its own thread, one at a "
+        "time); longer is INVALID_ARGUMENT naming the field.",
+        ("inference",),
+        _positive_float,
+    ),
+    Setting(
         "LLMESH_BATCH_WAIT_MS",
         "2",
         "How long the scheduler waits to gather new requests into a prefill.",

@@ -44,6 +44,11 @@ class InferenceBackend(Protocol):
         """False while the backend cannot generate (health reports NOT_SERVING)."""
         ...
 
+    async def prepare(self, params: SamplingParams) -> None:
+        """Whatever a request needs before `submit` that may take long (a response format's
+        grammar, compiled off the event loop within a time limit); InvalidArgument naming the field."""
+        ...
+
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "") -> GenerationStream:
         """Validates at once (InvalidArgument, ResourceExhausted); errors while streaming come
         from iterating the stream."""

@@ -79,6 +79,9 @@ class ModelManager:
     async def start(self) -> None:
         await asyncio.to_thread(self.load_initial)
 
+    async def prepare(self, params: SamplingParams) -> None:
+        await self.engine.prepare(params)
+
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "") -> RequestStream:
         """Binds the request to the engine serving now; it finishes there even if a switch happens."""
         return self.engine.submit(prompt_ids, params, request_id)

@@ -504,6 +504,9 @@ class OpenAIBackend:
         start = next(self._turn) % len(ready)
         return min(ready[start:] + ready[:start], key=lambda r: r.in_flight)
 
+    async def prepare(self, params: SamplingParams) -> None:
+        """Nothing: the engine behind compiles its own grammars."""
+
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "") -> OpenAIStream:
         try:
             resolved = resolve_params(params, prompt_ids, self._limits())

@@ -224,6 +224,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             ids = list(request.token_ids.ids)
         else:
             raise errors.InvalidArgument([("input", "either text or token_ids is required")])
+        await manager.prepare(params)
         # Synchronous from here to submit: the request binds to the engine serving right now.
         stream = manager.submit(ids, params, request.request_id)
         try:

@@ -62,6 +62,8 @@ class EngineConfig:
     decode_buckets: tuple[int, ...] | None = None
     #: Capture one CUDA graph per bucket at warm-up (CUDA only).
     cuda_graphs: bool = True
+    #: Longest a response format's grammar may take to compile (LLMESH_GRAMMAR_COMPILE_SECONDS).
+    grammar_compile_s: float = 2.0
 
     @classmethod
     def from_settings(cls, settings: Any, **overrides: Any) -> EngineConfig:
@@ -80,6 +82,7 @@ class EngineConfig:
             dtype=getattr(settings, "dtype", "auto"),
             prefix_caching=getattr(settings, "prefix_caching", True),
             quantize=getattr(settings, "quantize", "none"),
+            grammar_compile_s=getattr(settings, "grammar_compile_seconds", 2.0),
         )
         values.update(overrides)
         return cls(**values)

@@ -17,6 +17,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -89,6 +90,9 @@ class Engine:
         # Constrained decoding (engine/grammar.py): built on first use; llguidance loads only then.
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
+        # One thread compiles grammars (off the event loop; llguidance releases the GIL), one
+        # at a time: a flood of schemas queues there, not in the replica's streams.
+        self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"grammar-{name or 'engine'}")
         self.name = name or model.verified.version
         self.tag = f"{self.name}.{secrets.token_hex(2)}"
         self.core = EngineCore(model, config, self.tag)
@@ -194,6 +198,7 @@ class Engine:
     def close(self, reason: str = "the model was unloaded") -> None:
         """Stops the worker; anything still queued or running gets UNAVAILABLE."""
         self.core.close(reason)
+        self._compiler.shutdown(wait=False, cancel_futures=True)
 
     def _worker_died(self) -> None:
         for callback in self.on_dead:
@@ -328,6 +333,32 @@ class Engine:
             raise
         return RequestStream(seq, self.core.cancel)
 
+    async def prepare(self, params: SamplingParams) -> None:
+        """Compiles the request's response format, if it has one the grammar library does not hold
+        yet, on the compile thread: a compile takes up to seconds for a large schema, and on the
+        event loop it would stall every stream of this replica (the gateway ejects a replica
+        silent for 0.75 s). Past the time limit the request is refused INVALID_ARGUMENT naming
+        the field; the compile itself runs to its end on its thread, one at a time."""
+        spec = params.response_format
+        if spec is None:
+            return
+        loop = asyncio.get_running_loop()
+        grammars = self._grammars
+        if grammars is None:
+            grammars = await loop.run_in_executor(self._compiler, self.grammars)
+        if grammars.holds(spec):
+            return
+        compiling = loop.run_in_executor(self._compiler, grammars.compiled, spec)
+        limit = self.config.grammar_compile_s
+        try:
+            await asyncio.wait_for(asyncio.shield(compiling), limit)
+        except TimeoutError:
+            compiling.add_done_callback(_consume)
+            field = grammars.source_field(spec)
+            raise errors.InvalidArgument(
+                [(field, f"took longer than {limit:g} s to compile (LLMESH_GRAMMAR_COMPILE_SECONDS); simplify it")]
+            ) from None
+
     def grammars(self) -> Grammars:
         """The model's grammar library, built on the first request with a response format."""
         with self._grammars_lock:
@@ -387,3 +418,9 @@ class Engine:
             span.set_attribute("gen_ai.request.seed", p.seed)
         seq.span = span
         seq.span_ctx = trace.set_span_in_context(span)
+
+
+def _consume(future: Any) -> None:
+    """Reads the outcome of a compile whose caller gave up on it (no 'never retrieved' warning)."""
+    if not future.cancelled():
+        future.exception()

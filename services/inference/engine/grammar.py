@@ -128,6 +128,21 @@ class Grammars:
             return LLMatcher.grammar_from_lark(f"start: {alternatives}"), "response_format.choices"
         raise InvalidArgument([("response_format.type", f"unknown type {spec.kind!r}")])
 
+    def holds(self, spec: ResponseFormatSpec) -> bool:
+        """Whether the format's matcher is compiled already (`compiled` then costs microseconds)."""
+        with self._lock:
+            return spec.cache_key() in self._compiled
+
+    @staticmethod
+    def source_field(spec: ResponseFormatSpec) -> str:
+        """The request field a format comes from (what a refusal names)."""
+        return {
+            "json_object": "response_format.type",
+            "json_schema": "response_format.json_schema",
+            "regex": "response_format.regex",
+            "choice": "response_format.choices",
+        }.get(spec.kind, "response_format.type")
+
     def compiled(self, spec: ResponseFormatSpec) -> LLMatcher:
         """The compiled matcher of a format (from the LRU, or compiled now); InvalidArgument
         naming the field when the library cannot compile it."""
