@@ -367,7 +367,7 @@ class RequestPath:
         with state.timed("admission"):
             try:
                 admission: Admission = await self.gateway.admission.admit(
-                    self._ask(), self.input_tokens, state.hold, self.deadline.remaining()
+                    self._ask(), self.input_tokens + plan.grammar_tokens(), state.hold, self.deadline.remaining()
                 )
             except RequestTooHeavy as exc:
                 self._shed(exc, "refused_too_heavy")
@@ -572,7 +572,7 @@ class RequestPath:
         hold its prediction until its exact weight is admitted); else the refusal. Decided by
         `AdmissionController.reserve`: the engines' reported load, or the fallback."""
         state = self.state
-        predicted = (state.predictor or self.gateway.predictor).predict(self.plan)
+        predicted = (state.predictor or self.gateway.predictor).predict(self.plan) + self.plan.grammar_tokens()
         if state.hold is not None:
             state.hold.release()
             state.hold = None

@@ -104,6 +104,14 @@ class Plan:
             )
         return len(self.prompt.encode()) + len((self.system_prompt or DEFAULT_SYSTEM_PROMPT).encode())
 
+    def grammar_tokens(self) -> int:
+        """What the answer's constraint weighs, in prompt tokens: its schema, pattern or choices
+        (a tool call's schema included) are compiled and walked at every step as a prompt of
+        their size would be (bytes / 4). Counted in the admission weight beside the prompt."""
+        form = self.response_format
+        size = len(form.json_schema) + len(form.regex) + sum(len(c) for c in form.choices)
+        return size // 4
+
     def with_max_new_tokens(self, max_new_tokens: int) -> Plan:
         """The plan with another max_new_tokens (admission capped it), on a copy of its sampling."""
         sampling = common_pb2.SamplingParams()
