@@ -1024,6 +1024,21 @@ DECLARED: tuple[Setting, ...] = (
         ("retrieval", "gateway", "cache"),
     ),
     Setting("LLMESH_MAX_DOCUMENT_BYTES", str(1024 * 1024), "Largest document accepted.", ("retrieval",), _positive_int),
+    Setting(
+        "LLMESH_MAX_COLLECTIONS_PER_TENANT",
+        "64",
+        "Most collections one tenant may have; an ingest that would create one more is refused "
+        "FAILED_PRECONDITION (reason COLLECTION_LIMIT), not retried.",
+        ("retrieval",),
+        _positive_int,
+    ),
+    Setting(
+        "LLMESH_METRICS_MAX_COLLECTIONS",
+        "100",
+        "Collections with their own label on llmesh_retrieval_points; later ones add up under `_other`.",
+        ("retrieval",),
+        _positive_int,
+    ),
 )
 
 BY_ENV = {s.env: s for s in DECLARED}
