@@ -40,6 +40,28 @@ DEPENDENCY_UP = Gauge(
 )
 
 
+#: The label value that caller-chosen names past a metric's bound share.
+OTHER_LABEL = "_other"
+
+
+class BoundedLabels:
+    """Label values for names callers choose (collections, tenants): the first `limit` distinct
+    names keep their own value, later ones share OTHER_LABEL, so a metric's series stay bounded
+    however many names callers make up (each series costs memory on every scrape and in Prometheus)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.named: set[str] = set()
+
+    def __call__(self, name: str) -> str:
+        if name in self.named:
+            return name
+        if len(self.named) < self.limit:
+            self.named.add(name)
+            return name
+        return OTHER_LABEL
+
+
 def trace_exemplar() -> dict[str, str] | None:
     """Exemplar labels linking a histogram sample to its trace (shown on OpenMetrics scrapes)."""
     trace_id = current_trace_id()

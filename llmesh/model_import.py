@@ -106,6 +106,40 @@ def check_architecture(config: dict[str, Any], kind: str, where: Path) -> str:
     return architecture
 
 
+def check_inside(source: Path, rel: str, where: str) -> None:
+    """A file to copy must be a regular file of SOURCE itself: a symlink, or a path that resolves
+    outside it, would copy another file of this machine into the models dir (and a name that
+    leads outside would also be written outside the staging folder). `source` is resolved."""
+    path = source / rel
+    if path.is_symlink():
+        raise ModelError(
+            f"{where}: {rel!r} is a symbolic link; the import copies regular files of the model directory "
+            "only (copy the model with its links followed, e.g. `cp -rL`, and import the copy)"
+        )
+    if not path.resolve().is_relative_to(source):
+        raise ModelError(f"{where}: {rel!r} resolves outside the model directory {source}")
+
+
+def check_shard_name(shard: object, index: Path) -> str:
+    """A shard of the index is a plain safetensors file name beside the index, as a sharded
+    `save_pretrained` writes it ("model-00001-of-00002.safetensors"): never a path."""
+    name = str(shard)
+    if (
+        not isinstance(shard, str)
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+        or name in ("", ".", "..")
+        or Path(name).is_absolute()
+        or not name.endswith(".safetensors")
+    ):
+        raise ModelError(
+            f"{index}: weight_map names shard {name!r}; a shard must be a plain *.safetensors file name "
+            "in the model directory (no path)"
+        )
+    return name
+
+
 def weight_files(source: Path) -> list[str]:
     """The safetensors files to serve: every shard of the index, or the single file(s)."""
     index = source / SHARD_INDEX
@@ -113,7 +147,9 @@ def weight_files(source: Path) -> list[str]:
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelError(f"{index}: no weight_map")
-        shards = sorted(set(map(str, weight_map.values())))
+        shards = sorted({check_shard_name(shard, index) for shard in weight_map.values()})
+        for shard in shards:
+            check_inside(source, shard, str(index))
         missing = [s for s in shards if not (source / s).is_file()]
         if missing:
             raise ModelError(f"{index}: shards listed but missing: {missing}")
@@ -188,12 +224,18 @@ def files_to_copy(source: Path, weights: list[str]) -> list[str]:
     keep = set(weights)
     for path in source.rglob("*"):
         rel = path.relative_to(source)
-        if not path.is_file() or any(part.startswith(".") for part in rel.parts):
+        if any(part.startswith(".") for part in rel.parts):
+            continue
+        if path.is_symlink():
+            check_inside(source, str(rel), str(source))  # refuses it, naming the link
+        if not path.is_file():
             continue
         name = path.name
         if name in UNLISTED or name.endswith(PICKLE_SUFFIXES + FOREIGN_WEIGHTS) or name.endswith(".safetensors"):
             continue
         keep.add(str(rel))
+    for kept in keep:
+        check_inside(source, kept, str(source))
     return sorted(keep)
 
 

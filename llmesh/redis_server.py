@@ -34,13 +34,12 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from llmesh.settings import Settings, SettingsError, load
+from llmesh.settings import Settings, SettingsError, load, redact_url
 
 #: LLMESH_ADMISSION_REDIS_URL value that points the gateway's shared window at the embedded server.
 EMBEDDED = "embedded"
@@ -92,12 +91,7 @@ def url_for(port: int, password: str, db: int = 0) -> str:
 
 def redacted(url: str) -> str:
     """The URL without its password (for logs)."""
-    parts = urlsplit(url)
-    if not parts.password:
-        return url
-    user = parts.username or ""
-    host = f"{parts.hostname}:{parts.port}" if parts.port else str(parts.hostname)
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    return redact_url(url)
 
 
 def embedded_url(settings: Settings, role: str = CACHE) -> str:

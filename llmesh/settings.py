@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 SERVICES = ("gateway", "tokenizer", "inference", "cache", "retrieval")
 DEFAULT_PORTS = {"gateway": 50051, "tokenizer": 50052, "inference": 50053, "cache": 50054, "retrieval": 50055}
@@ -25,6 +26,26 @@ ALL = SERVICES
 
 class SettingsError(ValueError):
     """A setting has a value the service cannot run with."""
+
+
+class SecretSafeError(ValueError):
+    """A parser's refusal whose message holds no part of the value, so that it may be shown for a
+    secret setting (a key, a password, a URL that may carry one). Any other ValueError of a secret
+    setting's parser is replaced by a message that says only that the value is malformed."""
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password (for logs, errors and anything a caller sees)."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:  # not a URL urllib can split (e.g. an invalid port): show none of it
+        return "(unparseable URL)"
+    if not password:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def _bool(raw: str) -> bool:
@@ -220,10 +241,13 @@ def _optional_file(raw: str) -> str:
 
 def _api_keys(raw: str) -> str:
     # Checked here so a malformed value stops the gateway at start; parsed by the gateway's auth module.
-    for item in filter(None, (i.strip() for i in raw.split(";"))):
+    # Entries are named by their position: the value itself is secret.
+    for n, item in enumerate(filter(None, (i.strip() for i in raw.split(";"))), 1):
         key, sep, tenants = item.partition("=")
-        if not sep or len(key.strip()) < 16 or not tenants.strip():
-            raise ValueError("expected key=tenant|tenant;key2=* with keys of at least 16 characters")
+        if not sep or not tenants.strip():
+            raise SecretSafeError(f"entry {n} is not key=tenant|tenant (expected key=tenant|tenant;key2=*)")
+        if len(key.strip()) < 16:
+            raise SecretSafeError(f"the key of entry {n} is shorter than 16 characters")
     return raw
 
 
@@ -251,8 +275,10 @@ def _memory(raw: str) -> str:
 
 def _admin_keys(raw: str) -> str:
     # Checked here so a malformed value stops the gateway at start; parsed by the gateway's admin module.
-    if any(len(k.strip()) < 16 for k in raw.split(",") if k.strip()):
-        raise ValueError("expected key1,key2 with keys of at least 16 characters")
+    # Keys are named by their position: the value itself is secret.
+    for n, key in enumerate((k.strip() for k in raw.split(",") if k.strip()), 1):
+        if len(key) < 16:
+            raise SecretSafeError(f"key {n} is shorter than 16 characters (expected key1,key2)")
     return raw
 
 
@@ -263,10 +289,11 @@ def _text(raw: str) -> str:
 def _urls(raw: str) -> tuple[str, ...]:
     urls = tuple(u.strip().rstrip("/") for u in raw.split(",") if u.strip())
     if not urls:
-        raise ValueError("at least one URL is required")
-    for url in urls:
+        raise SecretSafeError("at least one URL is required")
+    for n, url in enumerate(urls, 1):
+        # Named by position: a URL may carry a password.
         if not url.startswith(("http://", "https://")) or "://" not in url or not url.split("://", 1)[1]:
-            raise ValueError(f"{url!r} is not an http(s) URL")
+            raise SecretSafeError(f"URL {n} is not an http(s) URL")
     return urls
 
 
@@ -279,6 +306,9 @@ class Setting:
     parse: Callable[[str], Any] = _text
     # Per-service default overriding `default` (listen addresses, metrics ports).
     per_service_default: Mapping[str, str] | None = None
+    # Keys, passwords, tokens and URLs that may carry a password: a refusal names the variable and
+    # the problem, never the value (nor a part of it).
+    secret: bool = False
 
     def default_for(self, service: str) -> str:
         if self.per_service_default and service in self.per_service_default:
@@ -423,6 +453,7 @@ DECLARED: tuple[Setting, ...] = (
         "Gateway API keys and the tenants each owns: `key1=acme|beta;key2=*` (empty: no authentication).",
         ("gateway",),
         _api_keys,
+        secret=True,
     ),
     Setting(
         "LLMESH_API_KEYS_FILE",
@@ -477,6 +508,7 @@ DECLARED: tuple[Setting, ...] = (
         "PurgeCache is refused.",
         ("gateway",),
         _admin_keys,
+        secret=True,
     ),
     Setting(
         "LLMESH_HTTP_LISTEN",
@@ -572,6 +604,7 @@ DECLARED: tuple[Setting, ...] = (
         "Redis shared by all gateway replicas for one cluster-wide budget (empty: per-process window; "
         "`embedded`: the embedded Redis).",
         ("gateway",),
+        secret=True,
     ),
     Setting(
         "LLMESH_ADMISSION_ADAPTIVE",
@@ -870,7 +903,11 @@ DECLARED: tuple[Setting, ...] = (
         _non_negative_int,
     ),
     Setting(
-        "LLMESH_ADMIN_TOKEN", "", "Bearer token for the inference admin RPC (empty: admin disabled).", ("inference",)
+        "LLMESH_ADMIN_TOKEN",
+        "",
+        "Bearer token for the inference admin RPC (empty: admin disabled).",
+        ("inference",),
+        secret=True,
     ),
     # Inference backend: the builtin engine, or any OpenAI-compatible server (vLLM, SGLang, TGI, llama.cpp).
     Setting(
@@ -888,6 +925,7 @@ DECLARED: tuple[Setting, ...] = (
         "and /models hang off, usually `/v1`); requests go to the healthy one with fewest in flight.",
         ("inference",),
         _urls,
+        secret=True,
     ),
     Setting(
         "LLMESH_BACKEND_MODEL",
@@ -895,7 +933,9 @@ DECLARED: tuple[Setting, ...] = (
         "Model name the openai backend serves (vLLM's --served-model-name).",
         ("inference",),
     ),
-    Setting("LLMESH_BACKEND_API_KEY", "", "Bearer key for the openai backend (empty: none).", ("inference",)),
+    Setting(
+        "LLMESH_BACKEND_API_KEY", "", "Bearer key for the openai backend (empty: none).", ("inference",), secret=True
+    ),
     Setting(
         "LLMESH_BACKEND_PROMPT",
         "tokens",
@@ -949,6 +989,7 @@ DECLARED: tuple[Setting, ...] = (
         "ACL); the cache and retrieval use the same one. Empty: the embedded Redis that `llmesh up` runs on "
         "LLMESH_EMBEDDED_REDIS_PORT.",
         ("cache", "retrieval"),
+        secret=True,
     ),
     Setting(
         "LLMESH_EMBEDDED_REDIS_PORT",
@@ -1018,9 +1059,13 @@ DECLARED: tuple[Setting, ...] = (
     ),
     # Retrieval.
     Setting(
-        "QDRANT_URL", "", "Qdrant server URL; empty uses embedded Qdrant under the data dir.", ("cache", "retrieval")
+        "QDRANT_URL",
+        "",
+        "Qdrant server URL; empty uses embedded Qdrant under the data dir.",
+        ("cache", "retrieval"),
+        secret=True,
     ),
-    Setting("QDRANT_API_KEY", "", "API key for the Qdrant server.", ("cache", "retrieval")),
+    Setting("QDRANT_API_KEY", "", "API key for the Qdrant server.", ("cache", "retrieval"), secret=True),
     Setting(
         "LLMESH_CHUNK_TOKENS", "200", "Chunk window in tokens for ingested documents.", ("retrieval",), _positive_int
     ),
@@ -1032,6 +1077,21 @@ DECLARED: tuple[Setting, ...] = (
         ("retrieval", "gateway", "cache"),
     ),
     Setting("LLMESH_MAX_DOCUMENT_BYTES", str(1024 * 1024), "Largest document accepted.", ("retrieval",), _positive_int),
+    Setting(
+        "LLMESH_MAX_COLLECTIONS_PER_TENANT",
+        "64",
+        "Most collections one tenant may have; an ingest that would create one more is refused "
+        "FAILED_PRECONDITION (reason COLLECTION_LIMIT), not retried.",
+        ("retrieval",),
+        _positive_int,
+    ),
+    Setting(
+        "LLMESH_METRICS_MAX_COLLECTIONS",
+        "100",
+        "Collections with their own label on llmesh_retrieval_points; later ones add up under `_other`.",
+        ("retrieval",),
+        _positive_int,
+    ),
 )
 
 BY_ENV = {s.env: s for s in DECLARED}
@@ -1101,8 +1161,13 @@ def load(service: str, environ: Mapping[str, str] | None = None) -> Settings:
         raw = env.get(setting.env, setting.default_for(service))
         try:
             values[setting.env] = setting.parse(raw)
+        except SecretSafeError as exc:
+            problems.append(f"{setting.env}: {exc}" if setting.secret else f"{setting.env}={raw!r}: {exc}")
         except ValueError as exc:
-            problems.append(f"{setting.env}={raw!r}: {exc}")
+            if setting.secret:  # the parser's text may quote the value
+                problems.append(f"{setting.env}: malformed (the value is secret and not shown)")
+            else:
+                problems.append(f"{setting.env}={raw!r}: {exc}")
     if problems:
         raise SettingsError("invalid settings: " + "; ".join(problems))
     return Settings(service, values)

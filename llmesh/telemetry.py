@@ -8,6 +8,7 @@ import calendar
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Mapping
@@ -54,6 +55,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         exc = self.formatException(record.exc_info) if record.exc_info else ""
+        # ensure_ascii: every control character (C0, DEL, C1, U+2028/U+2029) is written escaped.
         return json.dumps(log_entry(record, self.service, exc), default=str)
 
 
@@ -82,26 +84,58 @@ def _local_time(ts: str) -> str:
         return ts
 
 
+# What a terminal acts on, or a reader takes for a line break: C0 controls (newline, carriage
+# return, tab, ESC ...), DEL, C1 controls, and the Unicode line and paragraph separators. Tenant
+# names, models, document ids and messages can come from requests: escaped, they can neither
+# start a forged log line nor send escape sequences to the terminal.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_NAMED_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    char = match.group()
+    code = ord(char)
+    return _NAMED_ESCAPES.get(char) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+
+
+def escape_control(text: str) -> str:
+    """`text` with its control characters written as escapes (`\\n`, `\\x1b`, `\\u2028`)."""
+    return _CONTROL.sub(_escape_char, text) if _CONTROL.search(text) else text
+
+
 def _console_value(value: object) -> str:
     text = value if isinstance(value, str) else json.dumps(value, default=str)
+    if not text or " " in text or "=" in text:
+        if len(text) > CONSOLE_MAX_VALUE:
+            text = text[: CONSOLE_MAX_VALUE - 1] + "…"
+        return json.dumps(text)  # escapes every control character, as `\n` or `\u001b`
+    text = escape_control(text)
     if len(text) > CONSOLE_MAX_VALUE:
         text = text[: CONSOLE_MAX_VALUE - 1] + "…"
-    return json.dumps(text) if (not text or " " in text or "=" in text) else text
+    return text
+
+
+def _traceback_lines(exc: str) -> str:
+    """A traceback's own line breaks kept, each line indented and escaped."""
+    return "\n".join(f"  {escape_control(line)}" for line in exc.split("\n")) if exc else ""
 
 
 def render_console(entry: Mapping[str, Any], color: bool) -> str:
     """One short line for a person: local time, level, service, message and the few fields the
-    code chose to log (the trace and span ids stay in the JSON lines)."""
-    level = str(entry.get("level", "INFO"))
-    service = str(entry.get("service", ""))
-    msg = str(entry.get("msg", ""))
+    code chose to log (the trace and span ids stay in the JSON lines). Control characters are
+    escaped everywhere (`escape_control`); a traceback follows on lines of its own, each indented,
+    so none of them reads as a log line of its own."""
+    level = escape_control(str(entry.get("level", "INFO")))
+    service = escape_control(str(entry.get("service", "")))
+    raw_msg = str(entry.get("msg", ""))
+    msg = escape_control(raw_msg)
     fields = [
-        f"{key}={_console_value(value)}"
+        f"{escape_control(str(key))}={_console_value(value)}"
         for key, value in entry.items()
-        if key not in CONSOLE_HIDDEN and not (key == "event" and value == msg)
+        if key not in CONSOLE_HIDDEN and not (key == "event" and value == raw_msg)
     ][:CONSOLE_MAX_FIELDS]
-    clock = _local_time(str(entry.get("ts", "")))
-    exc = str(entry.get("exc") or "")
+    clock = escape_control(_local_time(str(entry.get("ts", ""))))
+    exc = _traceback_lines(str(entry.get("exc") or ""))
     if not color:
         line = f"{clock} {level:<7} {service:<{SERVICE_WIDTH}} {msg}" + "".join(f" {f}" for f in fields)
         return line + (f"\n{exc}" if exc else "")

@@ -53,6 +53,7 @@ from tokenizers import Tokenizer
 from llmesh import errors
 from llmesh.models import ModelError, resolve, verify
 from llmesh.retry_budget import RetryBudget
+from llmesh.settings import redact_url
 from services.inference import metrics
 from services.inference.backend_load import SCRAPED, ReplicaLoad, combine, parse_metrics
 from services.inference.decoding import Limits, ResolvedParams, SamplingParams, TokenPieces, resolve_params
@@ -190,6 +191,11 @@ class Replica:
     engine: str = ""  # what the server calls itself, e.g. "vllm 0.32.0"
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     metrics_path: str = FILTERED_METRICS_PATH  # "/metrics" once the filtered scrape brought nothing
+    #: The URL as logs, errors and ModelInfo show it: without a password it may carry.
+    shown: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.shown = redact_url(self.base_url)
 
     @property
     def origin(self) -> str:
@@ -272,7 +278,7 @@ class OpenAIBackend:
             if time.monotonic() >= next_log:
                 log.warning(
                     "waiting for the inference backend: no replica of %s lists model %r (%.0f s)",
-                    ", ".join(self.config.urls),
+                    ", ".join(r.shown for r in self.replicas),
                     self.config.model,
                     time.monotonic() - waited_since,
                 )
@@ -283,7 +289,7 @@ class OpenAIBackend:
         self._load_poll = [asyncio.create_task(self._poll_load(r)) for r in self.replicas]
         self._silence = asyncio.create_task(self._watch_silence())
         desc = self.description
-        log.info("serving %s through %s (%s)", desc.model_id, ", ".join(self.config.urls), desc.version)
+        log.info("serving %s through %s (%s)", desc.model_id, ", ".join(r.shown for r in self.replicas), desc.version)
 
     async def close(self) -> None:
         for task in (self._monitor, self._silence, *self._load_poll):
@@ -328,9 +334,9 @@ class OpenAIBackend:
             listed = False
         if listed != replica.listed:
             if listed:
-                log.info("inference backend %s serves %s", replica.base_url, self.config.model)
+                log.info("inference backend %s serves %s", replica.shown, self.config.model)
             else:
-                log.warning("inference backend %s does not serve %s", replica.base_url, self.config.model)
+                log.warning("inference backend %s does not serve %s", replica.shown, self.config.model)
             replica.listed = listed
         self._set_healthy(replica, listed and not self._silent(replica, self.clock()))
 
@@ -338,7 +344,7 @@ class OpenAIBackend:
         """The replica answered (any HTTP response): it is not frozen."""
         replica.answered_at = self.clock()
         if replica.listed and not replica.healthy:
-            log.info("inference backend %s answers again", replica.base_url)
+            log.info("inference backend %s answers again", replica.shown)
             self._set_healthy(replica, True)
 
     def _silent(self, replica: Replica, now: float) -> bool:
@@ -374,7 +380,7 @@ class OpenAIBackend:
             if r.healthy and self._silent(r, now):
                 log.warning(
                     "inference backend %s answered nothing for %.2f s: out of service until it answers",
-                    r.base_url,
+                    r.shown,
                     now - r.answered_at,
                 )
                 self._set_healthy(r, False)
@@ -401,7 +407,7 @@ class OpenAIBackend:
         self._answered(replica)  # any answer, even a server without /metrics: it is alive
         sample = parse_metrics(answer.text) if answer.status_code == 200 else None
         if (sample is None or not sample.found) and replica.metrics_path != "/metrics":
-            log.info("%s: no load in the filtered /metrics; scraping the whole /metrics", replica.origin)
+            log.info("%s: no load in the filtered /metrics; scraping the whole /metrics", redact_url(replica.origin))
             replica.metrics_path = "/metrics"
         if sample is None:
             replica.load.forget()
@@ -447,7 +453,7 @@ class OpenAIBackend:
             version=serving[0].engine or "openai-compatible",
             digest=self.tokenizer.digest,
             path=self.tokenizer.path,
-            device=",".join(r.base_url for r in serving),
+            device=",".join(r.shown for r in serving),
             dtype="",
             max_context_tokens=context or self.limits.max_context_tokens,
             max_batch_size=0,
@@ -464,7 +470,7 @@ class OpenAIBackend:
         try:
             answer = await self.client.post(f"{replica.base_url}/completions", json=body)
         except httpx.HTTPError as exc:
-            raise errors.Unavailable(f"inference backend {replica.base_url} failed the tokenizer probe: {exc}") from exc
+            raise errors.Unavailable(f"inference backend {replica.shown} failed the tokenizer probe: {exc}") from exc
         if answer.status_code != 200:
             raise error_for_status(answer.status_code, answer.headers, answer.content)
         theirs = int((answer.json().get("usage") or {}).get("prompt_tokens") or -1)
@@ -472,7 +478,7 @@ class OpenAIBackend:
         if theirs not in ours:
             message = (
                 f"inference: the tokenizer at {self.tokenizer.path} counts {min(ours)} tokens in the probe text "
-                f"where the backend's model {self.config.model!r} at {replica.base_url} counts {theirs}: they are "
+                f"where the backend's model {self.config.model!r} at {replica.shown} counts {theirs}: they are "
                 "different tokenizers. Admission and the cache key count tokens with ours, so the service stops; "
                 "point LLMESH_INFERENCE_MODEL at the model the backend serves."
             )
@@ -634,15 +640,15 @@ class OpenAIBackend:
                 metrics.BACKEND_RETRIES.labels(reason).inc()
                 log.info(
                     "retrying on %s: %s failed before the first token: %s",
-                    again.base_url,
-                    replica.base_url,
+                    again.shown,
+                    replica.shown,
                     exc.message,
                 )
                 span.add_event(
                     "llmesh.inference.retry",
                     {
-                        "llmesh.inference.failed_replica": replica.base_url,
-                        "llmesh.inference.replica": again.base_url,
+                        "llmesh.inference.failed_replica": replica.shown,
+                        "llmesh.inference.replica": again.shown,
                         "error.type": reason,
                     },
                 )
@@ -696,7 +702,7 @@ class OpenAIBackend:
                             pass
             if not finished:
                 raise errors.Unavailable(
-                    f"inference backend {replica.base_url} ended the stream without finishing",
+                    f"inference backend {replica.shown} ended the stream without finishing",
                     reason="BACKEND_STREAM_BROKEN",
                 )
         except httpx.TimeoutException as exc:
@@ -708,16 +714,16 @@ class OpenAIBackend:
                     reason="BACKEND_CONNECTIONS_BUSY",
                 ) from exc
             raise errors.Unavailable(
-                f"inference backend {replica.base_url} timed out: {type(exc).__name__}", reason="BACKEND_TIMEOUT"
+                f"inference backend {replica.shown} timed out: {type(exc).__name__}", reason="BACKEND_TIMEOUT"
             ) from exc
         except httpx.ConnectError as exc:
             replica.healthy = False  # the health poll brings it back
             raise errors.Unavailable(
-                f"inference backend {replica.base_url} could not be reached: {exc}", reason="BACKEND_UNREACHABLE"
+                f"inference backend {replica.shown} could not be reached: {exc}", reason="BACKEND_UNREACHABLE"
             ) from exc
         except httpx.HTTPError as exc:
             raise errors.Unavailable(
-                f"inference backend {replica.base_url} failed mid-stream: {type(exc).__name__}: {exc}",
+                f"inference backend {replica.shown} failed mid-stream: {type(exc).__name__}: {exc}",
                 reason="BACKEND_STREAM_BROKEN",
             ) from exc
         finally:

@@ -35,7 +35,7 @@ from redis import exceptions as redis_errors
 from llmesh import collection_versions
 from llmesh.embeddings import Embedder
 from llmesh.errors import FailedPrecondition, InvalidArgument, Unavailable
-from llmesh.metrics import LATENCY_BUCKETS, trace_exemplar
+from llmesh.metrics import LATENCY_BUCKETS, OTHER_LABEL, BoundedLabels, trace_exemplar
 from llmesh.qdrant import QdrantHandle
 
 log = logging.getLogger("llmesh.retrieval")
@@ -68,9 +68,34 @@ MAX_INDEXED_METADATA_KEYS = 64
 SEARCH_SECONDS = Histogram(
     "llmesh_retrieval_search_duration_seconds", "Retrieval search latency.", buckets=LATENCY_BUCKETS
 )
-POINTS = Gauge("llmesh_retrieval_points", "Chunks stored per collection.", ["collection"])
+POINTS = Gauge(
+    "llmesh_retrieval_points",
+    f"Chunks stored per collection (Qdrant's name); past LLMESH_METRICS_MAX_COLLECTIONS, the rest add up "
+    f"under {OTHER_LABEL}.",
+    ["collection"],
+)
 EMBEDDED = Counter("llmesh_retrieval_embedded_texts_total", "Texts embedded for Embed callers.")
 UPSERTED = Counter("llmesh_retrieval_upserted_chunks_total", "Chunks embedded and stored.")
+
+
+class PointsGauge:
+    """llmesh_retrieval_points with a bounded label set: collection names are the callers' own,
+    so only the first `max_labels` collections updated get a series; the others' points add up
+    under OTHER_LABEL (each remembered here, to replace its share when it changes)."""
+
+    def __init__(self, max_labels: int) -> None:
+        self.labels = BoundedLabels(max_labels)
+        self.others: dict[str, int] = {}
+        self.others_total = 0
+
+    def set(self, physical: str, points: int) -> None:
+        label = self.labels(physical)
+        if label != OTHER_LABEL:
+            POINTS.labels(label).set(points)
+            return
+        self.others_total += points - self.others.get(physical, 0)
+        self.others[physical] = points
+        POINTS.labels(OTHER_LABEL).set(self.others_total)
 
 
 class Chunker(Protocol):
@@ -155,8 +180,14 @@ class RetrievalCore:
         max_document_bytes: int = 1024 * 1024,
         versions: Any = None,
         version_prefix: str = collection_versions.PREFIX,
+        max_collections_per_tenant: int = 64,
+        max_metric_collections: int = 100,
     ) -> None:
         """`versions`: the Redis (redis.asyncio) holding collection versions."""
+        self.max_collections_per_tenant = max_collections_per_tenant
+        self._points = PointsGauge(max_metric_collections)
+        # One collection is created at a time, so two ingests cannot both take a tenant's last slot.
+        self._create_lock = asyncio.Lock()
         self.embedder = embedder
         self.versions = versions
         self.version_prefix = version_prefix
@@ -177,6 +208,7 @@ class RetrievalCore:
         client = self.qdrant.client
         if not client.collection_exists(META_COLLECTION):
             client.create_collection(META_COLLECTION, vectors_config=qm.VectorParams(size=1, distance=qm.Distance.DOT))
+        self._ensure_indexes(META_COLLECTION, ("tenant",))  # a tenant's collections are counted by it
 
     # ----- names and validation
 
@@ -248,6 +280,7 @@ class RetrievalCore:
         the last item has done=True and the new collection version."""
         physical, logical = self._physical(tenant, collection)
         chunk, overlap = self.validate_upsert(documents, chunk_tokens, overlap_tokens)
+        await self._admit_collection(physical, tenant, logical)
         await self.qdrant.run(self._ensure_collection, physical)
         # Before anything is written: answers cached under the old version are stale from here on,
         # even if this process dies before the end.
@@ -356,6 +389,40 @@ class RetrievalCore:
             )
             client.delete(physical, points_selector=qm.FilterSelector(filter=stale), wait=True)
 
+    async def _admit_collection(self, physical: str, tenant: str, collection: str) -> None:
+        """Creates a tenant's new collection, unless it holds max_collections_per_tenant already:
+        every collection is held open by the embedded store and searched by name, so one key must
+        not make them without bound. Refused with FAILED_PRECONDITION, not RESOURCE_EXHAUSTED:
+        that one means overload, which clients retry after a delay, and this does not pass by
+        itself (an operator raises LLMESH_MAX_COLLECTIONS_PER_TENANT, or the tenant ingests into a
+        collection it has). Counted from the records in META_COLLECTION; replicas sharing a
+        Qdrant server each check alone, so at once they may exceed it by a few."""
+        if await self.qdrant.run(self.qdrant.client.collection_exists, physical):
+            return
+        async with self._create_lock:
+            if await self.qdrant.run(self.qdrant.client.collection_exists, physical):
+                return
+            recorded, held = await self.qdrant.run(self._tenant_collections, physical, tenant)
+            if not recorded and held >= self.max_collections_per_tenant:
+                raise FailedPrecondition(
+                    f"tenant {tenant!r} has {held} collections, the most LLMESH_MAX_COLLECTIONS_PER_TENANT "
+                    f"({self.max_collections_per_tenant}) allows: collection {collection!r} is not created; "
+                    "ingest into an existing collection",
+                    reason="COLLECTION_LIMIT",
+                    metadata={"limit": str(self.max_collections_per_tenant), "collections": str(held)},
+                )
+            # Recorded before it exists: an ingest that finds the collection finds it counted.
+            if not recorded:
+                await self.qdrant.run(self._record_version, physical, tenant, collection, 0)
+            await self.qdrant.run(self._ensure_collection, physical)
+
+    def _tenant_collections(self, physical: str, tenant: str) -> tuple[bool, int]:
+        """Whether `physical` has a record already, and how many collections the tenant has."""
+        client = self.qdrant.client
+        recorded = bool(client.retrieve(META_COLLECTION, ids=[_meta_id(physical)], with_payload=False))
+        of_tenant = qm.Filter(must=[qm.FieldCondition(key="tenant", match=qm.MatchValue(value=tenant))])
+        return recorded, int(client.count(META_COLLECTION, count_filter=of_tenant, exact=True).count)
+
     def _ensure_collection(self, physical: str) -> None:
         client = self.qdrant.client
         if client.collection_exists(physical):
@@ -397,7 +464,8 @@ class RetrievalCore:
         return int(found[0].payload.get("version", 0)) if found and found[0].payload else 0
 
     def _record_version(self, physical: str, tenant: str, collection: str, version: int) -> None:
-        if self._read_version(physical) >= version:
+        """Version 0: the record of a new collection, written before the collection is made."""
+        if version and self._read_version(physical) >= version:
             return
         payload = {"physical": physical, "tenant": tenant, "collection": collection, "version": version}
         self.qdrant.client.upsert(
@@ -446,7 +514,7 @@ class RetrievalCore:
 
     async def _update_points_gauge(self, physical: str) -> int:
         points = await self.qdrant.run(self._count, physical)
-        POINTS.labels(physical).set(points)
+        self._points.set(physical, points)
         return points
 
     def _count(self, physical: str, flt: qm.Filter | None = None) -> int:
@@ -589,7 +657,7 @@ class RetrievalCore:
         version = await self._current_version(physical, tenant, logical)
         info = await self.qdrant.run(self._info, physical, version)
         if info.exists:
-            POINTS.labels(physical).set(info.points)
+            self._points.set(physical, info.points)
         return info
 
     def _info(self, physical: str, version: int) -> Info:

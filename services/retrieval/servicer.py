@@ -149,6 +149,8 @@ class RetrievalApp:
             max_document_bytes=s.max_document_bytes,
             versions=self._versions,
             version_prefix=self.version_prefix,
+            max_collections_per_tenant=s.max_collections_per_tenant,
+            max_metric_collections=s.metrics_max_collections,
         )
         await core.start()
         self.core.set(core)

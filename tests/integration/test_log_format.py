@@ -159,4 +159,65 @@ def test_console_line_bounds_what_it_shows() -> None:
     first, *rest = line.splitlines()
     assert first.count("=") == 8 and "trace_id" not in first
     assert max(len(part) for part in first.split(" ")) <= 84
-    assert rest == ["Traceback...", "ValueError: x"]
+    assert rest == ["  Traceback...", "  ValueError: x"]
+
+
+# A forged line (newline, carriage return), terminal escapes, DEL, a C1 control (CSI), the Unicode
+# line and paragraph separators, a tab and NUL.
+HOSTILE = "acme\n12:00:00.000 INFO    gateway   forged\r\x1b[31mred\x1b[0m\x7f\x9b\u2028\u2029\t\x00"
+HOSTILE_ESCAPED = "acme\\n12:00:00.000 INFO    gateway   forged\\r\\x1b[31mred\\x1b[0m\\x7f\\x9b\\u2028\\u2029\\t\\x00"
+# The same without spaces: a field value shown unquoted.
+WORD = "acme\n\r\x1b[31mred\x1b[0m\x7f\x9b\u2028\u2029\t\x00"
+WORD_ESCAPED = "acme\\n\\r\\x1b[31mred\\x1b[0m\\x7f\\x9b\\u2028\\u2029\\t\\x00"
+RAW_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+@pytest.mark.parametrize("color", [False, True])
+def test_console_lines_escape_control_characters_from_requests(color: bool) -> None:
+    entry = {
+        "ts": "2026-01-02T03:04:05.678Z",
+        "level": "INFO",
+        "service": "gateway",
+        "msg": f"request from {HOSTILE}",
+        "tenant": WORD,
+        "model": HOSTILE,  # has spaces: quoted, as JSON escapes it
+        f"k\x1b[2J{WORD[:5]}": 1,
+        "exc": f"Traceback (most recent call last):\nValueError: {HOSTILE}",
+    }
+    line = render_console(entry, color=color)
+    first, *rest = line.split("\n")
+    # Our own colors are the only escape sequences: none of the text's survives.
+    assert not RAW_CONTROLS.search(ANSI.sub("", first)), repr(first)
+    assert not RAW_CONTROLS.search(ANSI.sub("", "".join(rest))), repr(rest)
+    plain = ANSI.sub("", first)
+    assert f"request from {HOSTILE_ESCAPED} " in plain
+    assert f" tenant={WORD_ESCAPED} " in plain
+    assert ' model="acme\\n12:00:00.000 INFO    gateway   forged\\r\\u001b[31mred' in plain
+    assert " k\\x1b[2Jacme\\n=1" in plain
+    # A traceback keeps its line breaks, each line indented: what a message forged there stays
+    # indented (no line but the record's own starts with a clock), and its controls are escaped.
+    assert [ANSI.sub("", r) for r in rest] == [
+        "  Traceback (most recent call last):",
+        "  ValueError: acme",
+        "  " + HOSTILE_ESCAPED.split("\\n", 1)[1],
+    ]
+
+
+def test_supervisor_console_escapes_a_service_line() -> None:
+    shown = io.StringIO()
+    LogEcho("console", shown).show("cache", "", {"ts": "2026-01-02T03:04:05.678Z", "msg": HOSTILE, "tenant": WORD})
+    assert shown.getvalue().count("\n") == 1 and not RAW_CONTROLS.search(shown.getvalue()[:-1])
+    assert f"cache     {HOSTILE_ESCAPED} tenant={WORD_ESCAPED}\n" in shown.getvalue()
+
+
+def test_json_lines_escape_every_control_character() -> None:
+    import logging
+
+    from llmesh.telemetry import JsonFormatter
+
+    record = logging.LogRecord("llmesh.test", logging.INFO, __file__, 1, HOSTILE, None, None)
+    record.fields = {"tenant": HOSTILE}
+    line = JsonFormatter("gateway").format(record)
+    assert not RAW_CONTROLS.search(line), repr(line)
+    entry = json.loads(line)
+    assert entry["msg"] == HOSTILE and entry["tenant"] == HOSTILE

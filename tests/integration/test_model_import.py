@@ -158,6 +158,64 @@ def test_missing_shards_and_missing_tokenizer_are_named(sharded_dir: Path, plain
         import_model(str(plain_tiny), tmp_path / "models", "tiny")
 
 
+def _sharded_index(source: Path, shard: str) -> None:
+    """Turns the plain tiny model into a "sharded" one whose index names `shard`."""
+    (source / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": shard}}))
+
+
+def _written_under(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if not p.is_dir())
+
+
+@pytest.mark.parametrize("how", ["absolute", "climbs-to-root", "parent"])
+def test_a_shard_named_by_a_path_is_refused_and_nothing_is_written(plain_tiny: Path, tmp_path: Path, how: str) -> None:
+    # A file outside both the model and the models dir: a shard name that reaches it would have it
+    # opened for writing as the staged copy of itself (emptied), or copied beside the staging folder.
+    sentinel = tmp_path / "outside" / "victim.safetensors"
+    sentinel.parent.mkdir()
+    sentinel.write_bytes(b"precious")
+    before = sentinel.stat().st_mtime_ns
+    shard = {
+        "absolute": str(sentinel),
+        "climbs-to-root": "../" * 64 + str(sentinel).lstrip("/"),
+        "parent": "../outside/victim.safetensors",
+    }[how]
+    _sharded_index(plain_tiny, shard)
+    models_root = tmp_path / "models"
+    with pytest.raises(models.ModelError, match=r"weight_map names shard .*plain \*\.safetensors file name"):
+        import_model(str(plain_tiny), models_root, "tiny")
+    assert sentinel.read_bytes() == b"precious" and sentinel.stat().st_mtime_ns == before
+    assert _written_under(models_root) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models", "outside", "plain"]
+
+
+@pytest.mark.parametrize("link", ["model.safetensors", "notes.md", "sub/notes.md", "sharded-shard"])
+def test_a_symlink_to_a_file_outside_the_model_is_refused(plain_tiny: Path, tmp_path: Path, link: str) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes((plain_tiny / "model.safetensors").read_bytes())  # valid weights, but not the model's
+    if link == "sharded-shard":
+        _sharded_index(plain_tiny, "model-00001-of-00001.safetensors")
+        link = "model-00001-of-00001.safetensors"
+    target = plain_tiny / link
+    target.parent.mkdir(exist_ok=True)
+    target.unlink(missing_ok=True)
+    target.symlink_to(secret)
+    models_root = tmp_path / "models"
+    with pytest.raises(models.ModelError, match=f"'{link}' is a symbolic link"):
+        import_model(str(plain_tiny), models_root, "tiny")
+    assert _written_under(models_root) == []
+
+
+def test_a_symlinked_folder_leading_outside_is_refused(plain_tiny: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "config.json").write_text("{}")
+    (plain_tiny / "1_Pooling").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(models.ModelError, match="1_Pooling"):
+        import_model(str(plain_tiny), tmp_path / "models", "tiny")
+    assert _written_under(tmp_path / "models") == []
+
+
 def test_embedding_model_imports_with_its_kind(models_dir: Path, tmp_path: Path) -> None:
     source = tmp_path / "minilm"
     shutil.copytree(models.resolve(models_dir, models.MINILM), source, ignore=shutil.ignore_patterns(models.MANIFEST))

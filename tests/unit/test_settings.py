@@ -79,3 +79,104 @@ def test_raising_priority_without_the_capability_warns_and_keeps_going(
     assert server.apply_niceness(-10) == before
     assert "CAP_SYS_NICE" in caplog.text
     assert server.apply_niceness(0) == before
+
+
+def _assert_hides(message: str, secrets: list[str]) -> None:
+    """No secret, nor any 6-character piece of one, appears in the message."""
+    for secret in secrets:
+        pieces = {secret[i : i + 6] for i in range(max(1, len(secret) - 5))}
+        shown = sorted(p for p in pieces if p in message)
+        assert not shown, f"{message!r} shows {shown} of a secret"
+
+
+@pytest.mark.parametrize(
+    ("env", "raw", "secrets", "problem"),
+    [
+        (
+            "LLMESH_API_KEYS",
+            "shortkey=acme;averylongsecretvalue123456",
+            ["shortkey", "averylongsecretvalue123456", "acme"],
+            "the key of entry 1 is shorter than 16 characters",
+        ),
+        (
+            "LLMESH_API_KEYS",
+            "averylongsecretkey000001=acme|beta;anotherlongsecretkey0002",
+            ["averylongsecretkey000001", "anotherlongsecretkey0002", "beta"],
+            "entry 2 is not key=tenant|tenant",
+        ),
+        (
+            "LLMESH_ADMIN_KEYS",
+            "averylongadminsecret0001,shorty",
+            ["averylongadminsecret0001", "shorty"],
+            "key 2 is shorter than 16 characters",
+        ),
+        (
+            "LLMESH_BACKEND_URLS",
+            "https://svc:hunter2hunter2@vllm:8000/v1,ftp://svc:swordfish99@vllm:21",
+            ["hunter2hunter2", "swordfish99", "vllm:21"],
+            "URL 2 is not an http(s) URL",
+        ),
+    ],
+)
+def test_a_malformed_secret_setting_is_named_without_its_value(
+    env: str, raw: str, secrets: list[str], problem: str
+) -> None:
+    service = "inference" if env == "LLMESH_BACKEND_URLS" else "gateway"
+    with pytest.raises(SettingsError) as info:
+        load(service, {env: raw})
+    message = str(info.value)
+    assert f"{env}: {problem}" in message
+    _assert_hides(message, secrets)
+
+
+def test_a_secret_settings_parser_text_is_never_echoed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A parser that quotes the value in its error (as int() and most parsers do): for a secret
+    # setting only the variable and "malformed" are shown.
+    def quoting(raw: str) -> str:
+        raise ValueError(f"cannot read {raw!r}")
+
+    secret = settings.Setting("LLMESH_TEST_SECRET", "", "A secret.", ("gateway",), quoting, secret=True)
+    monkeypatch.setattr(settings, "DECLARED", (*settings.DECLARED, secret))
+    with pytest.raises(SettingsError) as info:
+        load("gateway", {"LLMESH_TEST_SECRET": "correct-horse-battery-staple"})
+    assert "LLMESH_TEST_SECRET: malformed (the value is secret and not shown)" in str(info.value)
+    _assert_hides(str(info.value), ["correct-horse-battery-staple"])
+
+
+def test_a_malformed_key_setting_stops_the_gateway_without_printing_the_keys(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LLMESH_API_KEYS", "shortkey=acme;averylongsecretvalue123456")
+    monkeypatch.setenv("LLMESH_ADMIN_KEYS", "averylongadminsecret0001,shorty")
+    with pytest.raises(SystemExit):
+        settings.load_or_exit("gateway")
+    err = capsys.readouterr().err
+    assert "LLMESH_API_KEYS:" in err and "LLMESH_ADMIN_KEYS:" in err
+    _assert_hides(err, ["shortkey", "averylongsecretvalue123456", "averylongadminsecret0001", "shorty"])
+
+
+def test_every_setting_that_holds_a_key_password_or_url_is_secret() -> None:
+    secret = {s.env for s in settings.DECLARED if s.secret}
+    assert secret == {
+        "LLMESH_API_KEYS",
+        "LLMESH_ADMIN_KEYS",
+        "LLMESH_ADMIN_TOKEN",
+        "LLMESH_ADMISSION_REDIS_URL",
+        "LLMESH_BACKEND_API_KEY",
+        "LLMESH_BACKEND_URLS",
+        "LLMESH_REDIS_URL",
+        "QDRANT_URL",
+        "QDRANT_API_KEY",
+    }
+
+
+def test_urls_shown_in_logs_and_model_info_hide_their_password() -> None:
+    from services.inference.openai_backend import Replica
+
+    assert settings.redact_url("redis://:pw-secret@10.0.0.1:6379/0") == "redis://:***@10.0.0.1:6379/0"
+    assert settings.redact_url("rediss://app:pw-secret@[::1]:6380") == "rediss://app:***@[::1]:6380"
+    assert settings.redact_url("http://vllm:8000/v1") == "http://vllm:8000/v1"
+    assert settings.redact_url("redis://:pw-secret@[::1") == "(unparseable URL)"
+    replica = Replica("https://svc:hunter2hunter2@vllm:8000/v1")
+    assert replica.shown == "https://svc:***@vllm:8000/v1"
+    assert replica.base_url == "https://svc:hunter2hunter2@vllm:8000/v1"  # requests still authenticate
