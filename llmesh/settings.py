@@ -374,6 +374,7 @@ DECLARED: tuple[Setting, ...] = (
         "aside) that does not carry it, and every service sends it to its peers. `llmesh up` generates one "
         "when unset. Empty: internal services answer any caller that reaches their port.",
         ALL,
+        secret=True,
     ),
     Setting(
         "LLMESH_MAX_MESSAGE_BYTES", str(8 * 1024 * 1024), "Max gRPC message size, both directions.", ALL, _positive_int
