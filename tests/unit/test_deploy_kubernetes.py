@@ -6,19 +6,25 @@ operator does before the first apply."""
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import base64
 import copy
 import functools
+import json
 import os
 import re
 import shutil
+import ssl
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import yaml
@@ -35,12 +41,16 @@ KUSTOMIZE_DIRS = {
     "operators": ROOT / "deploy" / "kubernetes" / "overlays" / "operators",
     "vllm": ROOT / "deploy" / "kubernetes" / "overlays" / "vllm",
     "llamacpp": ROOT / "deploy" / "kubernetes" / "overlays" / "llamacpp",
+    # The base plus TLS to Redis and Qdrant (components/store-tls).
+    "store-tls": ROOT / "deploy" / "kubernetes" / "overlays" / "store-tls",
 }
 # Kinds of operators' custom resources: kubernetes-validate has no schema for them (checked below).
 CUSTOM_API_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/")
 # Oldest Kubernetes the manifests are written for (native gRPC probes are GA from 1.27).
 MIN_KUBERNETES = "1.29.0"
-STANDARD_PREFIXES = ("OTEL_", "HF_")
+# SSL_CERT_FILE: OpenSSL's and httpx's CA bundle, how the store-tls component makes the Qdrant
+# client trust the mesh CA (llmesh has no setting of its own for it).
+STANDARD_PREFIXES = ("OTEL_", "HF_", "SSL_CERT_FILE")
 # Each Redis and the memory policy it runs with (redis.yaml, redis-state.yaml).
 REDIS_POLICIES = {"redis": "volatile-lru", "redis-state": "noeviction"}
 STORES = ("redis", "redis-state", "qdrant")
@@ -451,23 +461,28 @@ def redis_password(objects: tuple[Obj, ...], server: str) -> str:
     return secret_value(objects, ref["name"], ref["key"])
 
 
-def test_redis_and_qdrant_require_credentials(objects: tuple[Obj, ...]) -> None:
+def redis_scheme(variant: str) -> str:
+    return "rediss" if variant == "store-tls" else "redis"
+
+
+def test_redis_and_qdrant_require_credentials(objects: tuple[Obj, ...], variant: str) -> None:
     redis = one(objects, "StatefulSet", "redis")
     password = redis_password(objects, "redis")
     namespace = redis["metadata"]["namespace"]
     for name in ("cache", "retrieval"):
         url = secret_env(objects, name, "LLMESH_REDIS_URL")
-        assert url.startswith(f"redis://:{password}@redis.{namespace}.svc.cluster.local:6379/"), url
+        assert url.startswith(f"{redis_scheme(variant)}://:{password}@redis.{namespace}.svc.cluster.local:6379/"), url
 
     qdrant = container(one(objects, "StatefulSet", "qdrant"))
     key_ref = {e["name"]: e for e in qdrant["env"]}["QDRANT__SERVICE__API_KEY"]["valueFrom"]["secretKeyRef"]
+    scheme = "https" if variant == "store-tls" else "http"
     for name in ("cache", "retrieval"):
         env = environment(objects, container(one(objects, "Deployment", name)))
         assert env["QDRANT_API_KEY"] == f"<secret:{key_ref['name']}/{key_ref['key']}>", name
-        assert env["QDRANT_URL"] == f"http://qdrant.{namespace}.svc.cluster.local:6333", name
+        assert env["QDRANT_URL"] == f"{scheme}://qdrant.{namespace}.svc.cluster.local:6333", name
 
 
-def test_gateways_share_admission_and_key_limits_through_redis(objects: tuple[Obj, ...]) -> None:
+def test_gateways_share_admission_and_key_limits_through_redis(objects: tuple[Obj, ...], variant: str) -> None:
     """The gateway runs as 2+ replicas (its autoscaler): without the shared window each would admit
     the whole budget and each key's limits would multiply by the replica count. The window and
     the limits live in redis-state, which never evicts, not in the cache's Redis."""
@@ -476,7 +491,7 @@ def test_gateways_share_admission_and_key_limits_through_redis(objects: tuple[Ob
     password = redis_password(objects, "redis-state")
     namespace = gateway["metadata"]["namespace"]
     host = f"redis-state.{namespace}.svc.cluster.local:6379"
-    assert url.startswith(f"redis://:{password}@{host}/"), url
+    assert url.startswith(f"{redis_scheme(variant)}://:{password}@{host}/"), url
     assert password != redis_password(objects, "redis"), "the two Redis servers share a password"
     env = environment(objects, container(gateway))
     hpa = one(objects, "HorizontalPodAutoscaler", "gateway")
@@ -873,3 +888,204 @@ def test_redis_memory_is_capped_below_the_limit_with_a_policy(objects: tuple[Obj
     ):
         host = urlsplit(secret_env(objects, workload, variable)).hostname
         assert host == f"{server}.{namespace}.svc.cluster.local", f"{workload} {variable} dials {host}"
+
+
+# ----------------------------------------------------------------------------- TLS to the stores
+
+TLS_FILES = ("tls.crt", "tls.key", "ca.crt")
+
+
+def secret_mount(workload: Obj, c: Obj, path: str) -> str:
+    """The Secret mounted at `path` in the container, read-only."""
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == path)
+    assert mount.get("readOnly") is True, path
+    volume = next(v for v in pod_spec(workload)["volumes"] if v["name"] == mount["name"])
+    return str(volume["secret"]["secretName"])
+
+
+def test_store_tls_serves_and_dials_the_stores_over_tls() -> None:
+    """components/store-tls: both Redis servers serve TLS only and require a mesh client
+    certificate, Qdrant serves HTTPS, each with its own certificate Secret; the cache, retrieval
+    and gateways dial them with rediss:// (verifying against the mesh CA and presenting their own
+    certificate) and https:// (the mesh CA through SSL_CERT_FILE). Nothing else changes."""
+    objects, base = render("store-tls"), render("base")
+    namespace = one(objects, "StatefulSet", "redis")["metadata"]["namespace"]
+    for name in REDIS_POLICIES:
+        workload = one(objects, "StatefulSet", name)
+        c = container(workload, "redis")
+        args = c["args"]
+
+        def option(flag: str, args: list[str] = args) -> str:
+            return args[len(args) - args[::-1].index(flag)]  # the last one wins
+
+        assert option("--port") == "0" and option("--tls-port") == "6379", f"{name} still serves plaintext"
+        assert option("--tls-auth-clients") == "yes", name
+        folder = str(Path(option("--tls-cert-file")).parent)
+        assert [option(f"--tls-{f}-file") for f in ("cert", "key", "ca-cert")] == [f"{folder}/{f}" for f in TLS_FILES]
+        assert secret_mount(workload, c, folder) == f"llmesh-tls-{name}"
+        assert "--tls" in " ".join(c["readinessProbe"]["exec"]["command"]), f"{name}'s probe speaks plaintext"
+        assert (
+            args[: len(container(one(base, "StatefulSet", name), "redis")["args"])]
+            == (container(one(base, "StatefulSet", name), "redis")["args"])
+        ), f"{name} lost its base options"
+
+    qdrant = one(objects, "StatefulSet", "qdrant")
+    qc = container(qdrant)
+    env = {e["name"]: e.get("value") for e in qc["env"]}
+    assert env["QDRANT__SERVICE__ENABLE_TLS"] == "true"
+    folder = str(Path(str(env["QDRANT__TLS__CERT"])).parent)
+    assert env["QDRANT__TLS__KEY"] == f"{folder}/tls.key"
+    assert secret_mount(qdrant, qc, folder) == "llmesh-tls-qdrant"
+    assert qc["readinessProbe"]["httpGet"]["scheme"] == qc["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
+
+    clients = {"cache": "LLMESH_REDIS_URL", "retrieval": "LLMESH_REDIS_URL", "gateway": "LLMESH_ADMISSION_REDIS_URL"}
+    for client, variable in clients.items():
+        env = environment(objects, container(one(objects, "Deployment", client)))
+        url = urlsplit(secret_env(objects, client, variable))
+        query = {k: v[0] for k, v in parse_qs(url.query).items()}
+        assert url.scheme == "rediss", client
+        assert query == {
+            "ssl_ca_certs": env["LLMESH_TLS_CA"],
+            "ssl_certfile": env["LLMESH_TLS_CERT"],
+            "ssl_keyfile": env["LLMESH_TLS_KEY"],
+        }, client
+        if client != "gateway":
+            assert env["QDRANT_URL"] == f"https://qdrant.{namespace}.svc.cluster.local:6333", client
+            assert env["SSL_CERT_FILE"] == env["LLMESH_TLS_CA"], client
+    for name in (*settings.SERVICES, *SECOND_MODELS):
+        if name not in clients:
+            assert one(objects, "Deployment", name) == one(base, "Deployment", name), f"store-tls changed {name}"
+
+    # cert-manager issues the stores' certificates, for the names the URLs dial.
+    operators = render("operators")
+    for store in STORES:
+        cert = one(operators, "Certificate", f"llmesh-tls-{store}")["spec"]
+        assert cert["secretName"] == f"llmesh-tls-{store}"
+        assert f"{store}.{namespace}.svc.cluster.local" in cert["dnsNames"], store
+        assert cert["issuerRef"] == {"kind": "Issuer", "name": "llmesh-mesh-ca"}
+
+
+@pytest.fixture(scope="module")
+def store_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The mesh CA and certificates, the stores' too, as docs/deploy.md issues them by hand."""
+    out = tmp_path_factory.mktemp("store-certs") / "mesh"
+    env = {**os.environ, "MESH_EXTRA_SERVICES": ",".join(STORES)}
+    subprocess.run(
+        ["bash", str(ROOT / "scripts" / "mesh-certs.sh"), str(out)], check=True, capture_output=True, env=env
+    )
+    return out
+
+
+def in_pod(path: str, certs: Path, service: str) -> str:
+    """A pod's /etc/llmesh/tls/<file> as the test's copy of that service's certificate files."""
+    return str(certs / service / Path(path).name)
+
+
+async def tls_proxy(certs: Path, upstream: tuple[str, int]) -> asyncio.Server:
+    """Redis's TLS port stand-in: TLS with the `redis` certificate, a mesh client certificate
+    required, bytes relayed to the plaintext test Redis."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(certs / "redis" / "ca.crt"))
+    context.load_cert_chain(str(certs / "redis" / "tls.crt"), str(certs / "redis" / "tls.key"))
+    context.verify_mode = ssl.CERT_REQUIRED
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*upstream)
+        await asyncio.gather(relay(reader, up_writer), relay(up_reader, writer), return_exceptions=True)
+
+    return await asyncio.start_server(accept, "127.0.0.1", 0, ssl=context)
+
+
+async def test_store_tls_redis_url_works_with_the_mesh_clients(redis_url: str, store_certs: Path) -> None:
+    """The rediss:// URL the component gives the cache (query and all, the pod's file paths
+    mapped to this test's copies) works with llmesh's Redis client: the server is verified
+    against the mesh CA and the pod's certificate satisfies a server that requires one."""
+    from llmesh import collection_versions
+
+    tls_url = urlsplit(secret_env(render("store-tls"), "cache", "LLMESH_REDIS_URL"))
+    query = {k: in_pod(v[0], store_certs, "cache") for k, v in parse_qs(tls_url.query).items()}
+    test_redis = urlsplit(redis_url)
+    server = await tls_proxy(store_certs, (test_redis.hostname or "127.0.0.1", test_redis.port or 6379))
+    port = server.sockets[0].getsockname()[1]
+    # The certificate names redis.<ns>.svc.cluster.local and 127.0.0.1: the host is checked too.
+    netloc = f":{test_redis.password}@127.0.0.1:{port}" if test_redis.password else f"127.0.0.1:{port}"
+    url = f"rediss://{netloc}{test_redis.path}?" + "&".join(f"{k}={v}" for k, v in query.items())
+    client = collection_versions.connect(url, timeout=5)
+    try:
+        assert await collection_versions.bump(client, "acme", "docs") == 1
+        assert await collection_versions.read(client, "acme", "docs") == 1
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+class QdrantStandIn(BaseHTTPRequestHandler):
+    """Answers the two requests the client makes here, as Qdrant does."""
+
+    def do_GET(self) -> None:
+        body: dict[str, Any] = {"title": "qdrant", "version": "1.19.0"}
+        if self.path.startswith("/collections"):
+            body = {"result": {"collections": []}, "status": "ok", "time": 0.0}
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def https_qdrant(store_certs: Path) -> Iterator[str]:
+    """An HTTPS server with the `qdrant` certificate of the mesh CA: its URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), QdrantStandIn)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(str(store_certs / "qdrant" / "tls.crt"), str(store_certs / "qdrant" / "tls.key"))
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"https://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+# Without the CA the client's server version check fails too, and says so.
+@pytest.mark.filterwarnings("ignore:Failed to obtain server version")
+def test_store_tls_qdrant_client_trusts_the_mesh_ca_through_ssl_cert_file(
+    https_qdrant: str, store_certs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llmesh's Qdrant client, opened as the cache opens it, reaches an HTTPS Qdrant whose
+    certificate the mesh CA signed once SSL_CERT_FILE names the CA as the component sets it,
+    and refuses it without."""
+    from qdrant_client.http.exceptions import ResponseHandlingException
+
+    from llmesh.qdrant import open_client
+
+    env = environment(render("store-tls"), container(one(render("store-tls"), "Deployment", "cache")))
+    loaded = settings.load("cache", {"QDRANT_URL": https_qdrant, "QDRANT_API_KEY": "key"})
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    handle = open_client(loaded, "cache")
+    try:
+        with pytest.raises(ResponseHandlingException, match="CERTIFICATE_VERIFY_FAILED"):
+            handle.client.get_collections()  # type: ignore[attr-defined]
+    finally:
+        handle.close()
+    monkeypatch.setenv("SSL_CERT_FILE", in_pod(env["SSL_CERT_FILE"], store_certs, "cache"))
+    handle = open_client(loaded, "cache")
+    try:
+        assert handle.client.get_collections().collections == []  # type: ignore[attr-defined]
+    finally:
+        handle.close()
