@@ -1,10 +1,12 @@
 """Mutual TLS by default, on the mesh started the way docker-compose.yml starts it: five
 processes, each with its compose environment (TLS files, client CA, health listener and the
-rest), certificates from scripts/mesh-certs.sh (the script the compose `certs` job runs).
-Every internal port refuses a client without a mesh certificate; the gateway serves one."""
+rest), certificates from scripts/mesh-certs.sh (the script the compose `certs` job runs) and the
+gateway's keys from scripts/mesh-keys.sh (the `keys` job's). Every internal port refuses a
+client without a mesh certificate; the gateway serves one that holds an API key."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmesh import settings
 from llmesh.client import Mesh as Client
+from llmesh.client import MeshError
 from llmesh.supervisor import Mesh
 from llmesh.testing import REPO_ROOT, build_tiny_model
 
@@ -26,6 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 COMPOSE = REPO_ROOT / "docker-compose.yml"
 CERTS_MOUNT = "/certs"
+KEYS_MOUNT = "/keys"
 INTERNAL = tuple(s for s in settings.SERVICES if s != "gateway")
 # The compose file's two models, as tiny models here: the supervisor runs one inference process
 # per model (`inference/NAME`) with the environment of the compose service serving it.
@@ -57,9 +61,10 @@ HOST_SPECIFIC = {
 COMPOSE_DEFAULT = re.compile(r"\$\{\w+:-([^}]*)\}")
 
 
-def compose_environment(name: str, certs: Path) -> dict[str, str]:
+def compose_environment(name: str, certs: Path, keys: Path | None = None) -> dict[str, str]:
     """The service's environment in docker-compose.yml, with the certificate volume mapped to
-    `certs` and the host-specific variables left to the supervisor and the test."""
+    `certs` (the keys volume to `keys`) and the host-specific variables left to the supervisor and
+    the test."""
     service: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())["services"][name]
     env = {str(k): str(v) for k, v in service["environment"].items()}
     kept: dict[str, str] = {}
@@ -70,6 +75,9 @@ def compose_environment(name: str, certs: Path) -> dict[str, str]:
             continue
         if value.startswith(CERTS_MOUNT + "/"):
             value = str(certs / value.removeprefix(CERTS_MOUNT + "/"))
+        if value.startswith(KEYS_MOUNT + "/"):
+            assert keys is not None, f"{name} reads the keys volume"
+            value = str(keys / value.removeprefix(KEYS_MOUNT + "/"))
         if key == "LLMESH_HEALTH_LISTEN":
             # Each container has its own loopback; five processes on one host need five ports.
             value = value.rpartition(":")[0] + ":0"
@@ -86,15 +94,34 @@ def foreign_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def mesh_keys(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The keys volume as the compose `keys` job fills it, and the API key it printed."""
+    out = tmp_path_factory.mktemp("keys") / "keys"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    job = subprocess.run(
+        ["bash", str(REPO_ROOT / "scripts" / "mesh-keys.sh"), str(out)], capture_output=True, text=True, env=env
+    )
+    assert job.returncode == 0, job.stderr
+    key = re.search(r"API key .*: (\S+)$", job.stdout, re.MULTILINE)
+    assert key, job.stdout
+    return out, key.group(1)
+
+
+@pytest.fixture(scope="module")
 def mesh(
     models_dir: Path,
     tiny_model: Path,
     mesh_certs: Path,
+    mesh_keys: tuple[Path, str],
     tmp_path_factory: pytest.TempPathFactory,
     module_redis_url: str,
 ) -> Iterator[Mesh]:
     build_tiny_model(models_dir, name="tiny-seed1", seed=1)
-    service_env = {name: compose_environment(name, mesh_certs) for name in settings.SERVICES}
+    keys = mesh_keys[0]
+    service_env = {name: compose_environment(name, mesh_certs, keys) for name in settings.SERVICES}
+    # The gateway's entrypoint reads the admin key file into LLMESH_ADMIN_KEYS.
+    service_env["gateway"]["LLMESH_ADMIN_KEYS"] = (keys / "admin-key").read_text().strip()
     service_env |= {f"inference/{model}": compose_environment(svc, mesh_certs) for model, svc in MODELS.items()}
     for name, env in service_env.items():
         # The compose stack runs every service with TLS on, and the internal ones require client certs.
@@ -155,10 +182,16 @@ def test_internal_port_refuses_clients_without_a_mesh_certificate(
     assert refused(target, foreign) == grpc.StatusCode.UNAVAILABLE, "a certificate from another CA accepted"
 
 
-def test_gateway_serves_callers_without_a_client_certificate(mesh: Mesh, mesh_certs: Path) -> None:
+def test_gateway_serves_callers_without_a_client_certificate(
+    mesh: Mesh, mesh_certs: Path, mesh_keys: tuple[Path, str]
+) -> None:
     target = mesh.target("gateway")
     ca = str(mesh_certs / "client" / "ca.crt")
-    with Client(target, ca_file=ca, timeout=120) as client:
+    # API keys are on: a caller without one is refused before any hop.
+    with Client(target, ca_file=ca, timeout=30, retries=0) as anonymous, pytest.raises(MeshError) as refusal:
+        anonymous.ask("Hello over TLS", max_new_tokens=4)
+    assert refusal.value.code == grpc.StatusCode.UNAUTHENTICATED, refusal.value
+    with Client(target, ca_file=ca, api_key=mesh_keys[1], timeout=120) as client:
         # Ingest: gateway -> retrieval -> tokenizer, each hop over mutual TLS.
         assert client.ingest([("tls-doc", "The mesh speaks mutual TLS between its services.")]).chunks == 1
         # Generation: gateway -> cache, retrieval, tokenizer, inference, each over mutual TLS.

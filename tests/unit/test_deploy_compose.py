@@ -4,9 +4,13 @@ that llmesh/settings.py declares."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +27,12 @@ DOCKERFILE = ROOT / "Dockerfile"
 STANDARD_PREFIXES = ("OTEL_", "HF_")
 MODEL_READERS = ("tokenizer", "inference", "cache", "retrieval")
 # Jobs that run once and exit (the others are long-running with a health check).
-ONE_SHOT_JOBS = ("models", "models-import", "models-gguf", "certs")
+ONE_SHOT_JOBS = ("models", "models-import", "models-gguf", "certs", "keys")
+# The only services that publish host ports: the gateway (the callers' door) and the operators'
+# UIs (Jaeger, Prometheus, Grafana), all on 127.0.0.1. Everything else is internal.
+PUBLISHING = ("gateway", "jaeger", "prometheus", "grafana")
+GATEWAY_PUBLISHED = {settings.DEFAULT_PORTS["gateway"], settings.DEFAULT_HTTP_PORT}
+KEYS_SCRIPT = ROOT / "scripts" / "mesh-keys.sh"
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -100,8 +109,13 @@ def test_every_llmesh_service_runs_its_own_module(services: dict[str, dict[str, 
         assert name in services, f"compose has no {name} service"
         svc = services[name]
         assert svc["build"]["target"] == name, f"{name} builds Dockerfile target {svc['build'].get('target')}"
-        command = svc.get("entrypoint") or entrypoints.get(name)
-        assert command == ["python", "-m", f"services.{name}"], f"{name} runs {command}"
+        command = svc.get("entrypoint") or entrypoints.get(name) or []
+        module = ["python", "-m", f"services.{name}"]
+        if name == "gateway":
+            # A shell that reads the admin key file, then becomes the module (exec: signals reach it).
+            assert command[:2] == ["sh", "-c"] and command[2].endswith("; exec " + " ".join(module)), command
+        else:
+            assert command == module, f"{name} runs {command}"
         assert "command" not in svc, f"{name} overrides the image command"
 
 
@@ -273,11 +287,20 @@ def test_redis_requires_a_password(services: dict[str, dict[str, Any]]) -> None:
     assert env_of(redis)["REDIS_PASSWORD"] == match.group(1), "cache and redis use different passwords"
 
 
+def test_redis_memory_is_capped_and_evicts_only_cached_answers(services: dict[str, dict[str, Any]]) -> None:
+    """Cached answers carry a TTL and may go; collection versions carry none and must stay
+    (evicting one could serve an answer cached before an ingest): volatile-lru, as the embedded
+    cache Redis runs."""
+    command = " ".join(services["redis"]["command"])
+    assert re.search(r"--maxmemory \d+mb\b", command), command
+    assert "--maxmemory-policy volatile-lru" in command, command
+
+
 def test_qdrant_requires_an_api_key(services: dict[str, dict[str, Any]]) -> None:
     qdrant = services["qdrant"]
     key = env_of(qdrant)["QDRANT__SERVICE__API_KEY"]
     assert key.startswith("${QDRANT_API_KEY")
-    assert {p.split(":", 1)[-1] for p in qdrant["ports"]} >= {"6333:6333", "6334:6334"}
+    assert {6333, 6334} <= container_ports(qdrant) and "ports" not in qdrant, "Qdrant is internal"
     for name in ("cache", "retrieval"):
         env = env_of(services[name])
         assert env["QDRANT_URL"] == "http://qdrant:6333", name
@@ -302,6 +325,7 @@ def test_gpu_override() -> None:
     gpu = load(COMPOSE_GPU)["services"]
     assert set(gpu) == {"inference"}, "only inference runs on the GPU"
     inference = gpu["inference"]
+    assert "ports" not in inference, "inference is internal on the GPU too"
     assert env_of(inference)["LLMESH_DEVICE"] == "cuda"
     assert "inference" in settings.BY_ENV["LLMESH_DEVICE"].services
     devices = inference["deploy"]["resources"]["reservations"]["devices"]
@@ -331,3 +355,103 @@ def test_compose_config_with_the_backend_profiles_is_accepted() -> None:
     args = [*command, "-f", str(COMPOSE), "--profile", "vllm", "--profile", "llamacpp", "config", "-q"]
     result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr or result.stdout
+
+
+# ----------------------------------------------------------------------------- closed by default
+
+
+def published(service: dict[str, Any]) -> list[tuple[str, int]]:
+    """(host address, container port) of every published port (short and long syntax)."""
+    found = []
+    for entry in service.get("ports") or []:
+        if isinstance(entry, dict):
+            found.append((str(entry.get("host_ip", "")), int(entry["target"])))
+            continue
+        parts = str(entry).split("/")[0].split(":")
+        host_ip = parts[0] if len(parts) == 3 else ""
+        found.append((host_ip, int(parts[-1])))
+    return found
+
+
+def test_only_the_gateway_publishes_a_mesh_port(services: dict[str, dict[str, Any]]) -> None:
+    """Internal services and the stores are reachable inside the compose network only; what is
+    published binds the host's loopback."""
+    for name, svc in services.items():
+        ports = published(svc)
+        if name not in PUBLISHING:
+            assert not ports, f"{name} publishes {ports}: internal services use `expose` only"
+        for host_ip, port in ports:
+            assert host_ip == "127.0.0.1", f"{name} publishes {port} on {host_ip or 'every interface'}"
+    assert {port for _, port in published(services["gateway"])} == GATEWAY_PUBLISHED
+
+
+def test_gateway_requires_api_keys_from_the_keys_job(services: dict[str, dict[str, Any]], compose: dict) -> None:
+    """The gateway starts with authentication on: an API keys file and an admin key that the
+    one-shot `keys` job generated into a volume only the job writes and only the gateway reads."""
+    job, gateway = services["keys"], services["gateway"]
+    assert job["restart"] == "no" and job.get("network_mode") == "none"
+    assert f"./scripts/{KEYS_SCRIPT.name}:/usr/local/bin/mesh-keys:ro" in job["volumes"]
+    assert job["entrypoint"] == ["bash", "/usr/local/bin/mesh-keys"]
+    out = job["command"][-1]
+    assert job["command"][job["command"].index("--owner") + 1] == "10001:10001", "the gateway runs as uid 10001"
+    job_volumes = {v.split(":")[1]: v.split(":")[0] for v in job["volumes"]}
+    volume = job_volumes[out]
+    assert volume in compose["volumes"]
+
+    env = env_of(gateway)
+    assert "LLMESH_API_KEYS" not in env, "no key in the compose file: the job generates them"
+    keys_file = Path(env["LLMESH_API_KEYS_FILE"])
+    assert f"{volume}:{keys_file.parent}:ro" in gateway["volumes"]
+    assert keys_file == Path(out) / "keys.json"
+    wrapper = gateway["entrypoint"][2]
+    assert f"cat {Path(out) / 'admin-key'}" in wrapper and "LLMESH_ADMIN_KEYS=" in wrapper, wrapper
+    assert gateway["depends_on"]["keys"]["condition"] == "service_completed_successfully"
+    for name, svc in services.items():
+        if name not in ("keys", "gateway"):
+            assert not any(str(v).split(":")[0] == volume for v in svc.get("volumes") or []), f"{name} mounts the keys"
+
+
+def run_keys_job(out: Path) -> subprocess.CompletedProcess[str]:
+    # `llmesh` from this checkout, as the gateway image has it.
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT),
+    }
+    return subprocess.run(
+        ["bash", str(KEYS_SCRIPT), str(out)], capture_output=True, text=True, env=env, timeout=60, check=True
+    )
+
+
+def test_keys_job_generates_once_and_prints_the_keys_once(tmp_path: Path) -> None:
+    out = tmp_path / "keys"
+    first = run_keys_job(out)
+    api = re.search(r"API key .*: (llmesh_\S+)$", first.stdout, re.MULTILINE)
+    admin = re.search(r"admin key .*: (\S+)$", first.stdout, re.MULTILINE)
+    assert api and admin, first.stdout
+    (record,) = json.loads((out / "keys.json").read_text())["keys"]
+    assert record["sha256"] == hashlib.sha256(api.group(1).encode()).hexdigest(), "the printed key is the filed one"
+    assert api.group(1) not in (out / "keys.json").read_text(), "the file keeps a digest, never the key"
+    assert (out / "admin-key").read_text().strip() == admin.group(1)
+    settings.BY_ENV["LLMESH_ADMIN_KEYS"].parse(admin.group(1))  # long enough for the gateway
+    for name in ("keys.json", "admin-key"):
+        assert (out / name).stat().st_mode & 0o077 == 0, f"{name} is readable by others"
+    before = {name: (out / name).read_bytes() for name in ("keys.json", "admin-key")}
+
+    again = run_keys_job(out)
+    assert "key" not in again.stdout, f"a second run printed {again.stdout!r}"
+    assert {name: (out / name).read_bytes() for name in before} == before, "a second run regenerated the keys"
+
+
+def test_gateway_entrypoint_exports_the_admin_key(services: dict[str, dict[str, Any]], tmp_path: Path) -> None:
+    """The entrypoint's shell hands the admin key file's content to the gateway as
+    LLMESH_ADMIN_KEYS (a stand-in `python` prints what it received)."""
+    script = services["gateway"]["entrypoint"][2].replace("$$", "$").replace("/keys/", f"{tmp_path}/")
+    (tmp_path / "admin-key").write_text("llmesh-admin-0123456789abcdef\n")
+    fake = tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "$LLMESH_ADMIN_KEYS|$*"\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{fake.parent}{os.pathsep}/usr/bin{os.pathsep}/bin"}
+    result = subprocess.run(["sh", "-c", script], capture_output=True, text=True, env=env, timeout=30, check=True)
+    assert result.stdout == "llmesh-admin-0123456789abcdef|-m services.gateway\n"
