@@ -35,21 +35,25 @@ def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    """Starts the mesh and supervises it: a service that dies is restarted (see Supervision);
+    Ctrl-C or SIGTERM stops the mesh (status 0), so does a service that keeps dying (status 1)."""
     from llmesh.redis_server import EmbeddedRedisError, redacted
-    from llmesh.settings import DEFAULT_PORTS
-    from llmesh.supervisor import LogEcho
+    from llmesh.settings import DEFAULT_PORTS, load_or_exit
+    from llmesh.supervisor import LogEcho, Supervision
     from llmesh.supervisor import Mesh as Processes
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # The mesh's credential, new for each start: the internal services answer only the processes
     # started here (any other local process reaches their ports, but not their methods).
     os.environ.setdefault("LLMESH_MESH_TOKEN", secrets.token_urlsafe(32))
-    procs = Processes(ports=DEFAULT_PORTS, echo_logs=not args.quiet)
+    supervision = Supervision.from_settings(load_or_exit("cli"))
+    procs = Processes(ports=DEFAULT_PORTS, echo_logs=not args.quiet, supervision=supervision)
     say = (procs.echo or LogEcho(os.environ.get("LLMESH_LOG_FORMAT", "auto"))).say
     stop = {"now": False}
 
     def on_signal(signum: int, frame: object) -> None:
         stop["now"] = True
+        procs.request_stop()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -68,21 +72,28 @@ def cmd_up(args: argparse.Namespace) -> int:
         gateway=procs.target("gateway"),
         openai_api=openai_api,
         redis=redacted(procs.redis.url) if procs.redis else "LLMESH_REDIS_URL",
+        metrics=f"{supervision.metrics_host}:{procs.metrics.port}" if procs.metrics else "off",
     )
     if procs.models:
         say("models: " + ", ".join(f"{m} at {procs.target(f'inference/{m}')}" for m in procs.models))
     try:
-        while not stop["now"]:
-            for name, sp in list(procs.procs.items()):
-                if sp.proc.poll() is not None:
-                    say(f"{name} exited with {sp.proc.returncode}; stopping", level="ERROR")
-                    stop["now"] = True
-            time.sleep(0.5)
+        # Short waits: the signal handler runs between them.
+        while not stop["now"] and not procs.failed.wait(0.5):
+            pass
+        if procs.failure is not None:
+            failure = procs.failure
+            say(
+                f"{failure}; stopping",
+                level="ERROR",
+                process=failure.service,
+                exit=failure.exit,
+                restarts_last_minute=failure.restarts_last_minute,
+            )
     finally:
         say("stopping (draining in-flight calls)")
         procs.stop()
         say("stopped")
-    return 0
+    return 1 if procs.failure is not None else 0
 
 
 def _ask_options(args: argparse.Namespace) -> dict[str, object]:

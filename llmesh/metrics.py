@@ -3,7 +3,7 @@ exports (names after go-grpc-prometheus so existing dashboards work)."""
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from llmesh.telemetry import current_trace_id
 
@@ -39,6 +39,16 @@ DEPENDENCY_UP = Gauge(
     ["dependency"],
 )
 
+# `llmesh up`'s own metrics, on a registry of their own: its endpoint must not show the service
+# metrics above (llmesh_serving 0 of a process that serves nothing would raise an alert).
+SUPERVISOR_REGISTRY = CollectorRegistry()
+SUPERVISOR_RESTARTS = Counter(
+    "llmesh_supervisor_restarts",
+    "Service processes `llmesh up` started again after they exited on their own (a crash, the OOM killer).",
+    ["service"],
+    registry=SUPERVISOR_REGISTRY,
+)
+
 
 #: The label value that caller-chosen names past a metric's bound share.
 OTHER_LABEL = "_other"
@@ -71,8 +81,8 @@ def trace_exemplar() -> dict[str, str] | None:
 class MetricsEndpoint:
     """The /metrics HTTP server of one process."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self._server, self._thread = start_http_server(port, addr=host, registry=REGISTRY)
+    def __init__(self, host: str, port: int, registry: CollectorRegistry = REGISTRY) -> None:
+        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
         self.port: int = self._server.server_port
 
     def close(self) -> None:

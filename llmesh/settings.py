@@ -22,6 +22,9 @@ DEFAULT_PORTS = {"gateway": 50051, "tokenizer": 50052, "inference": 50053, "cach
 DEFAULT_HTTP_PORT = 8080
 DEFAULT_METRICS_PORTS = {"gateway": 9091, "tokenizer": 9092, "inference": 9093, "cache": 9094, "retrieval": 9095}
 ALL = SERVICES
+#: Settings of `llmesh up` itself (the supervisor), which no service reads: `load("cli")` reads every
+#: setting without a per-service default, so they need no service to be listed under.
+UP: tuple[str, ...] = ()
 
 
 class SettingsError(ValueError):
@@ -1093,6 +1096,31 @@ DECLARED: tuple[Setting, ...] = (
         ("retrieval",),
         _positive_int,
     ),
+    # `llmesh up` itself (the supervisor): read by `load("cli")`, by no service.
+    Setting(
+        "LLMESH_RESTART_LIMIT_PER_MINUTE",
+        "5",
+        "Restarts `llmesh up` gives one service process (each inference replica on its own) within any 60 s; "
+        "the service dying once more stops the mesh (exit status 1). `0`: a service that dies stops the mesh.",
+        UP,
+        _non_negative_int,
+    ),
+    Setting(
+        "LLMESH_RESTART_BACKOFF_MAX_SECONDS",
+        "10",
+        "Longest wait before `llmesh up` restarts a service that died: 0.5 s after the first death, doubling "
+        "with each death in a row up to this; back to 0.5 s once a restarted process served 30 s.",
+        UP,
+        _positive_float,
+    ),
+    Setting(
+        "LLMESH_UP_METRICS_PORT",
+        "9096",
+        "Prometheus /metrics HTTP port of `llmesh up` itself (on LLMESH_METRICS_HOST; `0` picks a free one): "
+        "llmesh_supervisor_restarts_total{service}. Not 9090, Prometheus' own port.",
+        UP,
+        _non_negative_int,
+    ),
 )
 
 BY_ENV = {s.env: s for s in DECLARED}
@@ -1191,7 +1219,7 @@ def markdown_table() -> str:
                 default = f"`{s.default}`; {default}"
         else:
             default = f"`{s.default}`" if s.default else "(empty)"
-        services = "all" if s.services == ALL else ", ".join(s.services)
+        services = "all" if s.services == ALL else ", ".join(s.services) or "`llmesh up`"
         rows.append(f"| `{s.env}` | {default} | {services} | {s.doc} |")
     return "\n".join(rows)
 
