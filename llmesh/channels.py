@@ -60,6 +60,10 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.lb_policy_name", "round_robin"),
+        # A peer that restarts (`llmesh up` restarts a dead service on its port, Kubernetes a pod)
+        # is dialled again within a second of coming back: gRPC's default backoff grows to 2 minutes.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
     ]
 
 
