@@ -324,8 +324,8 @@ class Failure:
         if not self.limit:
             return f"{self.service} exited with {self.exit} (LLMESH_RESTART_LIMIT_PER_MINUTE=0: no restarts)"
         return (
-            f"{self.service} exited with {self.exit} after {self.restarts_last_minute} restarts in the last minute "
-            f"(LLMESH_RESTART_LIMIT_PER_MINUTE={self.limit})"
+            f"{self.service} exited with {self.exit}; restarts in the last minute: {self.restarts_last_minute}, "
+            f"the limit (LLMESH_RESTART_LIMIT_PER_MINUTE={self.limit})"
         )
 
 

@@ -181,7 +181,8 @@ def test_a_process_that_keeps_dying_past_the_limit_fails_the_mesh(mesh: StandIns
     assert mesh.failed.wait(10)
     assert mesh.failure == Failure("retrieval", "signal SIGKILL", 2, 2)
     assert str(mesh.failure) == (
-        "retrieval exited with signal SIGKILL after 2 restarts in the last minute (LLMESH_RESTART_LIMIT_PER_MINUTE=2)"
+        "retrieval exited with signal SIGKILL; restarts in the last minute: 2, the limit "
+        "(LLMESH_RESTART_LIMIT_PER_MINUTE=2)"
     )
     assert mesh.spawned.empty()
 
