@@ -490,7 +490,7 @@ class Mesh:
                 return
             SUPERVISOR_RESTARTS.labels(service=name).inc()
             self._say(
-                f"{name} exited with {how}; restart {decision.attempt} in {decision.delay:.1f}s",
+                f"{name} exited with {how}; restart {decision.attempt} in {decision.delay:.3g}s",
                 level="WARNING",
                 process=name,
                 exit=how,
