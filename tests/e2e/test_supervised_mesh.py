@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import queue
+import secrets
 import signal
 import threading
 import time
@@ -70,6 +71,7 @@ def mesh(models_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> I
         "LLMESH_EMBEDDED_REDIS_PORT": str(free_port()),
         "LLMESH_UP_METRICS_PORT": "0",
         "LLMESH_MAX_BATCH_SIZE": "4",
+        "LLMESH_MESH_TOKEN": secrets.token_urlsafe(32),  # as llmesh up sets it: a restart must carry it
     }
     procs = HeldRestarts(env=env, supervision=Supervision.from_settings(load("cli", {**os.environ, **env})))
     with procs:
