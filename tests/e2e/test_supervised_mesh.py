@@ -118,9 +118,32 @@ def cached_answer(client: Mesh) -> gateway_pb2.GenerateResponse:
     raise AssertionError("the answer was never served from the cache")
 
 
+#: A method of each internal service: what a local process without the credential tries.
+INTERNAL_METHODS = {
+    "tokenizer": "/llmesh.v1.Tokenizer/Count",
+    "inference": "/llmesh.v1.Inference/GetModelInfo",
+    "cache": "/llmesh.v1.Cache/Store",
+    "retrieval": "/llmesh.v1.Retrieval/Search",
+}
+
+
+def refused_without_credential(target: str, method: str) -> grpc.StatusCode:
+    with grpc.insecure_channel(target) as channel:
+        call = channel.unary_unary(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        try:
+            call(b"", timeout=10)
+        except grpc.RpcError as exc:
+            return exc.code()  # type: ignore[no-any-return]
+    return grpc.StatusCode.OK
+
+
 def test_killed_services_are_restarted_and_the_mesh_comes_back(mesh: HeldRestarts) -> None:
     gateway = mesh.target("gateway")
     before = restarts(mesh)
+    # Closed by default: each internal port refuses a caller without the mesh credential (the
+    # gateway, which holds it, answers below).
+    for name, method in INTERNAL_METHODS.items():
+        assert refused_without_credential(mesh.target(name), method) == grpc.StatusCode.UNAUTHENTICATED, name
     with Mesh(gateway, timeout=120) as client:
         cached = cached_answer(client)
 
