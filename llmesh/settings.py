@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from llmesh import chunking
+
 SERVICES = ("gateway", "tokenizer", "inference", "cache", "retrieval")
 DEFAULT_PORTS = {"gateway": 50051, "tokenizer": 50052, "inference": 50053, "cache": 50054, "retrieval": 50055}
 DEFAULT_HTTP_PORT = 8080
@@ -64,6 +66,13 @@ def _positive_int(raw: str) -> int:
     value = int(raw)
     if value <= 0:
         raise ValueError("must be > 0")
+    return value
+
+
+def _chunk_window(raw: str) -> int:
+    value = int(raw)
+    if not chunking.MIN_CHUNK_TOKENS <= value <= chunking.MAX_CHUNK_TOKENS:
+        raise ValueError(f"must be {chunking.MIN_CHUNK_TOKENS}..{chunking.MAX_CHUNK_TOKENS}")
     return value
 
 
@@ -557,6 +566,15 @@ DECLARED: tuple[Setting, ...] = (
         "LLMESH_MAX_QUERY_REQUEST_BYTES",
         str(64 * 1024),
         "Largest Search, ListModels or PurgeCache request, and body of any other HTTP route.",
+        ("gateway",),
+        _positive_int,
+    ),
+    Setting(
+        "LLMESH_INGEST_MAX_BYTES_IN_FLIGHT",
+        str(8 * 1024 * 1024),
+        "Document bytes this gateway ingests at once (an ingest's admission weight is its documents' bytes); one "
+        "that does not fit is refused RESOURCE_EXHAUSTED (INGEST_BUSY) with a retry delay. An ingest larger than "
+        "this runs alone.",
         ("gateway",),
         _positive_int,
     ),
@@ -1071,9 +1089,20 @@ DECLARED: tuple[Setting, ...] = (
     ),
     Setting("QDRANT_API_KEY", "", "API key for the Qdrant server.", ("cache", "retrieval"), secret=True),
     Setting(
-        "LLMESH_CHUNK_TOKENS", "200", "Chunk window in tokens for ingested documents.", ("retrieval",), _positive_int
+        "LLMESH_CHUNK_TOKENS",
+        "200",
+        f"Chunk window in tokens for ingested documents ({chunking.MIN_CHUNK_TOKENS}..{chunking.MAX_CHUNK_TOKENS}, "
+        "as a request's chunk_tokens).",
+        ("retrieval",),
+        _chunk_window,
     ),
-    Setting("LLMESH_CHUNK_OVERLAP", "32", "Tokens shared by consecutive chunks.", ("retrieval",), _non_negative_int),
+    Setting(
+        "LLMESH_CHUNK_OVERLAP",
+        "32",
+        "Tokens shared by consecutive chunks when a request sets no overlap (at most a quarter of the window is used).",
+        ("retrieval",),
+        _non_negative_int,
+    ),
     Setting(
         "LLMESH_DEFAULT_COLLECTION",
         "docs",
@@ -1120,6 +1149,23 @@ DECLARED: tuple[Setting, ...] = (
         "llmesh_supervisor_restarts_total{service}. Not 9090, Prometheus' own port.",
         UP,
         _non_negative_int,
+    ),
+    Setting(
+        "LLMESH_MAX_CHUNKS_PER_DOCUMENT",
+        str(chunking.DEFAULT_MAX_CHUNKS_PER_DOCUMENT),
+        "Most chunks one document may make (its tokens over the window's stride); more is INVALID_ARGUMENT "
+        "(`documents[i].text`, the tokenizer's `text`) before any chunk is made. The default holds a 1 MiB "
+        "document at the default window (at most 6,242 chunks).",
+        ("tokenizer", "retrieval"),
+        _positive_int,
+    ),
+    Setting(
+        "LLMESH_INGEST_BATCH_CHUNKS",
+        "256",
+        "Chunks an ingest embeds and writes at once: its memory (never all of a document's chunks at once) and "
+        "how much work a cancelled or expired ingest still finishes.",
+        ("retrieval",),
+        _positive_int,
     ),
 )
 

@@ -120,16 +120,18 @@ class IngestRequest(_message.Message):
     def __init__(self, collection: _Optional[str] = ..., tenant: _Optional[str] = ..., documents: _Optional[_Iterable[_Union[_common_pb2.Document, _Mapping]]] = ..., chunk_tokens: _Optional[int] = ..., overlap_tokens: _Optional[int] = ...) -> None: ...
 
 class IngestResponse(_message.Message):
-    __slots__ = ("documents", "chunks", "collection_version", "trace_id")
+    __slots__ = ("documents", "chunks", "collection_version", "trace_id", "document_tokens")
     DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     COLLECTION_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     documents: int
     chunks: int
     collection_version: int
     trace_id: str
-    def __init__(self, documents: _Optional[int] = ..., chunks: _Optional[int] = ..., collection_version: _Optional[int] = ..., trace_id: _Optional[str] = ...) -> None: ...
+    document_tokens: int
+    def __init__(self, documents: _Optional[int] = ..., chunks: _Optional[int] = ..., collection_version: _Optional[int] = ..., trace_id: _Optional[str] = ..., document_tokens: _Optional[int] = ...) -> None: ...
 
 class SearchRequest(_message.Message):
     __slots__ = ("query", "collection", "tenant", "top_k", "score_threshold", "filter")

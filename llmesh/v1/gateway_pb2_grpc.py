@@ -91,14 +91,16 @@ class GatewayServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Ingest(self, request, context):
-        """Adds documents to a collection for retrieval-augmented answers.
+        """Adds documents to a collection for retrieval-augmented answers. Counts against the API key's
+        request limit; weighs its documents' bytes in this gateway's ingest budget
+        (LLMESH_INGEST_MAX_BYTES_IN_FLIGHT: RESOURCE_EXHAUSTED, INGEST_BUSY, with a retry delay).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Search(self, request, context):
-        """Searches a collection directly.
+        """Searches a collection directly. Counts against the API key's request limit.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

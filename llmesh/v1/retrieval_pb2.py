@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from llmesh.v1 import common_pb2 as llmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19llmesh/v1/retrieval.proto\x12\tllmesh.v1\x1a\x16llmesh/v1/common.proto\"\x89\x01\n\rUpsertRequest\x12\x12\n\ncollection\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12&\n\tdocuments\x18\x03 \x03(\x0b\x32\x13.llmesh.v1.Document\x12\x14\n\x0c\x63hunk_tokens\x18\x04 \x01(\r\x12\x16\n\x0eoverlap_tokens\x18\x05 \x01(\r\"\x80\x01\n\x0eUpsertProgress\x12\x16\n\x0e\x64ocuments_done\x18\x01 \x01(\r\x12\x17\n\x0f\x64ocuments_total\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunks_done\x18\x03 \x01(\r\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x1a\n\x12\x63ollection_version\x18\x05 \x01(\x04\"\xe1\x01\n\x16RetrievalSearchRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\x12\n\ncollection\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x17\n\x0fscore_threshold\x18\x05 \x01(\x02\x12=\n\x06\x66ilter\x18\x06 \x03(\x0b\x32-.llmesh.v1.RetrievalSearchRequest.FilterEntry\x1a-\n\x0b\x46ilterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"^\n\x17RetrievalSearchResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.llmesh.v1.ScoredChunk\x12\x1a\n\x12\x63ollection_version\x18\x02 \x01(\x04\"I\n\rDeleteRequest\x12\x12\n\ncollection\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x14\n\x0c\x64ocument_ids\x18\x03 \x03(\t\"D\n\x0e\x44\x65leteResponse\x12\x16\n\x0e\x64\x65leted_chunks\x18\x01 \x01(\x04\x12\x1a\n\x12\x63ollection_version\x18\x02 \x01(\x04\";\n\x15\x43ollectionInfoRequest\x12\x12\n\ncollection\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"~\n\x0e\x43ollectionInfo\x12\x0e\n\x06\x65xists\x18\x01 \x01(\x08\x12\x0e\n\x06points\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x11\n\tdimension\x18\x04 \x01(\r\x12\x16\n\x0eindexed_points\x18\x05 \x01(\x04\x12\x10\n\x08indexing\x18\x06 \x01(\x08\"\'\n\x15RetrievalEmbedRequest\x12\x0e\n\x06inputs\x18\x01 \x03(\t\"f\n\x16RetrievalEmbedResponse\x12\'\n\x07vectors\x18\x01 \x03(\x0b\x32\x16.llmesh.v1.FloatVector\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0cinput_tokens\x18\x03 \x01(\r\"\x1d\n\x0b\x46loatVector\x12\x0e\n\x06values\x18\x01 \x03(\x02\x32\xfc\x02\n\tRetrieval\x12?\n\x06Upsert\x12\x18.llmesh.v1.UpsertRequest\x1a\x19.llmesh.v1.UpsertProgress0\x01\x12O\n\x06Search\x12!.llmesh.v1.RetrievalSearchRequest\x1a\".llmesh.v1.RetrievalSearchResponse\x12=\n\x06\x44\x65lete\x12\x18.llmesh.v1.DeleteRequest\x1a\x19.llmesh.v1.DeleteResponse\x12P\n\x11GetCollectionInfo\x12 .llmesh.v1.CollectionInfoRequest\x1a\x19.llmesh.v1.CollectionInfo\x12L\n\x05\x45mbed\x12 .llmesh.v1.RetrievalEmbedRequest\x1a!.llmesh.v1.RetrievalEmbedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19llmesh/v1/retrieval.proto\x12\tllmesh.v1\x1a\x16llmesh/v1/common.proto\"\x89\x01\n\rUpsertRequest\x12\x12\n\ncollection\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12&\n\tdocuments\x18\x03 \x03(\x0b\x32\x13.llmesh.v1.Document\x12\x14\n\x0c\x63hunk_tokens\x18\x04 \x01(\r\x12\x16\n\x0eoverlap_tokens\x18\x05 \x01(\r\"\x99\x01\n\x0eUpsertProgress\x12\x16\n\x0e\x64ocuments_done\x18\x01 \x01(\r\x12\x17\n\x0f\x64ocuments_total\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunks_done\x18\x03 \x01(\r\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x1a\n\x12\x63ollection_version\x18\x05 \x01(\x04\x12\x17\n\x0f\x64ocument_tokens\x18\x06 \x01(\x04\"\xe1\x01\n\x16RetrievalSearchRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\x12\n\ncollection\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x17\n\x0fscore_threshold\x18\x05 \x01(\x02\x12=\n\x06\x66ilter\x18\x06 \x03(\x0b\x32-.llmesh.v1.RetrievalSearchRequest.FilterEntry\x1a-\n\x0b\x46ilterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"^\n\x17RetrievalSearchResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.llmesh.v1.ScoredChunk\x12\x1a\n\x12\x63ollection_version\x18\x02 \x01(\x04\"I\n\rDeleteRequest\x12\x12\n\ncollection\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x14\n\x0c\x64ocument_ids\x18\x03 \x03(\t\"D\n\x0e\x44\x65leteResponse\x12\x16\n\x0e\x64\x65leted_chunks\x18\x01 \x01(\x04\x12\x1a\n\x12\x63ollection_version\x18\x02 \x01(\x04\";\n\x15\x43ollectionInfoRequest\x12\x12\n\ncollection\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"~\n\x0e\x43ollectionInfo\x12\x0e\n\x06\x65xists\x18\x01 \x01(\x08\x12\x0e\n\x06points\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x11\n\tdimension\x18\x04 \x01(\r\x12\x16\n\x0eindexed_points\x18\x05 \x01(\x04\x12\x10\n\x08indexing\x18\x06 \x01(\x08\"\'\n\x15RetrievalEmbedRequest\x12\x0e\n\x06inputs\x18\x01 \x03(\t\"f\n\x16RetrievalEmbedResponse\x12\'\n\x07vectors\x18\x01 \x03(\x0b\x32\x16.llmesh.v1.FloatVector\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0cinput_tokens\x18\x03 \x01(\r\"\x1d\n\x0b\x46loatVector\x12\x0e\n\x06values\x18\x01 \x03(\x02\x32\xfc\x02\n\tRetrieval\x12?\n\x06Upsert\x12\x18.llmesh.v1.UpsertRequest\x1a\x19.llmesh.v1.UpsertProgress0\x01\x12O\n\x06Search\x12!.llmesh.v1.RetrievalSearchRequest\x1a\".llmesh.v1.RetrievalSearchResponse\x12=\n\x06\x44\x65lete\x12\x18.llmesh.v1.DeleteRequest\x1a\x19.llmesh.v1.DeleteResponse\x12P\n\x11GetCollectionInfo\x12 .llmesh.v1.CollectionInfoRequest\x1a\x19.llmesh.v1.CollectionInfo\x12L\n\x05\x45mbed\x12 .llmesh.v1.RetrievalEmbedRequest\x1a!.llmesh.v1.RetrievalEmbedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,27 +37,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UPSERTREQUEST']._serialized_start=65
   _globals['_UPSERTREQUEST']._serialized_end=202
   _globals['_UPSERTPROGRESS']._serialized_start=205
-  _globals['_UPSERTPROGRESS']._serialized_end=333
-  _globals['_RETRIEVALSEARCHREQUEST']._serialized_start=336
-  _globals['_RETRIEVALSEARCHREQUEST']._serialized_end=561
-  _globals['_RETRIEVALSEARCHREQUEST_FILTERENTRY']._serialized_start=516
-  _globals['_RETRIEVALSEARCHREQUEST_FILTERENTRY']._serialized_end=561
-  _globals['_RETRIEVALSEARCHRESPONSE']._serialized_start=563
-  _globals['_RETRIEVALSEARCHRESPONSE']._serialized_end=657
-  _globals['_DELETEREQUEST']._serialized_start=659
-  _globals['_DELETEREQUEST']._serialized_end=732
-  _globals['_DELETERESPONSE']._serialized_start=734
-  _globals['_DELETERESPONSE']._serialized_end=802
-  _globals['_COLLECTIONINFOREQUEST']._serialized_start=804
-  _globals['_COLLECTIONINFOREQUEST']._serialized_end=863
-  _globals['_COLLECTIONINFO']._serialized_start=865
-  _globals['_COLLECTIONINFO']._serialized_end=991
-  _globals['_RETRIEVALEMBEDREQUEST']._serialized_start=993
-  _globals['_RETRIEVALEMBEDREQUEST']._serialized_end=1032
-  _globals['_RETRIEVALEMBEDRESPONSE']._serialized_start=1034
-  _globals['_RETRIEVALEMBEDRESPONSE']._serialized_end=1136
-  _globals['_FLOATVECTOR']._serialized_start=1138
-  _globals['_FLOATVECTOR']._serialized_end=1167
-  _globals['_RETRIEVAL']._serialized_start=1170
-  _globals['_RETRIEVAL']._serialized_end=1550
+  _globals['_UPSERTPROGRESS']._serialized_end=358
+  _globals['_RETRIEVALSEARCHREQUEST']._serialized_start=361
+  _globals['_RETRIEVALSEARCHREQUEST']._serialized_end=586
+  _globals['_RETRIEVALSEARCHREQUEST_FILTERENTRY']._serialized_start=541
+  _globals['_RETRIEVALSEARCHREQUEST_FILTERENTRY']._serialized_end=586
+  _globals['_RETRIEVALSEARCHRESPONSE']._serialized_start=588
+  _globals['_RETRIEVALSEARCHRESPONSE']._serialized_end=682
+  _globals['_DELETEREQUEST']._serialized_start=684
+  _globals['_DELETEREQUEST']._serialized_end=757
+  _globals['_DELETERESPONSE']._serialized_start=759
+  _globals['_DELETERESPONSE']._serialized_end=827
+  _globals['_COLLECTIONINFOREQUEST']._serialized_start=829
+  _globals['_COLLECTIONINFOREQUEST']._serialized_end=888
+  _globals['_COLLECTIONINFO']._serialized_start=890
+  _globals['_COLLECTIONINFO']._serialized_end=1016
+  _globals['_RETRIEVALEMBEDREQUEST']._serialized_start=1018
+  _globals['_RETRIEVALEMBEDREQUEST']._serialized_end=1057
+  _globals['_RETRIEVALEMBEDRESPONSE']._serialized_start=1059
+  _globals['_RETRIEVALEMBEDRESPONSE']._serialized_end=1161
+  _globals['_FLOATVECTOR']._serialized_start=1163
+  _globals['_FLOATVECTOR']._serialized_end=1192
+  _globals['_RETRIEVAL']._serialized_start=1195
+  _globals['_RETRIEVAL']._serialized_end=1575
 # @@protoc_insertion_point(module_scope)

@@ -22,18 +22,20 @@ class UpsertRequest(_message.Message):
     def __init__(self, collection: _Optional[str] = ..., tenant: _Optional[str] = ..., documents: _Optional[_Iterable[_Union[_common_pb2.Document, _Mapping]]] = ..., chunk_tokens: _Optional[int] = ..., overlap_tokens: _Optional[int] = ...) -> None: ...
 
 class UpsertProgress(_message.Message):
-    __slots__ = ("documents_done", "documents_total", "chunks_done", "done", "collection_version")
+    __slots__ = ("documents_done", "documents_total", "chunks_done", "done", "collection_version", "document_tokens")
     DOCUMENTS_DONE_FIELD_NUMBER: _ClassVar[int]
     DOCUMENTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_DONE_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     COLLECTION_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     documents_done: int
     documents_total: int
     chunks_done: int
     done: bool
     collection_version: int
-    def __init__(self, documents_done: _Optional[int] = ..., documents_total: _Optional[int] = ..., chunks_done: _Optional[int] = ..., done: _Optional[bool] = ..., collection_version: _Optional[int] = ...) -> None: ...
+    document_tokens: int
+    def __init__(self, documents_done: _Optional[int] = ..., documents_total: _Optional[int] = ..., chunks_done: _Optional[int] = ..., done: _Optional[bool] = ..., collection_version: _Optional[int] = ..., document_tokens: _Optional[int] = ...) -> None: ...
 
 class RetrievalSearchRequest(_message.Message):
     __slots__ = ("query", "collection", "tenant", "top_k", "score_threshold", "filter")

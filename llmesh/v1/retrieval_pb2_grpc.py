@@ -68,7 +68,9 @@ class RetrievalServicer:
 
     def Upsert(self, request, context):
         """Chunks, embeds and stores documents, streaming progress. Re-ingesting a document id
-        replaces its chunks.
+        replaces its chunks; ingests of one document are serialised (the last acknowledged one is
+        what searches find). A document that would make more than LLMESH_MAX_CHUNKS_PER_DOCUMENT
+        chunks is INVALID_ARGUMENT (`documents[i].text`) before anything is written.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -99,16 +99,18 @@ class GetChatTemplateResponse(_message.Message):
     def __init__(self, template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ChunkRequest(_message.Message):
-    __slots__ = ("text", "chunk_tokens", "overlap_tokens", "model")
+    __slots__ = ("text", "chunk_tokens", "overlap_tokens", "model", "max_chunks")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     text: str
     chunk_tokens: int
     overlap_tokens: int
     model: str
-    def __init__(self, text: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., overlap_tokens: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    max_chunks: int
+    def __init__(self, text: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., overlap_tokens: _Optional[int] = ..., model: _Optional[str] = ..., max_chunks: _Optional[int] = ...) -> None: ...
 
 class TextChunk(_message.Message):
     __slots__ = ("text", "token_start", "token_count", "char_start", "char_end")

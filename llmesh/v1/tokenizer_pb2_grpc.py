@@ -112,7 +112,9 @@ class TokenizerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Chunk(self, request, context):
-        """Splits text into windows of at most chunk_tokens tokens, consecutive windows sharing overlap_tokens.
+        """Splits text into windows of at most chunk_tokens tokens, consecutive windows sharing
+        overlap_tokens. A text that would make more than max_chunks windows is INVALID_ARGUMENT
+        (`text`) before any window is made.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from llmesh import chunking
 from llmesh.chat_template import ChatTemplate
 from llmesh.errors import InvalidArgument, LlmeshError, NotFound, PermissionDenied, ResourceExhausted, Unavailable
 from llmesh.metrics import trace_exemplar
@@ -26,6 +27,7 @@ from services.gateway.admission import AdmissionController, LoadBook, RedisWeigh
 from services.gateway.auth import Caller
 from services.gateway.breaker import State
 from services.gateway.embeddings import Embeddings
+from services.gateway.ingest import IngestBudget
 from services.gateway.limits import KeyLimitExceeded
 from services.gateway.peers import BREAKER_FAILURE_CODES, Deadline, PeerCallError, Peers, inference_peer
 from services.gateway.pipeline import (
@@ -208,8 +210,10 @@ class Gateway:
         usage: UsageMeter | None = None,
         loads: LoadBook | None = None,
         local_templates: Mapping[str, ChatTemplate] | None = None,
+        ingest_budget_bytes: int = 8 * 1024 * 1024,
     ) -> None:
         self.peers = peers
+        self.ingests = IngestBudget(ingest_budget_bytes)
         # Chat templates by tokenizer name (a route's `tokenizer`): learned from the tokenizer
         # service, and those read from the models folder at start (for while it is away).
         self.templates: dict[str, ChatTemplate] = {}
@@ -543,29 +547,77 @@ class Gateway:
         except (*DOWNSTREAM_ERRORS, LlmeshError) as exc:
             log.warning("cache store failed: %s", exc.message)
 
-    async def ingest(self, request: gateway_pb2.IngestRequest, deadline: Deadline) -> gateway_pb2.IngestResponse:
-        upsert = retrieval_pb2.UpsertRequest(
-            collection=request.collection or self.config.default_collection,
-            tenant=request.tenant or "default",
-            documents=request.documents,
-            chunk_tokens=request.chunk_tokens,
-            overlap_tokens=request.overlap_tokens,
-        )
-        last = retrieval_pb2.UpsertProgress()
+    async def ingest(
+        self, request: gateway_pb2.IngestRequest, deadline: Deadline, caller: Caller | None = None
+    ) -> gateway_pb2.IngestResponse:
+        """Documents into a collection, as a bounded, metered operation: the chunk window checked
+        here (retrieval and the tokenizer check it again), then the key's own limits, then this
+        gateway's ingest budget by document bytes (services/gateway/ingest.py). The documents'
+        tokens count as the key's tokens and as the embedding model's input tokens in usage."""
+        started = time.perf_counter()
+        outcome, error = "error", None
+        document_tokens = 0
         try:
-            async for progress in self.peers.upsert(upsert, deadline):
-                last = progress
+            violations = chunking.request_violations(request.chunk_tokens, request.overlap_tokens)
+            if violations:
+                raise InvalidArgument(violations)
+            await self.usage.admit(caller)
+            nbytes = sum(len(d.text.encode("utf-8", "surrogatepass")) for d in request.documents)
+            upsert = retrieval_pb2.UpsertRequest(
+                collection=request.collection or self.config.default_collection,
+                tenant=request.tenant or "default",
+                documents=request.documents,
+                chunk_tokens=request.chunk_tokens,
+                overlap_tokens=request.overlap_tokens,
+            )
+            last = retrieval_pb2.UpsertProgress()
+            with self.ingests.admit(nbytes):
+                try:
+                    async for progress in self.peers.upsert(upsert, deadline):
+                        last = progress
+                finally:
+                    # The next request learns the new version (whatever happened: a part may have landed).
+                    self.versions.forget(upsert.collection, upsert.tenant)
+            if not last.done:
+                raise LlmeshError("ingest ended before it was done")
+            document_tokens = last.document_tokens
+            outcome = "ok"
+            return gateway_pb2.IngestResponse(
+                documents=last.documents_done,
+                chunks=last.chunks_done,
+                collection_version=last.collection_version,
+                trace_id=current_trace_id(),
+                document_tokens=document_tokens,
+            )
+        except LlmeshError as exc:
+            outcome, error = exc.code.name.lower(), exc
+            raise
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
         finally:
-            # The next request learns the new version (whatever happened: a part may have landed).
-            self.versions.forget(upsert.collection, upsert.tenant)
-        if not last.done:
-            raise LlmeshError("ingest ended before it was done")
-        return gateway_pb2.IngestResponse(
-            documents=last.documents_done,
-            chunks=last.chunks_done,
-            collection_version=last.collection_version,
-            trace_id=current_trace_id(),
+            self._finish_retrieval_call(caller, request.tenant, outcome, error, started, "ingest", document_tokens)
+
+    def _finish_retrieval_call(
+        self,
+        caller: Caller | None,
+        tenant: str,
+        outcome: str,
+        error: BaseException | None,
+        started: float,
+        event: str,
+        input_tokens: int = 0,
+    ) -> None:
+        """Usage and the access line of an ingest or a search, under the embedding model's name
+        (what does their work)."""
+        spent = (
+            gateway_pb2.GenerateResponse(usage=common_pb2.Usage(input_tokens=input_tokens), trace_id=current_trace_id())
+            if input_tokens
+            else None
         )
+        model = self.embeddings.name or "embedding"
+        elapsed = time.perf_counter() - started
+        self.usage.finish(caller, tenant or "default", model, outcome, "none", spent, error, elapsed, event=event)
 
     async def purge_cache(
         self, request: gateway_pb2.PurgeCacheRequest, deadline: Deadline
@@ -604,19 +656,35 @@ class Gateway:
         tenant_ok = not request.tenant or bool(NAME_RE.match(request.tenant))
         return await self.embeddings.embed(request, deadline, caller, tenant_ok)
 
-    async def search(self, request: gateway_pb2.SearchRequest, deadline: Deadline) -> gateway_pb2.SearchResponse:
-        if not request.query.strip():
-            raise InvalidArgument([("query", "must not be empty")])
-        found = await self.peers.search(
-            retrieval_pb2.RetrievalSearchRequest(
-                query=request.query,
-                collection=request.collection or self.config.default_collection,
-                tenant=request.tenant or "default",
-                top_k=request.top_k,
-                score_threshold=request.score_threshold,
-                filter=request.filter,
-            ),
-            deadline,
-            optional=False,
-        )
-        return gateway_pb2.SearchResponse(results=found.results, trace_id=current_trace_id())
+    async def search(
+        self, request: gateway_pb2.SearchRequest, deadline: Deadline, caller: Caller | None = None
+    ) -> gateway_pb2.SearchResponse:
+        """A caller's own search of a collection, behind the key's own limits as a generation is."""
+        started = time.perf_counter()
+        outcome, error = "error", None
+        try:
+            if not request.query.strip():
+                raise InvalidArgument([("query", "must not be empty")])
+            await self.usage.admit(caller)
+            found = await self.peers.search(
+                retrieval_pb2.RetrievalSearchRequest(
+                    query=request.query,
+                    collection=request.collection or self.config.default_collection,
+                    tenant=request.tenant or "default",
+                    top_k=request.top_k,
+                    score_threshold=request.score_threshold,
+                    filter=request.filter,
+                ),
+                deadline,
+                optional=False,
+            )
+            outcome = "ok"
+            return gateway_pb2.SearchResponse(results=found.results, trace_id=current_trace_id())
+        except LlmeshError as exc:
+            outcome, error = exc.code.name.lower(), exc
+            raise
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self._finish_retrieval_call(caller, request.tenant, outcome, error, started, "search")

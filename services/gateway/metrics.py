@@ -26,6 +26,10 @@ ADMISSION_THROUGHPUT = Gauge(
     "llmesh_gateway_admission_throughput", "Weight generated per second while busy, as the gateway measures it."
 )
 SHED = Counter("llmesh_gateway_shed", "Requests refused before any work, by reason.", ["reason"])
+INGEST_BYTES_IN_FLIGHT = Gauge(
+    "llmesh_gateway_ingest_bytes_in_flight",
+    "Document bytes of the ingests running through this gateway (at most LLMESH_INGEST_MAX_BYTES_IN_FLIGHT).",
+)
 DEGRADED = Counter("llmesh_gateway_degraded", "Requests answered with a part left out, by what.", ["what"])
 # `peer` is the breaker's whole name (`inference/NAME:info`); `service`, `model` and `method`
 # are its parts, so a dashboard can group by model or leave the cheap calls' breakers out.

@@ -132,10 +132,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return await self.gateway.embed(request, deadline, caller)
 
     async def Ingest(self, request, context):  # type: ignore[no-untyped-def]
-        return await self.gateway.ingest(*self._begin(context, request))
+        request, caller = self._as_caller(context, request)
+        deadline = Deadline.after(remaining_seconds(context, self.default_deadline))
+        return await self.gateway.ingest(request, deadline, caller)
 
     async def Search(self, request, context):  # type: ignore[no-untyped-def]
-        return await self.gateway.search(*self._begin(context, request))
+        request, caller = self._as_caller(context, request)
+        deadline = Deadline.after(remaining_seconds(context, self.default_deadline))
+        return await self.gateway.search(request, deadline, caller)
 
     async def PurgeCache(self, request, context):  # type: ignore[no-untyped-def]
         authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
@@ -260,6 +264,7 @@ class GatewayApp:
                 usage,
                 loads=self.loads,
                 local_templates=local_templates(s, list(models)),
+                ingest_budget_bytes=s.ingest_max_bytes_in_flight,
             )
         except ValueError as exc:
             raise SettingsError(f"invalid settings: LLMESH_MODEL_ALIASES: {exc}") from None

@@ -26,7 +26,9 @@ access = logging.getLogger("llmesh.gateway")
 OTHER_TENANTS = "_other"
 LABELS = ["tenant", "model"]
 REQUESTS = Counter(
-    "llmesh_gateway_tenant_requests", "Generate and Embed requests by tenant and model (every outcome).", LABELS
+    "llmesh_gateway_tenant_requests",
+    "Generate, Embed, Ingest and Search requests by tenant and model (every outcome).",
+    LABELS,
 )
 INPUT_TOKENS = Counter(
     "llmesh_gateway_tenant_input_tokens", "Prompt tokens the models processed, by tenant and model.", LABELS

@@ -4,7 +4,13 @@ Qdrant storage and search, collection versions.
 Each (tenant, collection) is its own Qdrant collection. A chunk's point id is uuid5 of
 (physical collection, document id, chunk index), so re-ingesting overwrites in place; chunks a
 shorter new version no longer has are deleted right after (no window where the document is
-missing from search).
+missing from search). Ingests of one document are serialised in this process (a lock per
+document from the first write to that stale-chunk delete), so two ingests of it never delete
+each other's chunks and the last one acknowledged is what searches find.
+
+An ingest is bounded: the window and the chunks per document are checked before any work
+(llmesh.chunking, LLMESH_MAX_CHUNKS_PER_DOCUMENT), chunks are embedded and written
+LLMESH_INGEST_BATCH_CHUNKS at a time, and a cancelled or expired ingest stops between batches.
 
 Collection versions live in Redis (llmesh.collection_versions: one atomic counter per collection
 that every replica bumps and the answer cache reads). An upsert or delete bumps it before its
@@ -17,12 +23,13 @@ data resumes above it) and the version searches report while Redis is unreachabl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,9 +39,9 @@ from prometheus_client import Counter, Gauge, Histogram
 from qdrant_client import models as qm
 from redis import exceptions as redis_errors
 
-from llmesh import collection_versions
+from llmesh import chunking, collection_versions
 from llmesh.embeddings import Embedder
-from llmesh.errors import FailedPrecondition, InvalidArgument, Unavailable
+from llmesh.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, PeerError, Unavailable
 from llmesh.metrics import LATENCY_BUCKETS, OTHER_LABEL, BoundedLabels, trace_exemplar
 from llmesh.qdrant import QdrantHandle
 
@@ -52,14 +59,17 @@ MAX_METADATA_KEYS = 32
 MAX_METADATA_ENTRY_BYTES = 1024
 MAX_ID_BYTES = 256
 MAX_NAME_CHARS = 128
-MAX_CHUNK_TOKENS = 8192
 MAX_QUERY_BYTES = 16 * 1024
 # Retrieval.Embed: texts per call and bytes per text.
 MAX_EMBED_INPUTS = 256
 MAX_EMBED_INPUT_BYTES = 16 * 1024
-# Documents per progress message; the next batch is chunked while this one is embedded.
+# Documents chunked together; the next batch is chunked while this one is embedded.
 DOCS_PER_BATCH = 16
+# Text an ingest has at the tokenizer at once: up to 8 small documents, a large one alone
+# (each call weighs at least an eighth; the tokenizer holds a text's whole encoding meanwhile).
+CHUNK_BYTES_IN_FLIGHT = 1024 * 1024
 CHUNK_CONCURRENCY = 8
+DEFAULT_BATCH_CHUNKS = 256
 # Payload indexes: the fields searches and deletes filter on, and the first metadata keys seen
 # per collection (filters name metadata keys; past this many, a key is filtered unindexed).
 INDEXED_FIELDS = ("document_id", "ingest", "tenant")
@@ -76,6 +86,16 @@ POINTS = Gauge(
 )
 EMBEDDED = Counter("llmesh_retrieval_embedded_texts_total", "Texts embedded for Embed callers.")
 UPSERTED = Counter("llmesh_retrieval_upserted_chunks_total", "Chunks embedded and stored.")
+DOCUMENT_WAITS = Counter(
+    "llmesh_retrieval_document_lock_waits_total",
+    "Ingests that waited for another ingest of the same document to finish (re-ingests are serialised).",
+)
+
+
+@dataclass(frozen=True)
+class Chunked:
+    texts: list[str]
+    total_tokens: int
 
 
 class PointsGauge:
@@ -99,9 +119,99 @@ class PointsGauge:
 
 
 class Chunker(Protocol):
-    """Splits text into token windows (the tokenizer service's Chunk RPC)."""
+    """The tokenizer service's Chunk and Count RPCs."""
 
-    def __call__(self, text: str, chunk_tokens: int, overlap_tokens: int, time_left: float) -> Awaitable[list[str]]: ...
+    def chunk(
+        self, text: str, chunk_tokens: int, overlap_tokens: int, max_chunks: int, time_left: float
+    ) -> Awaitable[Chunked]: ...
+
+    def count(self, texts: Sequence[str], time_left: float) -> Awaitable[list[int]]: ...
+
+
+@dataclass
+class _Held:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+
+
+class DocumentLocks:
+    """A lock per (collection, document id) being ingested in this process. An entry lives while
+    its lock is held or awaited, so the map holds at most the documents in flight."""
+
+    def __init__(self, on_wait: Callable[[str, str], None]) -> None:
+        self._held: dict[tuple[str, str], _Held] = {}
+        self._on_wait = on_wait
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, physical: str, document_ids: Iterable[str]) -> AsyncIterator[None]:
+        taken: list[tuple[str, str]] = []
+        try:
+            # One order for every ingest: two ingests sharing documents never wait on each other.
+            for document_id in sorted(set(document_ids)):
+                key = (physical, document_id)
+                held = self._held.setdefault(key, _Held())
+                held.users += 1
+                try:
+                    if held.lock.locked():
+                        DOCUMENT_WAITS.inc()
+                        self._on_wait(physical, document_id)
+                    await held.lock.acquire()
+                except BaseException:
+                    self._leave(key, held)
+                    raise
+                taken.append(key)
+            yield
+        finally:
+            for key in reversed(taken):
+                held = self._held[key]
+                held.lock.release()
+                self._leave(key, held)
+
+    def _leave(self, key: tuple[str, str], held: _Held) -> None:
+        held.users -= 1
+        if not held.users:
+            del self._held[key]
+
+
+class _ByteBudget:
+    """At most `capacity` weight at once; a call waits for room (one heavier than all of it
+    waits until it is alone)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self._changed = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def take(self, weight: int) -> AsyncIterator[None]:
+        weight = min(weight, self.capacity)
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.used + weight <= self.capacity)
+            self.used += weight
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self.used -= weight
+                self._changed.notify_all()
+
+
+def _ids_of(group: list[tuple[Document, int, str]]) -> list[str]:
+    return sorted({doc.id for doc, _, _ in group})[:64]
+
+
+def _groups(rows: Iterable[tuple[Document, int, str]], size: int) -> Iterator[list[tuple[Document, int, str]]]:
+    group: list[tuple[Document, int, str]] = []
+    for row in rows:
+        group.append(row)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
 
 
 @dataclass(frozen=True)
@@ -118,6 +228,8 @@ class Progress:
     chunks_done: int
     done: bool = False
     collection_version: int = 0
+    #: Tokens of the documents (on the last message).
+    document_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -167,6 +279,25 @@ def _nbytes(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
 
+def _time_left(deadline: float | None) -> float:
+    """Seconds a tokenizer call of an ingest may take: what is left of its deadline."""
+    return max(0.001, deadline - time.monotonic()) if deadline is not None else 60.0
+
+
+async def _settled(task: asyncio.Task[Any] | None) -> None:
+    """Waits for `task` to end, without its result or exception (the caller is failing already)."""
+    if task is None or task.done():
+        return
+    await asyncio.wait([task])
+    if not task.cancelled():
+        task.exception()  # retrieved: no "never retrieved" report
+
+
+def _check_deadline(deadline: float | None) -> None:
+    if deadline is not None and time.monotonic() >= deadline:
+        raise DeadlineExceeded("the ingest ran past its deadline; it stopped before its next batch")
+
+
 class RetrievalCore:
     def __init__(
         self,
@@ -182,12 +313,20 @@ class RetrievalCore:
         version_prefix: str = collection_versions.PREFIX,
         max_collections_per_tenant: int = 64,
         max_metric_collections: int = 100,
+        max_chunks_per_document: int = chunking.DEFAULT_MAX_CHUNKS_PER_DOCUMENT,
+        batch_chunks: int = DEFAULT_BATCH_CHUNKS,
     ) -> None:
         """`versions`: the Redis (redis.asyncio) holding collection versions."""
         self.max_collections_per_tenant = max_collections_per_tenant
         self._points = PointsGauge(max_metric_collections)
         # One collection is created at a time, so two ingests cannot both take a tenant's last slot.
         self._create_lock = asyncio.Lock()
+        self.max_chunks_per_document = max_chunks_per_document
+        self.batch_chunks = batch_chunks
+        self.documents = DocumentLocks(self._document_wait)
+        #: Called (physical collection, document id) when an ingest starts waiting for another
+        #: ingest of the same document (how a test sees the two serialised).
+        self.on_document_wait: Callable[[str, str], None] | None = None
         self.embedder = embedder
         self.versions = versions
         self.version_prefix = version_prefix
@@ -203,6 +342,10 @@ class RetrievalCore:
 
     async def start(self) -> None:
         await self.qdrant.run(self._ensure_meta)
+
+    def _document_wait(self, physical: str, document_id: str) -> None:
+        if self.on_document_wait is not None:
+            self.on_document_wait(physical, document_id)
 
     def _ensure_meta(self) -> None:
         client = self.qdrant.client
@@ -257,15 +400,34 @@ class RetrievalCore:
             overlap = overlap_tokens
         else:  # the default overlap, kept below a small requested window
             overlap = min(self.chunk_overlap, chunk // 4)
-        if not 1 <= chunk <= MAX_CHUNK_TOKENS:
-            violations.append(("chunk_tokens", f"must be in 1..{MAX_CHUNK_TOKENS}"))
-        elif overlap >= chunk:
-            violations.append(("overlap_tokens", "must be smaller than chunk_tokens"))
+        violations.extend(chunking.window_violations(chunk, overlap))
         if violations:
             raise InvalidArgument(violations)
         return chunk, overlap
 
     # ----- upsert
+
+    async def _refuse_too_many_chunks(
+        self, documents: Sequence[Document], chunk: int, overlap: int, deadline: float | None
+    ) -> None:
+        """INVALID_ARGUMENT for the first document that would make more than the most chunks per
+        document, before anything is written. A token covers at least one byte, so only a
+        document whose bytes could make that many is counted (by the tokenizer), one at a time."""
+        for i, doc in enumerate(documents):
+            if chunking.chunk_count(_nbytes(doc.text), chunk, overlap) <= self.max_chunks_per_document:
+                continue
+            (tokens,) = await self.chunker.count([doc.text], _time_left(deadline))
+            count = chunking.chunk_count(tokens, chunk, overlap)
+            if count > self.max_chunks_per_document:
+                raise InvalidArgument(
+                    [
+                        (
+                            f"documents[{i}].text",
+                            f"makes {count} chunks ({tokens} tokens, a window every {chunk - overlap}); "
+                            f"at most {self.max_chunks_per_document}",
+                        )
+                    ]
+                )
 
     async def upsert(
         self,
@@ -275,11 +437,13 @@ class RetrievalCore:
         chunk_tokens: int = 0,
         overlap_tokens: int = 0,
         deadline: float | None = None,
-    ) -> AsyncIterator[Progress]:
+    ) -> AsyncGenerator[Progress, None]:
         """Validates everything, then chunks, embeds and stores batch by batch, yielding progress;
-        the last item has done=True and the new collection version."""
+        the last item has done=True and the new collection version. `deadline`: time.monotonic()
+        past which it stops (DEADLINE_EXCEEDED) at the next batch."""
         physical, logical = self._physical(tenant, collection)
         chunk, overlap = self.validate_upsert(documents, chunk_tokens, overlap_tokens)
+        await self._refuse_too_many_chunks(documents, chunk, overlap, deadline)
         await self._admit_collection(physical, tenant, logical)
         await self.qdrant.run(self._ensure_collection, physical)
         # Before anything is written: answers cached under the old version are stale from here on,
@@ -287,53 +451,87 @@ class RetrievalCore:
         await self._bump(physical, tenant, logical)
         ingest = uuid.uuid4().hex
         total = len(documents)
-        batches = [list(documents[i : i + DOCS_PER_BATCH]) for i in range(0, total, DOCS_PER_BATCH)]
-        offsets = list(range(0, total, DOCS_PER_BATCH))
-        sem = asyncio.Semaphore(CHUNK_CONCURRENCY)
+        batches = [(i, list(documents[i : i + DOCS_PER_BATCH])) for i in range(0, total, DOCS_PER_BATCH)]
+        tokenizing = _ByteBudget(CHUNK_BYTES_IN_FLIGHT)
 
-        async def chunk_batch(batch: list[Document], first: int) -> list[list[str]]:
-            async def one(doc: Document, index: int) -> list[str]:
-                async with sem:
-                    timeout = max(0.001, deadline - time.monotonic()) if deadline is not None else 60.0
-                    pieces = await self.chunker(doc.text, chunk, overlap, timeout)
-                if not pieces:
-                    raise InvalidArgument([(f"documents[{index}].text", "has no tokens")])
-                return pieces
+        async def chunk_one(doc: Document, index: int) -> Chunked:
+            weight = max(_nbytes(doc.text), CHUNK_BYTES_IN_FLIGHT // CHUNK_CONCURRENCY)
+            async with tokenizing.take(weight):
+                try:
+                    found = await self.chunker.chunk(
+                        doc.text, chunk, overlap, self.max_chunks_per_document, _time_left(deadline)
+                    )
+                except PeerError as exc:
+                    if not exc.violations():
+                        raise
+                    # The tokenizer names its own fields (`text`): the caller's is this document's.
+                    raise InvalidArgument(
+                        [(f"documents[{index}].{f}" if f else f"documents[{index}]", d) for f, d in exc.violations()]
+                    ) from exc
+            if not found.texts:
+                raise InvalidArgument([(f"documents[{index}].text", "has no tokens")])
+            return found
 
+        async def chunk_batch(first: int, batch: list[Document]) -> list[Chunked]:
             with tracer.start_as_current_span("retrieval.chunk") as span:
                 span.set_attribute("llmesh.retrieval.document_ids", [d.id for d in batch][:64])
-                return list(await asyncio.gather(*(one(d, first + j) for j, d in enumerate(batch))))
+                tasks = [asyncio.ensure_future(chunk_one(d, first + j)) for j, d in enumerate(batch)]
+                try:
+                    return list(await asyncio.gather(*tasks))
+                except BaseException:
+                    for task in tasks:
+                        task.cancel()
+                    raise
 
-        done_docs = done_chunks = 0
+        done_docs = done_chunks = document_tokens = 0
         wrote = False
         pending: asyncio.Task[int] | None = None
-        next_chunks: asyncio.Task[list[list[str]]] | None = asyncio.create_task(chunk_batch(batches[0], 0))
+        next_chunks: asyncio.Task[list[Chunked]] | None = asyncio.create_task(chunk_batch(*batches[0]))
         try:
-            for n, batch in enumerate(batches):
+            for n, (_, batch) in enumerate(batches):
                 assert next_chunks is not None
-                pieces = await next_chunks
-                next_chunks = (
-                    asyncio.create_task(chunk_batch(batches[n + 1], offsets[n + 1])) if n + 1 < len(batches) else None
-                )
-                texts = [t for doc_pieces in pieces for t in doc_pieces]
-                with tracer.start_as_current_span("retrieval.embed") as span:
-                    span.set_attribute("llmesh.retrieval.document_ids", [d.id for d in batch][:64])
-                    span.set_attribute("llmesh.retrieval.chunks", len(texts))
-                    vectors = await self.embedder.aencode(texts)
-                if pending is not None:
-                    done_chunks += await pending
-                    done_docs += DOCS_PER_BATCH
-                    yield Progress(done_docs, total, done_chunks)
-                wrote = True
-                pending = asyncio.create_task(self._write(physical, tenant, ingest, batch, pieces, vectors))
-            assert pending is not None
-            done_chunks += await pending
-            pending = None
-            yield Progress(total, total, done_chunks)
+                chunked = await next_chunks
+                next_chunks = asyncio.create_task(chunk_batch(*batches[n + 1])) if n + 1 < len(batches) else None
+                document_tokens += sum(c.total_tokens for c in chunked)
+                ids = [d.id for d in batch]
+                # From the existence check to the stale-chunk delete, no other ingest of these
+                # documents writes: else each deletes the other's chunks as stale.
+                async with self.documents.hold(physical, ids):
+                    try:
+                        existed = await self.qdrant.run(self._existing, physical, ids)
+                        rows = (
+                            (doc, index, text)
+                            for doc, found in zip(batch, chunked, strict=True)
+                            for index, text in enumerate(found.texts)
+                        )
+                        for group in _groups(rows, self.batch_chunks):
+                            _check_deadline(deadline)
+                            with tracer.start_as_current_span("retrieval.embed") as span:
+                                span.set_attribute("llmesh.retrieval.document_ids", _ids_of(group))
+                                span.set_attribute("llmesh.retrieval.chunks", len(group))
+                                vectors = await self.embedder.aencode([text for _, _, text in group])
+                            if pending is not None:  # the previous group is written while this one is embedded
+                                done_chunks += await pending
+                                yield Progress(done_docs, total, done_chunks)
+                            wrote = True
+                            pending = asyncio.create_task(self._write(physical, tenant, ingest, group, vectors))
+                        assert pending is not None  # every document has a chunk
+                        done_chunks += await pending
+                        pending = None
+                        if existed:
+                            await self.qdrant.run(self._delete_stale, physical, ingest, existed)
+                    finally:
+                        # A write already on a Qdrant thread lands whatever happens to this call:
+                        # the next ingest of these documents must come after it.
+                        await _settled(pending)
+                done_docs += len(batch)
+                yield Progress(done_docs, total, done_chunks)
             version = await self._bump(physical, tenant, logical)
             wrote = False
             await self._update_points_gauge(physical)
-            yield Progress(total, total, done_chunks, done=True, collection_version=version)
+            yield Progress(
+                total, total, done_chunks, done=True, collection_version=version, document_tokens=document_tokens
+            )
         finally:
             for task in (next_chunks, pending):
                 if task is not None and not task.done():
@@ -346,48 +544,47 @@ class RetrievalCore:
         physical: str,
         tenant: str,
         ingest: str,
-        batch: list[Document],
-        pieces: list[list[str]],
+        group: list[tuple[Document, int, str]],
         vectors: np.ndarray,
     ) -> int:
-        points = []
-        row = 0
-        for doc, doc_pieces in zip(batch, pieces, strict=True):
-            for index, text in enumerate(doc_pieces):
-                payload = {
+        points = [
+            qm.PointStruct(
+                id=chunk_point_id(physical, doc.id, index),
+                vector=vectors[row].tolist(),
+                payload={
                     "document_id": doc.id,
                     "chunk_index": index,
                     "text": text,
                     "metadata": dict(doc.metadata),
                     "tenant": tenant,
                     "ingest": ingest,
-                }
-                points.append(
-                    qm.PointStruct(
-                        id=chunk_point_id(physical, doc.id, index), vector=vectors[row].tolist(), payload=payload
-                    )
-                )
-                row += 1
+                },
+            )
+            for row, (doc, index, text) in enumerate(group)
+        ]
         with tracer.start_as_current_span("retrieval.qdrant.upsert") as span:
-            span.set_attribute("llmesh.retrieval.document_ids", [d.id for d in batch][:64])
+            span.set_attribute("llmesh.retrieval.document_ids", _ids_of(group))
             span.set_attribute("llmesh.retrieval.chunks", len(points))
-            await self.qdrant.run(self._replace, physical, ingest, [d.id for d in batch], points)
+            await self.qdrant.run(self._upsert_points, physical, points)
         UPSERTED.inc(len(points))
         return len(points)
 
-    def _replace(self, physical: str, ingest: str, doc_ids: list[str], points: list[qm.PointStruct]) -> None:
-        client = self.qdrant.client
+    def _upsert_points(self, physical: str, points: list[qm.PointStruct]) -> None:
         self._index_metadata(physical, points)
-        # Documents stored before (their chunk 0 exists) may leave chunks past the new count.
+        self.qdrant.client.upsert(physical, points=points, wait=True)
+
+    def _existing(self, physical: str, doc_ids: list[str]) -> list[str]:
+        """The documents stored before (their chunk 0 exists): a new version may leave chunks past
+        its own count, deleted after it is written."""
         firsts = {chunk_point_id(physical, d, 0): d for d in doc_ids}
-        existed = [firsts[str(r.id)] for r in client.retrieve(physical, ids=list(firsts), with_payload=False)]
-        client.upsert(physical, points=points, wait=True)
-        if existed:
-            stale = qm.Filter(
-                must=[qm.FieldCondition(key="document_id", match=qm.MatchAny(any=existed))],
-                must_not=[qm.FieldCondition(key="ingest", match=qm.MatchValue(value=ingest))],
-            )
-            client.delete(physical, points_selector=qm.FilterSelector(filter=stale), wait=True)
+        return [firsts[str(r.id)] for r in self.qdrant.client.retrieve(physical, ids=list(firsts), with_payload=False)]
+
+    def _delete_stale(self, physical: str, ingest: str, doc_ids: list[str]) -> None:
+        stale = qm.Filter(
+            must=[qm.FieldCondition(key="document_id", match=qm.MatchAny(any=doc_ids))],
+            must_not=[qm.FieldCondition(key="ingest", match=qm.MatchValue(value=ingest))],
+        )
+        self.qdrant.client.delete(physical, points_selector=qm.FilterSelector(filter=stale), wait=True)
 
     async def _admit_collection(self, physical: str, tenant: str, collection: str) -> None:
         """Creates a tenant's new collection, unless it holds max_collections_per_tenant already:
@@ -635,9 +832,12 @@ class RetrievalCore:
         if not await self.qdrant.run(self.qdrant.client.collection_exists, physical):
             return 0, await self._current_version(physical, tenant, logical)
         await self._bump(physical, tenant, logical)  # before the delete, as for an upsert
-        with tracer.start_as_current_span("retrieval.qdrant.delete") as span:
-            span.set_attribute("llmesh.retrieval.document_ids", list(document_ids)[:64])
-            deleted, _ = await self.qdrant.run(self._delete_docs, physical, list(dict.fromkeys(document_ids)))
+        unique = list(dict.fromkeys(document_ids))
+        # After an ingest of these documents that is under way, not between its writes.
+        async with self.documents.hold(physical, unique):
+            with tracer.start_as_current_span("retrieval.qdrant.delete") as span:
+                span.set_attribute("llmesh.retrieval.document_ids", list(document_ids)[:64])
+                deleted, _ = await self.qdrant.run(self._delete_docs, physical, unique)
         version = await self._bump(physical, tenant, logical)
         await self._update_points_gauge(physical)
         return deleted, version

@@ -4,6 +4,7 @@ goes to the tokenizer service over a peer channel, within the caller's deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -17,26 +18,37 @@ from llmesh.embeddings import Embedder
 from llmesh.server import Readiness
 from llmesh.settings import Settings
 from llmesh.v1 import common_pb2, retrieval_pb2, retrieval_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
-from services.retrieval.core import Document, RetrievalCore
+from services.retrieval.core import Chunked, Document, RetrievalCore
 
 # Time an upsert may take when its caller set no deadline.
 DEFAULT_UPSERT_SECONDS = 600.0
 
 
 class TokenizerChunker:
-    """`Chunker` backed by the tokenizer service's Chunk RPC."""
+    """`Chunker` backed by the tokenizer service's Chunk and Count RPCs."""
 
     def __init__(self, target: str, max_message_bytes: int, access: PeerAccess | None = None) -> None:
         self.channel = peer_channel(target, max_message_bytes, access)
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self.channel)
 
-    async def __call__(self, text: str, chunk_tokens: int, overlap_tokens: int, time_left: float) -> list[str]:
-        request = tokenizer_pb2.ChunkRequest(text=text, chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
+    async def chunk(
+        self, text: str, chunk_tokens: int, overlap_tokens: int, max_chunks: int, time_left: float
+    ) -> Chunked:
+        request = tokenizer_pb2.ChunkRequest(
+            text=text, chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens, max_chunks=max_chunks
+        )
         try:
             response = await self.stub.Chunk(request, timeout=time_left)
         except grpc.aio.AioRpcError as err:
             raise errors.from_rpc_error("tokenizer", err) from err
-        return [c.text for c in response.chunks]
+        return Chunked([c.text for c in response.chunks], response.total_tokens)
+
+    async def count(self, texts: Sequence[str], time_left: float) -> list[int]:
+        try:
+            response = await self.stub.Count(tokenizer_pb2.CountRequest(texts=texts), timeout=time_left)
+        except grpc.aio.AioRpcError as err:
+            raise errors.from_rpc_error("tokenizer", err) from err
+        return list(response.counts)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -54,16 +66,22 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServicer):
         core = self.core
         deadline = time.monotonic() + remaining_seconds(context, DEFAULT_UPSERT_SECONDS)
         documents = [Document(d.id, d.text, dict(d.metadata)) for d in request.documents]
-        async for progress in core.upsert(
-            request.collection, request.tenant, documents, request.chunk_tokens, request.overlap_tokens, deadline
-        ):
-            yield retrieval_pb2.UpsertProgress(
-                documents_done=progress.documents_done,
-                documents_total=progress.documents_total,
-                chunks_done=progress.chunks_done,
-                done=progress.done,
-                collection_version=progress.collection_version,
+        # Closed here whatever ends the call (a cancelled one too): its document locks and tasks
+        # go with it, not whenever the generator is collected.
+        async with contextlib.aclosing(
+            core.upsert(
+                request.collection, request.tenant, documents, request.chunk_tokens, request.overlap_tokens, deadline
             )
+        ) as progresses:
+            async for progress in progresses:
+                yield retrieval_pb2.UpsertProgress(
+                    documents_done=progress.documents_done,
+                    documents_total=progress.documents_total,
+                    chunks_done=progress.chunks_done,
+                    done=progress.done,
+                    collection_version=progress.collection_version,
+                    document_tokens=progress.document_tokens,
+                )
 
     async def Search(self, request, context):  # type: ignore[no-untyped-def]
         hits, version = await self.core.search(
@@ -151,6 +169,8 @@ class RetrievalApp:
             version_prefix=self.version_prefix,
             max_collections_per_tenant=s.max_collections_per_tenant,
             max_metric_collections=s.metrics_max_collections,
+            max_chunks_per_document=s.max_chunks_per_document,
+            batch_chunks=s.ingest_batch_chunks,
         )
         await core.start()
         self.core.set(core)

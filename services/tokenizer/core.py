@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
+from llmesh import chunking
 from llmesh.chat_template import ROLES, TemplateRefused, load_template
-from llmesh.errors import InvalidArgument, NotFound
+from llmesh.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound
 from llmesh.v1 import common_pb2
 
-MAX_CHUNK_TOKENS = 8192
+# Windows made between two looks at whether the call was cancelled or ran out of time.
+CHUNK_BATCH = 512
 
 
 @dataclass(frozen=True)
@@ -25,10 +29,13 @@ class Chunk:
 
 
 class TokenizerCore:
-    def __init__(self, model_dir: Path, max_text_bytes: int) -> None:
+    def __init__(
+        self, model_dir: Path, max_text_bytes: int, max_chunks: int = chunking.DEFAULT_MAX_CHUNKS_PER_DOCUMENT
+    ) -> None:
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.max_text_bytes = max_text_bytes
+        self.max_chunks = max_chunks
         self.template = load_template(model_dir)
 
     def _check_text(self, text: str, field: str) -> None:
@@ -63,31 +70,54 @@ class TokenizerCore:
         except TemplateRefused as exc:  # e.g. the template's own raise_exception: roles out of order
             raise InvalidArgument([("messages", f"the model's chat template refused them: {exc}")]) from exc
 
-    def chunk(self, text: str, chunk_tokens: int, overlap_tokens: int) -> tuple[list[Chunk], int]:
+    def chunk(
+        self,
+        text: str,
+        chunk_tokens: int,
+        overlap_tokens: int,
+        max_chunks: int = 0,
+        stop: threading.Event | None = None,
+        deadline: float = float("inf"),
+    ) -> tuple[list[Chunk], int]:
         """Windows of at most chunk_tokens tokens; each starts overlap_tokens before the previous
-        one ends. Chunk text is the exact slice of the input between token offsets."""
-        violations = []
-        if not 1 <= chunk_tokens <= MAX_CHUNK_TOKENS:
-            violations.append(("chunk_tokens", f"must be in 1..{MAX_CHUNK_TOKENS}"))
-        if overlap_tokens >= max(chunk_tokens, 1):
-            violations.append(("overlap_tokens", "must be smaller than chunk_tokens"))
+        one ends. Chunk text is the exact slice of the input between token offsets.
+
+        More than `max_chunks` windows (0, or above this tokenizer's own ceiling: that ceiling) is
+        refused from the token count, before any window is made. Windows are made CHUNK_BATCH at
+        a time; between batches a set `stop` (the call was cancelled) or a passed `deadline`
+        (time.monotonic()) ends the work."""
+        violations = chunking.window_violations(chunk_tokens, overlap_tokens)
         if violations:
             raise InvalidArgument(violations)
         self._check_text(text, "text")
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
-        offsets = encoding.offsets
-        total = len(offsets)
-        chunks: list[Chunk] = []
+        total = len(encoding)
+        count = chunking.chunk_count(total, chunk_tokens, overlap_tokens)
+        limit = min(max_chunks, self.max_chunks) if max_chunks else self.max_chunks
         step = chunk_tokens - overlap_tokens
-        start = 0
-        while start < total:
-            end = min(start + chunk_tokens, total)
-            char_start, char_end = offsets[start][0], offsets[end - 1][1]
-            chunks.append(Chunk(text[char_start:char_end], start, end - start, char_start, char_end))
-            if end == total:
-                break
-            start += step
+        if count > limit:
+            raise InvalidArgument(
+                [("text", f"makes {count} chunks ({total} tokens, a window every {step}); at most {limit}")]
+            )
+        chunks: list[Chunk] = []
+        for first in range(0, count, CHUNK_BATCH):
+            if stop is not None and stop.is_set():
+                raise Cancelled("chunking cancelled by the caller")
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded("chunking ran past the caller's deadline")
+            for index in range(first, min(first + CHUNK_BATCH, count)):
+                start = index * step
+                end = min(start + chunk_tokens, total)
+                char_start, char_end = _chars(encoding, start)[0], _chars(encoding, end - 1)[1]
+                chunks.append(Chunk(text[char_start:char_end], start, end - start, char_start, char_end))
         return chunks, total
+
+
+def _chars(encoding: Encoding, token: int) -> tuple[int, int]:
+    """A token's character offsets, without the whole offsets list (a tuple per token: 100 MB
+    for a 1 MiB text of one-byte tokens)."""
+    found = encoding.token_to_chars(token)
+    return found if found is not None else encoding.offsets[token]
 
 
 class Tokenizers:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import grpc
 
+from llmesh.channels import remaining_seconds
 from llmesh.models import resolve, verify
 from llmesh.server import Readiness
 from llmesh.settings import Settings
@@ -59,13 +62,23 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         return tokenizer_pb2.GetChatTemplateResponse(template=template.source, special_tokens=template.special)
 
     async def Chunk(self, request, context):  # type: ignore[no-untyped-def]
-        chunks, total = await _run(
-            self.core(request.model).chunk,
-            request.text,
-            request.chunk_tokens,
-            request.overlap_tokens,
-            size=len(request.text),
-        )
+        # The windows are made on a worker thread, which a cancelled call cannot interrupt: it
+        # looks at `stop` (and the deadline) between batches instead.
+        stop = threading.Event()
+        deadline = time.monotonic() + remaining_seconds(context, float("inf"))
+        try:
+            chunks, total = await _run(
+                self.core(request.model).chunk,
+                request.text,
+                request.chunk_tokens,
+                request.overlap_tokens,
+                request.max_chunks,
+                stop,
+                deadline,
+                size=len(request.text),
+            )
+        finally:
+            stop.set()
         return tokenizer_pb2.ChunkResponse(
             chunks=[
                 tokenizer_pb2.TextChunk(
@@ -96,7 +109,9 @@ class TokenizerApp:
         cores: dict[str, TokenizerCore] = {}
         for name in s.tokenizer_models or (s.tokenizer_model,):
             model = await asyncio.to_thread(verify, resolve(s.models_path, name))
-            cores[name] = await asyncio.to_thread(TokenizerCore, model.path, s.max_text_bytes)
+            cores[name] = await asyncio.to_thread(
+                TokenizerCore, model.path, s.max_text_bytes, s.max_chunks_per_document
+            )
         self.core.set(Tokenizers(cores))
 
     async def stop(self) -> None:

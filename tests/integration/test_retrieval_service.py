@@ -4,7 +4,6 @@ Qdrant in a temp folder."""
 from __future__ import annotations
 
 import contextlib
-import os
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,7 +18,6 @@ from services.retrieval.servicer import RetrievalApp
 from services.tokenizer.servicer import TokenizerApp
 
 MAX_DOC_BYTES = 8192
-REDIS_URL = os.environ.get("LLMESH_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 # Collection versions of this run, apart from every other run's.
 VERSIONS = f"llmesh-test-versions:{uuid.uuid4().hex[:12]}:"
 
@@ -46,12 +44,13 @@ HANDBOOK = {
 
 @contextlib.asynccontextmanager
 async def retrieval_service(
-    models_dir: Path, data_dir: Path, qdrant: dict[str, str] | None = None, versions: str = VERSIONS
+    models_dir: Path, data_dir: Path, redis_url: str, qdrant: dict[str, str] | None = None, versions: str = VERSIONS
 ) -> AsyncIterator[retrieval_pb2_grpc.RetrievalStub]:
+    """`redis_url`: the test's own Redis database (the `redis_url` fixtures), where versions live."""
     env = {
         "LLMESH_MODELS_DIR": str(models_dir),
         "LLMESH_DATA_DIR": str(data_dir),
-        "LLMESH_REDIS_URL": REDIS_URL,
+        "LLMESH_REDIS_URL": redis_url,
         "QDRANT_URL": "",
         **(qdrant or {}),
     }
@@ -68,9 +67,10 @@ async def retrieval_service(
 
 @pytest.fixture(scope="module")
 async def rag(
-    models_dir: Path, tmp_path_factory: pytest.TempPathFactory, qdrant_env: dict[str, str]
+    models_dir: Path, tmp_path_factory: pytest.TempPathFactory, qdrant_env: dict[str, str], module_redis_url: str
 ) -> AsyncIterator[retrieval_pb2_grpc.RetrievalStub]:
-    async with retrieval_service(models_dir, tmp_path_factory.mktemp("retrieval-data"), qdrant_env) as stub:
+    data_dir = tmp_path_factory.mktemp("retrieval-data")
+    async with retrieval_service(models_dir, data_dir, module_redis_url, qdrant_env) as stub:
         yield stub
 
 
@@ -203,8 +203,11 @@ async def test_invalid_documents_are_rejected_before_anything_is_written(rag) ->
     ]
     assert not (await info(rag, coll)).exists
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await upsert(rag, coll, [common_pb2.Document(id="a", text="b")], chunk_tokens=8, overlap=8)
-    assert _violations(caught.value) == ["overlap_tokens"]
+        await upsert(rag, coll, [common_pb2.Document(id="a", text="b")], chunk_tokens=16, overlap=9)
+    assert _violations(caught.value) == ["overlap_tokens"]  # at most half the window
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await upsert(rag, coll, [common_pb2.Document(id="a", text="b")], chunk_tokens=8, overlap=0)
+    assert _violations(caught.value) == ["chunk_tokens"]
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await upsert(rag, coll, [])
     assert _violations(caught.value) == ["documents"]
@@ -243,17 +246,17 @@ async def test_tenants_and_default_collection_are_separate(rag) -> None:  # type
     assert list(other.results) == []
 
 
-async def test_version_survives_a_restart(models_dir: Path, tmp_path: Path) -> None:
+async def test_version_survives_a_restart(models_dir: Path, tmp_path: Path, redis_url: str) -> None:
     versions = f"llmesh-test-versions:{uuid.uuid4().hex[:12]}:"
-    async with retrieval_service(models_dir, tmp_path, versions=versions) as stub:
+    async with retrieval_service(models_dir, tmp_path, redis_url, versions=versions) as stub:
         await upsert(stub, "kb", _docs())
         await upsert(stub, "kb", _docs())
         points = (await info(stub, "kb")).points
-    async with retrieval_service(models_dir, tmp_path, versions=versions) as stub:
+    async with retrieval_service(models_dir, tmp_path, redis_url, versions=versions) as stub:
         about = await info(stub, "kb")
         assert about.version == 4 and about.points == points
     # A Redis that lost the versions resumes above every version handed out: the store's record is the floor.
-    async with retrieval_service(models_dir, tmp_path, versions=versions + "lost:") as stub:
+    async with retrieval_service(models_dir, tmp_path, redis_url, versions=versions + "lost:") as stub:
         assert (await info(stub, "kb")).version == 4
         progress = await upsert(stub, "kb", _docs())
         assert progress[-1].collection_version == 6

@@ -30,13 +30,15 @@ def test_chunk_window_defaults() -> None:
     docs = [Document("a", "text")]
     assert core.validate_upsert(docs, 0, 0) == (200, 32)
     assert core.validate_upsert(docs, 16, 0) == (16, 4)  # the default overlap shrinks with a small window
-    assert core.validate_upsert(docs, 16, 15) == (16, 15)
+    assert core.validate_upsert(docs, 16, 8) == (16, 8)
+    assert core.validate_upsert(docs, 2048, 1024) == (2048, 1024)
     with pytest.raises(InvalidArgument) as caught:
-        core.validate_upsert(docs, 16, 16)
-    assert caught.value.violations == [("overlap_tokens", "must be smaller than chunk_tokens")]
-    with pytest.raises(InvalidArgument) as caught:
-        core.validate_upsert(docs, 9000, 0)
-    assert [f for f, _ in caught.value.violations] == ["chunk_tokens"]
+        core.validate_upsert(docs, 16, 9)
+    assert caught.value.violations == [("overlap_tokens", "at most half of chunk_tokens (8 for 16)")]
+    for window in (1, 15, 2049, 8192):
+        with pytest.raises(InvalidArgument) as caught:
+            core.validate_upsert(docs, window, 0)
+        assert [f for f, _ in caught.value.violations] == ["chunk_tokens"]
 
 
 def test_document_violations_name_each_field() -> None:
