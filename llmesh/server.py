@@ -212,7 +212,10 @@ class _Method:
         self.meter = MethodMeter(kind, service, method)
 
     def refusing(self, refused: errors.LlmeshError) -> grpc.RpcMethodHandler:
-        """A handler that answers `refused`; its request is never parsed (its bytes are dropped)."""
+        """A handler that answers `refused` without reading the request. It is served as a
+        client-streaming handler whatever the method's kind (the wire format is the same): grpc
+        reads a unary request whole before the handler runs, while a stream's messages are read
+        only when asked for, so a refused caller's megabytes are never received."""
         full, meter, handler = self.full, self.meter, self.handler
 
         def answer(context: grpc.aio.ServicerContext) -> None:
@@ -220,21 +223,20 @@ class _Method:
             set_status_for(refused, context, full)
             meter.handled(refused.code, 0.0)
 
-        if handler.unary_unary:
+        if handler.unary_unary or handler.stream_unary:
 
-            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            async def unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
                 answer(context)
                 return None
 
-            return grpc.unary_unary_rpc_method_handler(unary, _unread, handler.response_serializer)
+            return grpc.stream_unary_rpc_method_handler(unary, _unread, handler.response_serializer)
 
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
             answer(context)
             return
             yield  # an async generator that yields nothing
 
-        make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
-        return make(stream, _unread, handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(stream, _unread, handler.response_serializer)
 
 
 def _unread(raw: bytes) -> None:
