@@ -1,5 +1,5 @@
-"""`python -m bench.report [--readme]`: the latest figures from bench/results as one markdown
-table (what `llmesh bench` prints); --readme rewrites the table in README.md."""
+"""`python -m bench.report [--write]`: the latest figures from bench/results as one markdown
+table (what `llmesh bench` prints); --write rewrites the table in docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from bench.common import RESULTS_DIR, fmt
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 # Headline figures per benchmark, in reading order.
@@ -128,6 +128,20 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "machine.load_average_1m",
     ),
     "tracing": ("hit_p50_ms_on", "hit_p50_ms_off", "overhead_ratio", "generate_overhead_ratio"),
+    "hostile": (
+        "normal_p99_s_alone",
+        "normal_p99_s_with",
+        "normal_p99_ratio",
+        "normal_cached_p99_s_alone",
+        "normal_cached_p99_s_with",
+        "normal_errors",
+        "gateway_rss_peak_ratio",
+        "gateway_loop_lag_p99_s_alone",
+        "gateway_loop_lag_p99_s_with",
+        "hostile_sent",
+        "hostile_per_second",
+        "hostile_unexpected",
+    ),
     "reliability": (
         "model",
         "load.requests",
@@ -221,24 +235,24 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def update_readme(text: str) -> None:
-    readme = README.read_text()
+def update_page(text: str) -> None:
+    page = PAGE.read_text()
     block = f"{START}\n{text}\n{END}"
-    if START in readme:
-        readme = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, readme, flags=re.S)
+    if START in page:
+        page = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, page, flags=re.S)
     else:
-        readme = readme.replace("## Benchmarks\n", f"## Benchmarks\n\n{block}\n", 1)
-    README.write_text(readme)
+        page = page.replace("# Benchmarks\n", f"# Benchmarks\n\n{block}\n", 1)
+    PAGE.write_text(page)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--readme", action="store_true", help="rewrite the table in README.md")
+    parser.add_argument("--write", "--readme", action="store_true", help="rewrite the table in docs/benchmarks.md")
     args = parser.parse_args(argv)
     text = table(load())
     print(text)
-    if args.readme:
-        update_readme(text)
+    if args.write:
+        update_page(text)
 
 
 if __name__ == "__main__":

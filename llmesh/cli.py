@@ -337,11 +337,11 @@ def _list_models(args: argparse.Namespace, base: Path) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Runs the benchmarks (each in its own process, as `python -m bench.<name>`), then prints
-    the README table from bench/results."""
+    the docs/benchmarks.md table from bench/results."""
     import subprocess
 
     failed = [n for n in args.names if subprocess.run([sys.executable, "-m", f"bench.{n}"]).returncode != 0]
-    subprocess.run([sys.executable, "-m", "bench.report", *(["--readme"] if args.readme else [])], check=False)
+    subprocess.run([sys.executable, "-m", "bench.report", *(["--write"] if args.readme else [])], check=False)
     if failed:
         print(f"llmesh bench: failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
@@ -476,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "names", nargs="*", default=["batching", "cache", "retrieval", "tracing", "reliability", "backends"]
     )
-    bench.add_argument("--readme", action="store_true", help="also rewrite the README benchmark table")
+    bench.add_argument("--readme", action="store_true", help="also rewrite the table in docs/benchmarks.md")
     bench.set_defaults(func=cmd_bench)
     return parser
 

@@ -1,7 +1,7 @@
 """Settings from environment variables, validated once at start.
 
 Every setting the mesh reads is declared here, once: its variable, default, meaning and the
-services that read it. The README table and the compose/Kubernetes consistency tests are
+services that read it. docs/settings.md and the compose/Kubernetes consistency tests are
 derived from this declaration, so they cannot drift from the code.
 """
 
@@ -1270,5 +1270,24 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
+SETTINGS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
+
+
+def settings_page() -> str:
+    """docs/settings.md, whole: generated from DECLARED (`python -m llmesh.settings --write`)."""
+    return (
+        "# Settings\n\n"
+        "<!-- Generated from llmesh/settings.py (`python -m llmesh.settings --write`): edit the declarations. -->\n\n"
+        "Every setting is an environment variable, validated at start: a bad value stops the service with a\n"
+        "message naming the variable (never a secret's value). Tracing uses the standard OpenTelemetry\n"
+        "variables: `OTEL_SERVICE_NAME`, `OTEL_EXPORTER_OTLP_ENDPOINT` (no exporter when unset),\n"
+        "`OTEL_TRACES_SAMPLER`, and `OTEL_TRACES_SAMPLER_ARG`.\n\n" + markdown_table() + "\n"
+    )
+
+
 if __name__ == "__main__":
-    print(markdown_table())
+    if sys.argv[1:] == ["--write"]:
+        SETTINGS_PAGE.write_text(settings_page())
+        print(f"wrote {SETTINGS_PAGE}")
+    else:
+        print(markdown_table())

@@ -46,10 +46,12 @@ def test_invalid_settings_stop_the_process_with_a_clear_message(capsys, monkeypa
     assert "LLMESH_GRACE_SECONDS='-3'" in capsys.readouterr().err
 
 
-def test_readme_lists_every_setting() -> None:
-    readme = (settings.Path(__file__).resolve().parents[2] / "README.md").read_text()
-    missing = [s.env for s in settings.DECLARED if f"`{s.env}`" not in readme]
-    assert not missing, f"README settings table is missing {missing}; paste `python -m llmesh.settings`"
+def test_the_settings_page_is_generated_from_the_declarations() -> None:
+    """docs/settings.md documents every setting, as `python -m llmesh.settings --write` makes it."""
+    page = settings.SETTINGS_PAGE.read_text()
+    missing = [s.env for s in settings.DECLARED if f"`{s.env}`" not in page]
+    assert not missing, f"docs/settings.md is missing {missing}; run `python -m llmesh.settings --write`"
+    assert page == settings.settings_page(), "docs/settings.md is stale; run `python -m llmesh.settings --write`"
 
 
 def test_niceness_may_raise_priority_within_the_kernel_range() -> None:
