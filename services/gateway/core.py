@@ -26,10 +26,12 @@ from services.gateway import metrics
 from services.gateway.admission import AdmissionController, LoadBook, RedisWeightWindow, WeightWindow
 from services.gateway.auth import Caller
 from services.gateway.breaker import State
+from services.gateway.deadline import Deadline
 from services.gateway.embeddings import Embeddings
+from services.gateway.hop_errors import BREAKER_FAILURE_CODES, PeerCallError
 from services.gateway.ingest import IngestBudget
 from services.gateway.limits import KeyLimitExceeded
-from services.gateway.peers import BREAKER_FAILURE_CODES, Deadline, PeerCallError, Peers, inference_peer
+from services.gateway.peers import Peers, inference_peer
 from services.gateway.pipeline import (
     CACHE_ALIVE_S,
     DOWNSTREAM_ERRORS,

@@ -31,7 +31,8 @@ from llmesh.v1 import cache_pb2, common_pb2, gateway_pb2, inference_pb2, retriev
 from services.gateway import metrics
 from services.gateway.admission import REASON_DEADLINE, Admission, Ask, Hold, RequestTooHeavy, Ticket
 from services.gateway.breaker import BreakerOpen
-from services.gateway.peers import BREAKER_FAILURE_CODES, CallerDeadline, Deadline, PeerCallError
+from services.gateway.deadline import CallerDeadline, Deadline
+from services.gateway.hop_errors import BREAKER_FAILURE_CODES, PeerCallError
 from services.gateway.plan import InputTokenPredictor, Plan, as_tool_calls, build_messages, context_bytes
 from services.gateway.recent_hits import request_key
 
