@@ -7,6 +7,7 @@ from __future__ import annotations
 import grpc
 
 from llmesh.errors import LlmeshError
+from services.gateway.breaker import BreakerOpen
 
 
 class PeerCallError(LlmeshError):
@@ -26,3 +27,7 @@ class PeerCallError(LlmeshError):
 BREAKER_FAILURE_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 )
+
+
+# A downstream that failed, or whose breaker is open: optional hops degrade on these.
+DOWNSTREAM_ERRORS = (PeerCallError, BreakerOpen)
