@@ -28,22 +28,13 @@ from typing import Any
 
 import grpc
 
-from bench import cache_eval
+from bench import cache_eval, tenancy
+from bench.cache_questions import QUESTIONS, chat_body
 from bench.common import machine, percentile, print_table, write_result
 from bench.load import closed_loop, http_closed_loop
 from bench.mesh import bench_mesh
 from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "How many legs does a spider have?",
-    "What color is the sky on a clear day?",
-    "Who wrote Romeo and Juliet?",
-    "What is the boiling point of water in Celsius?",
-    "What is the largest planet in the solar system?",
-    "What language is spoken in Brazil?",
-    "How many days are there in a week?",
-]
 PARAPHRASES = [
     "what's the capital city of France?",
     "How many legs do spiders have?",
@@ -106,17 +97,6 @@ def start_echo_chain() -> tuple[list[subprocess.Popen[str]], str]:
     echo, echo_port = spawn("echo", "0")
     relay, relay_port = spawn("relay", "0", f"127.0.0.1:{echo_port}")
     return [relay, echo], f"127.0.0.1:{relay_port}"
-
-
-def chat_body(model: str, prompt: str) -> dict[str, Any]:
-    """The OpenAI-API twin of `request(prompt)`: same prompt, sampling and tenant, so the same
-    cache entry answers both."""
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": 32,
-        "llmesh": {"use_retrieval": False},
-    }
 
 
 def check_http_hit(base_url: str) -> str:
@@ -390,8 +370,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if args.tenancy:
-        from bench import tenancy
-
         tenancy.main(args.clients, args.seconds * 2)  # twice as long: two gateways, eight alternating rounds
         return
     if args.scale:

@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from bench.cache import QUESTIONS, chat_body
+from bench.cache_questions import QUESTIONS, chat_body
 from bench.common import machine, print_table, write_result
 from bench.load import closed_loop, http_closed_loop
 from bench.mesh import bench_mesh

@@ -146,7 +146,7 @@ def _choice(*options: str) -> Callable[[str], str]:
     return parse
 
 
-_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
 # Parsers for the admission settings (raw string -> value; ValueError with a clear message).
@@ -187,7 +187,7 @@ def _parse_pairs(raw: str, what: str, parse_value: Callable[[str, str], float]) 
             raise ValueError(f"{what} entry {item!r} must look like name=value")
         if not name:
             raise ValueError(f"{what} entry {item!r} has an empty name")
-        if not _NAME.match(name):
+        if not NAME_PATTERN.match(name):
             raise ValueError(f"{what} name {name!r} may only hold letters, digits, '_', '-' and '.'")
         if name in found:
             raise ValueError(f"{what} {name!r} is listed twice")
@@ -224,7 +224,7 @@ def parse_models(raw: str) -> dict[str, str]:
         name, sep, target = (part.strip() for part in item.partition("="))
         if not sep or not name or not target:
             raise ValueError(f"model entry {item!r} must look like name=host:port")
-        if not _NAME.match(name) or len(name) > 64:
+        if not NAME_PATTERN.match(name) or len(name) > 64:
             raise ValueError(f"model name {name!r} may only hold letters, digits, '_', '-' and '.' (at most 64)")
         if name in found:
             raise ValueError(f"model {name!r} is listed twice")
@@ -238,7 +238,7 @@ def parse_models(raw: str) -> dict[str, str]:
 def _names(raw: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in raw.split(",") if n.strip())
     for name in names:
-        if not _NAME.match(name):
+        if not NAME_PATTERN.match(name):
             raise ValueError(f"model name {name!r} may only hold letters, digits, '_', '-' and '.'")
     if len(set(names)) != len(names):
         raise ValueError("a model is listed twice")
@@ -271,7 +271,7 @@ def _aliases(raw: str) -> dict[str, tuple[str, ...]]:
         chain = tuple(m.strip() for m in models.split(",") if m.strip())
         if not sep or not alias.strip() or not chain:
             raise ValueError("expected alias=model,model;alias2=model (one entry per alias)")
-        if not _NAME.match(alias.strip()) or not all(_NAME.match(m) for m in chain):
+        if not NAME_PATTERN.match(alias.strip()) or not all(NAME_PATTERN.match(m) for m in chain):
             raise ValueError(f"{item!r}: names may only hold letters, digits, '_', '-' and '.'")
         if alias.strip() in aliases or len(set(chain)) != len(chain):
             raise ValueError(f"{item!r}: an alias or one of its models is listed twice")

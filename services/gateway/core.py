@@ -10,11 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from llmesh import chunking
 from llmesh.chat_template import ChatTemplate
@@ -26,19 +23,14 @@ from services.gateway import metrics
 from services.gateway.admission import AdmissionController, LoadBook, RedisWeightWindow, WeightWindow
 from services.gateway.auth import Caller
 from services.gateway.breaker import State
+from services.gateway.cache_health import CacheHealth
+from services.gateway.deadline import Deadline
 from services.gateway.embeddings import Embeddings
+from services.gateway.hop_errors import BREAKER_FAILURE_CODES, DOWNSTREAM_ERRORS, PeerCallError
 from services.gateway.ingest import IngestBudget
 from services.gateway.limits import KeyLimitExceeded
-from services.gateway.peers import BREAKER_FAILURE_CODES, Deadline, PeerCallError, Peers, inference_peer
-from services.gateway.pipeline import (
-    CACHE_ALIVE_S,
-    DOWNSTREAM_ERRORS,
-    Delta,
-    Final,
-    RequestPath,
-    RequestState,
-    server_timing,
-)
+from services.gateway.peers import Peers, inference_peer
+from services.gateway.pipeline import Delta, Final, RequestPath, RequestState, server_timing
 from services.gateway.plan import (
     DEFAULT_SYSTEM_PROMPT,
     NAME_RE,
@@ -50,8 +42,10 @@ from services.gateway.plan import (
     validate,
 )
 from services.gateway.recent_hits import RecentHits
+from services.gateway.request_gateway import ModelRoute
 from services.gateway.shape import cache_scope
 from services.gateway.usage import UsageMeter
+from services.gateway.versions import BACKGROUND_DEADLINE_S, CollectionVersions
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
@@ -73,9 +67,6 @@ log = logging.getLogger("llmesh.gateway")
 MODEL_INFO_TTL_S = 30.0
 # Cache stores run after the final message, in the background; past this many the rest are skipped.
 MAX_BACKGROUND_STORES = 64
-# Background calls (version refresh, cache store) have no caller: a deadline well past any hop
-# budget, so the budget bounds them and its timeout counts against the hop.
-BACKGROUND_DEADLINE_S = 30.0
 
 
 def _worth_a_fallback(exc: BaseException) -> bool:
@@ -88,114 +79,11 @@ def _worth_a_fallback(exc: BaseException) -> bool:
     return isinstance(exc, (Unavailable, ResourceExhausted))
 
 
-@dataclass
-class KnownVersion:
-    """A collection's version as last learned from retrieval."""
-
-    info: retrieval_pb2.CollectionInfo
-    learned_at: float
-    # The last refresh failed: answers grounded in this version are marked degraded.
-    unconfirmed: bool = False
-    refreshing: asyncio.Task[None] | None = None
-
-
-class CollectionVersions:
-    """Collection versions off the hit path: learned once, trusted for `ttl` seconds, then served
-    while a single background refresh asks retrieval again (stale-while-revalidate). An ingest
-    through this gateway forgets the entry, so the next request learns the new version at once;
-    other replicas learn it within `ttl`. While retrieval is down the last known version is kept
-    (marked unconfirmed, and asked again on every request until retrieval answers), so cached
-    answers for it still serve."""
-
-    MAX_ENTRIES = 4096
-
-    def __init__(self, peers: Peers, ttl: float) -> None:
-        self.peers = peers
-        self.ttl = ttl
-        self.known: dict[tuple[str, str], KnownVersion] = {}
-
-    async def get(self, collection: str, tenant: str, deadline: Deadline) -> KnownVersion:
-        """The known version (refreshed in the background when older than ttl); the first time,
-        retrieval is asked in the request's path and its errors are raised."""
-        key = (tenant, collection)
-        known = self.known.get(key)
-        if known is None:
-            info = await self.peers.collection_info(collection, tenant, deadline)
-            if len(self.known) >= self.MAX_ENTRIES:
-                self.known.pop(next(iter(self.known)))
-            known = self.known[key] = KnownVersion(info, time.monotonic())
-            return known
-        # An unconfirmed version is asked again at once (one call at a time): retrieval's return
-        # is noticed on the next request, not a TTL later.
-        stale = known.unconfirmed or time.monotonic() - known.learned_at >= self.ttl
-        if stale and known.refreshing is None:
-            known.refreshing = asyncio.get_running_loop().create_task(self._refresh(key, known))
-        return known
-
-    async def _refresh(self, key: tuple[str, str], known: KnownVersion) -> None:
-        tenant, collection = key
-        try:
-            # No caller waits: the hop's own budget bounds the call, and its timeout is a verdict.
-            info = await self.peers.collection_info(collection, tenant, Deadline.after(BACKGROUND_DEADLINE_S))
-        except (*DOWNSTREAM_ERRORS, LlmeshError) as exc:
-            known.unconfirmed = True
-            log.warning("collection version refresh failed, keeping version %d: %s", known.info.version, exc.message)
-        else:
-            known.info, known.unconfirmed = info, False
-        finally:
-            known.learned_at = time.monotonic()
-            known.refreshing = None
-
-    def forget(self, collection: str, tenant: str) -> None:
-        self.known.pop((tenant, collection), None)
-
-    def observe(self, collection: str, tenant: str, version: int) -> None:
-        """A newer version seen elsewhere (the cache's lookup, a search): trusted from now on."""
-        known = self.known.get((tenant, collection))
-        if known is not None and version > known.info.version:
-            info = retrieval_pb2.CollectionInfo()
-            info.CopyFrom(known.info)
-            info.version = version
-            known.info, known.learned_at, known.unconfirmed = info, time.monotonic(), False
-
-
 def model_key_of(info: inference_pb2.ModelInfo) -> str:
     """`model_id@sha256[:16]/dtype` ("SmolLM2-135M-Instruct@0123456789abcdef/bfloat16"); the
     dtype is left out where the backend does not report one (the openai backend)."""
     key = f"{info.model_id}@{info.sha256[:16]}"
     return f"{key}/{info.dtype}" if info.dtype else key
-
-
-@dataclass
-class ModelRoute:
-    """One model the gateway routes to: its name (requests' `model`), its inference peer in
-    `Peers` (own channel and circuit breaker: `inference_peer(name)`), the tokenizer it asks for,
-    and its model key as last learned from its inference. Admission is per model through the
-    model key (`WeightWindow.capacity(key)`: its own in-flight limit, learned from its own
-    tokens). The name "" is the one model of a deployment that lists none (LLMESH_MODELS empty):
-    its public name is the id its inference reports, and the tokenizer's default serves it."""
-
-    name: str
-    # (when learned, model key)
-    learned: tuple[float, str] | None = None
-
-    @property
-    def tokenizer(self) -> str:
-        return self.name
-
-    def expire(self) -> None:
-        """The next `model_key` asks inference again (the learned key serves if it fails)."""
-        if self.learned is not None:
-            self.learned = (-math.inf, self.learned[1])
-
-    def expired(self) -> bool:
-        return self.learned is not None and self.learned[0] == -math.inf
-
-    def public_name(self) -> str | None:
-        """The name clients see and route by; for the unnamed model, None until learned."""
-        if self.name:
-            return self.name
-        return self.learned[1].rpartition("@")[0] if self.learned is not None else None
 
 
 class Gateway:
@@ -244,8 +132,7 @@ class Gateway:
         self.recent_hits = RecentHits()
         self._background: set[asyncio.Task[None]] = set()
         self.stores_skipped = 0
-        self._cache_slow_until = 0.0
-        self._cache_answered_at = 0.0
+        self.cache_health = CacheHealth(lambda: self.peers.breakers["cache"].state.value == "closed")
 
     def predictor_for(self, model: str) -> InputTokenPredictor:
         found = self.predictors.get(model)
@@ -354,7 +241,7 @@ class Gateway:
         retrieval cannot say it): learned from retrieval's answers (services/gateway/embeddings.py)."""
         return await self.embeddings.model_name(deadline)
 
-    def _scope(self, plan: Plan, model: str, collection: str, version: int) -> cache_pb2.CacheScope:
+    def cache_scope(self, plan: Plan, model: str, collection: str, version: int) -> cache_pb2.CacheScope:
         """The cache scope of the plan as it stands, with the retrieval it uses (services/gateway/shape.py)."""
         return cache_scope(
             model=model,
@@ -467,7 +354,7 @@ class Gateway:
         finally:
             state.release()  # every exit path: what was held or reserved and not generated goes back
 
-    def _learn_template(self, tokenizer: str) -> None:
+    def learn_template(self, tokenizer: str) -> None:
         """Asks the tokenizer, once per model in the background, for the chat template the
         gateway renders with while the tokenizer is away."""
         if tokenizer in self.templates or tokenizer in self._learning:
@@ -487,33 +374,7 @@ class Gateway:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _wait_while_cache_answers(
-        self, lookup: asyncio.Future[cache_pb2.CacheLookupResponse], until: float
-    ) -> cache_pb2.CacheLookupResponse:
-        """Waits for `lookup` in steps of CACHE_ALIVE_S, each only while the cache answered some
-        other lookup in full within the last step (it is busy, not frozen: this answer is likely
-        on its way; lookups go out in batches), until `until`; raises TimeoutError when it stops."""
-        while True:
-            now = time.monotonic()
-            if now >= until or now - self._cache_answered_at > CACHE_ALIVE_S:
-                raise TimeoutError
-            try:
-                return await asyncio.wait_for(asyncio.shield(lookup), min(CACHE_ALIVE_S, until - now))
-            except TimeoutError:
-                continue
-
-    def _cache_heard(self, lookup: asyncio.Future[Any]) -> None:
-        """Notes when the cache last answered a lookup in full (not degraded): the liveness a
-        patient request waits on."""
-        if not lookup.cancelled() and lookup.exception() is None and not lookup.result().degraded:
-            self._cache_answered_at = time.monotonic()
-
-    def _cache_suspect(self) -> bool:
-        """The cache failed, ran out of budget or answered degraded in the last CACHE_SUSPECT_S,
-        or its breaker is not closed."""
-        return time.monotonic() < self._cache_slow_until or self.peers.breakers["cache"].state.value != "closed"
-
-    def _store_later(self, plan: Plan, scope: cache_pb2.CacheScope, response: gateway_pb2.GenerateResponse) -> None:
+    def store_later(self, plan: Plan, scope: cache_pb2.CacheScope, response: gateway_pb2.GenerateResponse) -> None:
         """Stores the answer in the background, with the store hop's own budget (the caller's
         deadline no longer matters: the caller has its answer)."""
         if len(self._background) >= MAX_BACKGROUND_STORES:

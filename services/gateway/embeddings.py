@@ -20,7 +20,9 @@ from llmesh.telemetry import current_trace_id
 from llmesh.v1 import common_pb2, gateway_pb2, retrieval_pb2
 from services.gateway.auth import Caller
 from services.gateway.breaker import BreakerOpen
-from services.gateway.peers import Deadline, PeerCallError, Peers
+from services.gateway.deadline import Deadline
+from services.gateway.hop_errors import PeerCallError
+from services.gateway.peers import Peers
 from services.gateway.usage import UsageMeter
 
 log = logging.getLogger("llmesh.gateway")

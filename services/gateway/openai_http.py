@@ -43,6 +43,7 @@ from llmesh.v1 import common_pb2, gateway_pb2
 from services.gateway import metrics
 from services.gateway.auth import ApiKeys, KeyRing
 from services.gateway.core import Delta, Final, Gateway, server_timing
+from services.gateway.deadline import Deadline
 from services.gateway.embeddings import same_model
 from services.gateway.openai_models import (
     ChatCompletionRequest,
@@ -51,7 +52,6 @@ from services.gateway.openai_models import (
     Sampling,
     param_name,
 )
-from services.gateway.peers import Deadline
 
 log = logging.getLogger("llmesh.gateway.http")
 

@@ -28,8 +28,10 @@ from llmesh.v1 import (
 )
 from services.gateway.breaker import BreakerConfig, CircuitBreaker, Permit, State, TransitionListener
 from services.gateway.deadline import CallerDeadline, Deadline
+from services.gateway.hop_errors import BREAKER_FAILURE_CODES, PeerCallError
 from services.gateway.lookups import LookupCoalescer
 from services.gateway.multiplex import GenerationMux
+from services.gateway.routing import ReplicaRouter, routed
 
 if TYPE_CHECKING:
     from services.gateway.admission.load import LoadBook
@@ -49,25 +51,6 @@ class HopBudgets:
     collection_info: float = 0.25
     search: float = 1.0
     tokenizer: float = 0.25
-
-
-class PeerCallError(LlmeshError):
-    """Raised for a failed downstream call; `cause` keeps the peer's status for relaying."""
-
-    def __init__(self, cause: LlmeshError) -> None:
-        super().__init__(cause.message, reason=cause.reason, metadata=cause.metadata)
-        self.cause = cause
-        self.code = cause.code
-
-    def trailing_metadata(self) -> list[tuple[str, str | bytes]]:
-        return self.cause.trailing_metadata()
-
-
-# Codes that say the downstream is unhealthy; others (bad input, overload pushback) are its
-# healthy answers and do not count against its breaker.
-BREAKER_FAILURE_CODES = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
-)
 
 
 def counts_as_failure(exc: BaseException) -> bool:
@@ -218,9 +201,6 @@ class Peers:
         loads: LoadBook | None = None,
         multiplex: bool = True,
     ) -> None:
-        # Imported here: routing builds on this module's Deadline and errors.
-        from services.gateway.routing import ReplicaRouter, routed
-
         self.budgets = budgets or HopBudgets()
         self.probe_seconds = probe_seconds
         models = models or {"": targets["inference"]}

@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from opentelemetry import trace
 
@@ -30,16 +30,11 @@ from llmesh.telemetry import current_trace_id
 from llmesh.v1 import cache_pb2, common_pb2, gateway_pb2, inference_pb2, retrieval_pb2
 from services.gateway import metrics
 from services.gateway.admission import REASON_DEADLINE, Admission, Ask, Hold, RequestTooHeavy, Ticket
-from services.gateway.breaker import BreakerOpen
-from services.gateway.peers import BREAKER_FAILURE_CODES, CallerDeadline, Deadline, PeerCallError
+from services.gateway.deadline import CallerDeadline, Deadline
+from services.gateway.hop_errors import BREAKER_FAILURE_CODES, DOWNSTREAM_ERRORS, PeerCallError
 from services.gateway.plan import InputTokenPredictor, Plan, as_tool_calls, build_messages, context_bytes
 from services.gateway.recent_hits import request_key
-
-if TYPE_CHECKING:
-    from services.gateway.core import Gateway, ModelRoute
-
-# A downstream that failed, or whose breaker is open: optional hops degrade on these.
-DOWNSTREAM_ERRORS = (PeerCallError, BreakerOpen)
+from services.gateway.request_gateway import ModelRoute, RequestGateway
 
 log = logging.getLogger("llmesh.gateway")
 
@@ -52,11 +47,6 @@ SHED_RISK_LOOKUP_S = 0.02
 # ...unless the cache answered that request lately and keeps answering other lookups (busy, not
 # frozen): then it waits up to this long in all, so a refusal stays fast...
 KNOWN_HIT_WAIT_S = 0.05
-# ...checking every this long that the cache answered something within the last this long.
-CACHE_ALIVE_S = 0.01
-# After the cache failed or answered degraded, requests decide admission before looking it up
-# for this long.
-CACHE_SUSPECT_S = 1.0
 CACHEABLE_FINISH = (
     common_pb2.FINISH_REASON_STOP,
     common_pb2.FINISH_REASON_TOOL_CALLS,
@@ -195,7 +185,7 @@ def _consume(task: asyncio.Future[Any]) -> None:
 class RequestPath:
     """One request's way through the gateway (see the module); `run` yields its events."""
 
-    def __init__(self, gateway: Gateway, state: RequestState, deadline: Deadline) -> None:
+    def __init__(self, gateway: RequestGateway, state: RequestState, deadline: Deadline) -> None:
         self.gateway = gateway
         self.state = state
         self.deadline = deadline
@@ -277,7 +267,7 @@ class RequestPath:
         """The collection and version the answer will be grounded in, and the cache scope."""
         with self.state.timed("retrieval"):
             self.collection, self.version = await self._retrieval_scope()
-        self.scope = self.gateway._scope(self.plan, self.model, self.collection, self.version)
+        self.scope = self.gateway.cache_scope(self.plan, self.model, self.collection, self.version)
 
     async def _cache(self) -> tuple[Delta, Final] | None:
         """The first lookup, under the scope with retrieval. Admission is decided before it, as
@@ -288,7 +278,7 @@ class RequestPath:
         state, plan = self.state, self.plan
         with state.timed("admission"):
             refusal = self._reserve(waiting_for_cache=True)
-        if refusal is not None and self.gateway._cache_suspect():
+        if refusal is not None and self.gateway.cache_health.suspect():
             raise self._shed(refusal, "shed_early")
         # A request the cache answered lately will almost surely be answered again (it costs
         # the model nothing): it waits longer, while the cache is answering (see `_lookup`).
@@ -325,7 +315,7 @@ class RequestPath:
         if self.collection or not self.scope.collection:
             return None
         self.state.plan = self.plan.without_retrieval()
-        self.scope = self.gateway._scope(self.plan, self.model, "", 0)
+        self.scope = self.gateway.cache_scope(self.plan, self.model, "", 0)
         if not self.plan.use_cache:
             return None
         with self.state.timed("cache"):
@@ -520,7 +510,9 @@ class RequestPath:
             and "tokenizer_estimate" not in self.state.degradations
         ):
             version = self.version or self.scope.collection_version
-            self.gateway._store_later(plan, self.gateway._scope(plan, self.model, self.collection, version), response)
+            self.gateway.store_later(
+                plan, self.gateway.cache_scope(plan, self.model, self.collection, version), response
+            )
 
     def _reply(self, response: gateway_pb2.GenerateResponse) -> Final:
         """The final message: a tool call's text answered as the call (stored as generated), and
@@ -633,23 +625,23 @@ class RequestPath:
             )
         )
         lookup.add_done_callback(_consume)
-        lookup.add_done_callback(gateway._cache_heard)
+        lookup.add_done_callback(gateway.cache_health.heard)
         try:
             try:
                 found = await asyncio.wait_for(asyncio.shield(lookup), budget if wait is None else min(wait, budget))
             except TimeoutError:
                 if wait is None or wait >= budget:
                     raise
-                found = await gateway._wait_while_cache_answers(lookup, asked_at + min(patience, budget))
+                found = await gateway.cache_health.wait_while_answering(lookup, asked_at + min(patience, budget))
         except TimeoutError:
             if wait is not None and wait < budget:
                 return None  # the request decides without the cache; the lookup goes on
-            gateway._cache_slow_until = time.monotonic() + CACHE_SUSPECT_S
+            gateway.cache_health.failed()
             log.warning("cache lookup took its whole budget (%.3fs)", budget)
             state.degrade("cache_unavailable")
             return None
         except DOWNSTREAM_ERRORS as exc:
-            gateway._cache_slow_until = time.monotonic() + CACHE_SUSPECT_S
+            gateway.cache_health.failed()
             log.warning("cache unavailable: %s", exc.message)
             state.degrade("cache_unavailable")
             return None
@@ -660,7 +652,7 @@ class RequestPath:
             state.degrade("cache_unavailable")
             return None
         if found.degraded:
-            gateway._cache_slow_until = time.monotonic() + CACHE_SUSPECT_S
+            gateway.cache_health.failed()
             state.degrade("cache_unavailable")
         if scope.collection and found.collection_version:
             self.gateway.versions.observe(scope.collection, scope.tenant, found.collection_version)
@@ -718,7 +710,7 @@ class RequestPath:
             state.degrade("tokenizer_estimate")
             text = self._render_locally(messages, tokenizer)
             return text, (state.predictor or gateway.predictor).estimate(plan, context_bytes(sources), text)
-        gateway._learn_template(tokenizer)
+        gateway.learn_template(tokenizer)
         return list(rendered.ids), len(rendered.ids)
 
     def _render_locally(self, messages: list[common_pb2.ChatMessage], tokenizer: str) -> str:

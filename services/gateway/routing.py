@@ -26,8 +26,9 @@ from llmesh.v1 import inference_pb2, inference_pb2_grpc
 from services.gateway import metrics
 from services.gateway.admission.load import LoadBook
 from services.gateway.breaker import CircuitBreaker
+from services.gateway.deadline import CallerDeadline, Deadline
+from services.gateway.hop_errors import BREAKER_FAILURE_CODES, PeerCallError
 from services.gateway.multiplex import GenerationMux
-from services.gateway.peers import BREAKER_FAILURE_CODES, CallerDeadline, Deadline, PeerCallError
 from services.gateway.replicas import Flight, Load, Replica, ReplicaSet, RoutingConfig
 
 log = logging.getLogger("llmesh.gateway.routing")

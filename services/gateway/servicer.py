@@ -22,10 +22,11 @@ from services.gateway.admission.load import LoadWatcher
 from services.gateway.auth import Caller, KeyRing
 from services.gateway.breaker import BreakerConfig, State, TransitionListener
 from services.gateway.core import Delta, Final, Gateway, GatewayConfig, server_timing
+from services.gateway.deadline import Deadline
 from services.gateway.intake import KeyGate, request_limits
 from services.gateway.limits import KeyLimiter
 from services.gateway.openai_http import announce, http_api
-from services.gateway.peers import Deadline, HopBudgets, Peers, breaker_labels
+from services.gateway.peers import HopBudgets, Peers, breaker_labels
 from services.gateway.replicas import RoutingConfig
 from services.gateway.usage import TenantLabels, UsageMeter
 

@@ -11,7 +11,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from llmesh.errors import RETRY_PUSHBACK_KEY, ResourceExhausted, status_details, unpack_details
 from llmesh.testing import FakeClock
 from services.gateway.admission import (
-    _LUA,
+    ADMIT_LUA,
     BATCH,
     REASON_BUDGET,
     REASON_TENANT,
@@ -341,7 +341,7 @@ async def test_redis_down_falls_back_to_local() -> None:
 async def test_redis_recovers_after_retry_interval(rclient: aioredis.Redis, prefix: str) -> None:
     clock = FakeClock(1_700_000_000.0)
     w = RedisWeightWindow(cfg(), rclient, prefix=prefix, clock=clock, retry_interval=1.0)
-    real = rclient.register_script(_LUA)
+    real = rclient.register_script(ADMIT_LUA)
     calls = {"n": 0}
 
     async def flaky(**kw: object) -> object:
@@ -350,7 +350,7 @@ async def test_redis_recovers_after_retry_interval(rclient: aioredis.Redis, pref
             raise RedisConnectionError("boom")
         return await real(**kw)  # type: ignore[arg-type]
 
-    w._scripts[_LUA] = flaky
+    w._scripts[ADMIT_LUA] = flaky
     assert (await w.admit("t", 10)).source == "local_fallback"
     assert (await w.admit("t", 10)).source == "local_fallback"  # not retried yet
     assert calls["n"] == 1

@@ -13,7 +13,7 @@ import pytest_asyncio
 import redis.asyncio as aioredis
 
 from llmesh.errors import ResourceExhausted
-from services.gateway.admission import _LUA, AdmissionConfig, CapacityLimit, RedisWeightWindow, WeightWindow
+from services.gateway.admission import ADMIT_LUA, AdmissionConfig, CapacityLimit, RedisWeightWindow, WeightWindow
 
 
 class Clock:
@@ -335,7 +335,7 @@ async def test_a_timed_out_script_call_is_reconciled_not_admitted_twice(
 ) -> None:
     w = RedisWeightWindow(cfg(budget=2000), clients[0], prefix=prefix, retry_interval=0.0)
     observer = RedisWeightWindow(cfg(budget=2000), clients[1], prefix=prefix)
-    script = clients[0].register_script(_LUA)
+    script = clients[0].register_script(ADMIT_LUA)
     replies = {"lost": 1}
 
     async def reply_lost(**kw: object) -> object:
@@ -346,7 +346,7 @@ async def test_a_timed_out_script_call_is_reconciled_not_admitted_twice(
             raise TimeoutError
         return result
 
-    w._scripts[_LUA] = reply_lost
+    w._scripts[ADMIT_LUA] = reply_lost
     timed_out = await w.plan("t", 10, 100)
     assert timed_out.source == "local_fallback"  # decided here, though Redis recorded it too
     served = await w.plan("t", 10, 50)

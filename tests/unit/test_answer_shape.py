@@ -95,7 +95,7 @@ def key_of(request: Request) -> tuple[str, str]:
     retrieving = plan.use_retrieval and plan.collection in FILLED
     collection, version = (plan.collection, FILLED[plan.collection]) if retrieving else ("", 0)
     gateway = SimpleNamespace(config=CONFIG)
-    scope = Scope.of(core.Gateway._scope(gateway, plan, model, collection, version))  # type: ignore[arg-type]
+    scope = Scope.of(core.Gateway.cache_scope(gateway, plan, model, collection, version))  # type: ignore[arg-type]
     return entry_key(normalize_prompt(plan.prompt), scope), scope.digest()
 
 

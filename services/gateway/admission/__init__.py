@@ -77,11 +77,12 @@ from services.gateway.admission.config import (
 )
 from services.gateway.admission.controller import AdmissionController, Ask, Window
 from services.gateway.admission.load import LoadBook, ModelLoad, ReplicaReport
-from services.gateway.admission.redis_window import _LUA, RedisWeightWindow, connect_redis
+from services.gateway.admission.redis_window import ADMIT_LUA, RedisWeightWindow, connect_redis
 from services.gateway.admission.reservations import Hold, Ticket
 from services.gateway.admission.window import WeightWindow
 
 __all__ = [
+    "ADMIT_LUA",
     "BATCH",
     "DEFAULT_LANES",
     "INTERACTIVE",
@@ -94,7 +95,6 @@ __all__ = [
     "SOURCE_FALLBACK",
     "SOURCE_LOCAL",
     "SOURCE_REDIS",
-    "_LUA",
     "Admission",
     "AdmissionConfig",
     "AdmissionController",

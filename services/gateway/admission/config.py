@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmesh.errors import LlmeshError, ResourceExhausted
 from llmesh.settings import (  # parsers live with the settings; re-exported here
-    _NAME,
+    NAME_PATTERN,
     parse_budget,
     parse_lane_shares,
     parse_share,
@@ -68,7 +68,7 @@ class AdmissionConfig:
         if not self.lanes:
             raise ValueError("at least one lane is required")
         for name, share in self.lanes.items():
-            if not _NAME.match(name) or not 0 < share <= 1:
+            if not NAME_PATTERN.match(name) or not 0 < share <= 1:
                 raise ValueError(f"lane {name!r}: share must be in (0, 1], got {share!r}")
         for name, value in self.tenant_budgets.items():
             if not (math.isfinite(value) and value > 0):
@@ -143,13 +143,15 @@ class RequestTooHeavy(ResourceExhausted):
         return LlmeshError.trailing_metadata(self)  # no grpc-retry-pushback-ms
 
 
-def _num(value: float) -> str:
+def weight_text(value: float) -> str:
     """Exact text of a weight: '100' for integral values, else the shortest round-trip float."""
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
 @dataclass(frozen=True)
-class _Request:
+class WeightRequest:
+    """One request as a window weighs it (both windows, local and Redis, read it)."""
+
     tenant: str
     lane: str
     unit: int  # weight per generated token (or the whole weight for admit())
@@ -158,23 +160,25 @@ class _Request:
     planned: bool  # from plan(): report max_new_tokens
 
 
-def _request(
+def weight_request(
     config: AdmissionConfig, tenant: str, unit: int, want: int, lane: str, degrade: bool, planned: bool
-) -> _Request:
+) -> WeightRequest:
+    """The request as a window weighs it; RequestTooHeavy when even its least acceptable
+    generation could never fit what the tenant may use on the lane."""
     if unit < 1 or want < 1:
         raise ValueError("weight must be >= 1")
     least = min(want, config.min_new_tokens) if degrade else want
-    req = _Request(tenant, lane, unit, want, least, planned)
+    req = WeightRequest(tenant, lane, unit, want, least, planned)
     cap = config.max_weight(tenant, lane)  # also validates the lane
     if unit * least > cap:
         meta = {
             "weight": str(unit * want),
-            "max_weight": _num(cap),
+            "max_weight": weight_text(cap),
             "tenant": tenant,
             "lane": lane,
         }
         text = (
-            f"request weight {unit * least} exceeds {_num(cap)}, the most tenant {tenant!r} "
+            f"request weight {unit * least} exceeds {weight_text(cap)}, the most tenant {tenant!r} "
             f"may ever use on lane {lane!r}"
         )
         if planned:
@@ -184,25 +188,30 @@ def _request(
     return req
 
 
-def _refusal(
+def window_refusal(
     config: AdmissionConfig,
-    req: _Request,
+    req: WeightRequest,
     scope: str,
     occupancy: float,
     retry_after: float,
     flight_limit: float = math.inf,
 ) -> ResourceExhausted:
+    """The refusal a window answers with: which limit (`scope`: the lane's budget, the tenant's,
+    the weight in flight) was full, and when to retry."""
     weight = req.unit * req.least
     if scope == "in_flight":
         limit, reason, what = flight_limit, REASON_IN_FLIGHT, "in flight"
-        text = f"{what}: weight {weight} + {_num(round(occupancy))} in flight exceeds the limit {_num(round(limit))}"
+        text = (
+            f"{what}: weight {weight} + {weight_text(round(occupancy))} in flight exceeds the limit "
+            f"{weight_text(round(limit))}"
+        )
     else:
         limit = config.tenant_limit(req.tenant) if scope == "tenant" else config.lane_limit(req.lane)
         reason = REASON_TENANT if scope == "tenant" else REASON_BUDGET
         what = f"tenant {req.tenant!r}" if scope == "tenant" else f"lane {req.lane!r}"
         text = (
-            f"{what}: weight {weight} + {_num(occupancy)} admitted in the last {config.window_seconds:g}s or on its "
-            f"way exceeds {_num(limit)}"
+            f"{what}: weight {weight} + {weight_text(occupancy)} admitted in the last {config.window_seconds:g}s "
+            f"or on its way exceeds {weight_text(limit)}"
         )
     return ResourceExhausted(
         f"{text}; retry in {retry_after:.3f}s",
@@ -210,8 +219,8 @@ def _refusal(
         reason=reason,
         metadata={
             "weight": str(weight),
-            "occupancy": _num(round(occupancy) if scope == "in_flight" else occupancy),
-            "budget": _num(round(limit) if scope == "in_flight" else limit),
+            "occupancy": weight_text(round(occupancy) if scope == "in_flight" else occupancy),
+            "budget": weight_text(round(limit) if scope == "in_flight" else limit),
             "scope": scope,
             "tenant": req.tenant,
             "lane": req.lane,

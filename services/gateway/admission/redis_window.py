@@ -18,10 +18,10 @@ from services.gateway.admission.config import (
     SOURCE_REDIS,
     Admission,
     AdmissionConfig,
-    _num,
-    _refusal,
-    _Request,
-    _request,
+    WeightRequest,
+    weight_request,
+    weight_text,
+    window_refusal,
 )
 from services.gateway.admission.reservations import Hold
 from services.gateway.admission.window import WeightWindow
@@ -35,7 +35,7 @@ log = logging.getLogger("services.gateway.admission")
 # Members are "<weight>:<lane>:<id>", scored by admission time in microseconds.
 # admit -> {1, n, weight, occupancy, tenant_occupancy} or {0, weight, occupancy_of_scope, retry_us, scope}
 # peek  -> {occupancy, tenant_occupancy}
-_LUA = r"""
+ADMIT_LUA = r"""
 local now
 if ARGV[1] == '' then
   local t = redis.call('TIME')
@@ -247,7 +247,7 @@ class RedisWeightWindow:
         return self.fallback.capacity(model)
 
     async def admit(self, tenant: str, weight: int, lane: str = INTERACTIVE) -> Admission:
-        req = _request(self.config, tenant, weight, 1, lane, False, planned=False)
+        req = weight_request(self.config, tenant, weight, 1, lane, False, planned=False)
 
         def local() -> Admission:
             admission = self.outage.admit(tenant, weight, lane)
@@ -269,7 +269,7 @@ class RedisWeightWindow:
     ) -> Admission:
         degrade = self.config.degrade if allow_degrade is None else allow_degrade
         unit, want = max(1, int(input_tokens)), max(1, int(max_new_tokens))
-        req = _request(self.config, tenant, unit, want, lane, degrade, planned=True)
+        req = weight_request(self.config, tenant, unit, want, lane, degrade, planned=True)
         try:
             # The weight in flight is this replica's: cap (or refuse) before asking Redis.
             own = hold.weight if hold is not None and not hold.released else 0
@@ -277,7 +277,7 @@ class RedisWeightWindow:
                 fits, retry = self.fallback.flight_room(req, model, with_holds=True, own_hold=own)
                 if fits < req.least:
                     capacity = self.capacity(model)
-                    raise _refusal(self.config, req, "in_flight", capacity.in_flight, retry, capacity.limit())
+                    raise window_refusal(self.config, req, "in_flight", capacity.in_flight, retry, capacity.limit())
                 req = dataclasses.replace(req, want=fits)
 
             def local() -> Admission:
@@ -310,7 +310,7 @@ class RedisWeightWindow:
 
     async def occupancy(self, tenant: str | None = None) -> float:
         try:
-            occ, tocc = await self._eval(_LUA, tenant or "", "peek")
+            occ, tocc = await self._eval(ADMIT_LUA, tenant or "", "peek")
         except self._errors as exc:
             self._down(exc)
             return self.fallback.occupancy(tenant)
@@ -380,20 +380,20 @@ class RedisWeightWindow:
                 except Exception:
                     log.exception("admission: on_fallback callback failed")
 
-    async def _take(self, req: _Request, local: Callable[[], Admission], model: str = "") -> Admission:
+    async def _take(self, req: WeightRequest, local: Callable[[], Admission], model: str = "") -> Admission:
         config = self.config
         lane_limit, tenant_limit = config.lane_limit(req.lane), config.tenant_limit(req.tenant)
         request_id = uuid.uuid4().hex
         try:
             result = await self._eval(
-                _LUA,
+                ADMIT_LUA,
                 req.tenant,
                 "admit",
                 req.unit,
                 req.want,
                 req.least,
-                _num(lane_limit),
-                _num(tenant_limit),
+                weight_text(lane_limit),
+                weight_text(tenant_limit),
                 req.lane,
                 request_id,
             )
@@ -428,7 +428,7 @@ class RedisWeightWindow:
             )
         _, _, scope_occ, retry_us, scope = result
         scope = scope.decode() if isinstance(scope, bytes) else str(scope)
-        raise _refusal(config, req, scope, int(scope_occ), int(retry_us) / 1_000_000)
+        raise window_refusal(config, req, scope, int(scope_occ), int(retry_us) / 1_000_000)
 
 
 def connect_redis(url: str, socket_timeout: float = 0.25) -> Any:

@@ -4,10 +4,18 @@ before its hops) and once admitted (`Ticket`, its whole weight, refunded as it e
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from services.gateway.admission.window import WeightWindow
+
+class ReservationBook(Protocol):
+    """What a hold and a ticket tell the window that made them (`WeightWindow`): a hold released,
+    a ticket's tokens coming back, a ticket finished with the weight it did not use."""
+
+    def release_hold(self, hold: Hold) -> None: ...
+
+    def ticket_progressed(self, ticket: Ticket, weight: int) -> None: ...
+
+    def ticket_finished(self, ticket: Ticket, refund: int) -> None: ...
 
 
 class Hold:
@@ -17,7 +25,7 @@ class Hold:
 
     __slots__ = ("_window", "model", "on_release", "released", "tenant", "weight")
 
-    def __init__(self, window: WeightWindow, tenant: str, weight: int, model: str = "") -> None:
+    def __init__(self, window: ReservationBook, tenant: str, weight: int, model: str = "") -> None:
         self._window = window
         self.tenant = tenant
         self.weight = weight
@@ -30,7 +38,7 @@ class Hold:
         """Idempotent; called before the exact admission and when the request ends."""
         if not self.released:
             self.released = True
-            self._window._unhold(self)
+            self._window.release_hold(self)
             if self.on_release is not None:
                 self.on_release()
 
@@ -40,9 +48,9 @@ class Ticket:
     exit path: the weight not generated leaves the flight and is refunded from the window."""
 
     __slots__ = (
-        "_entry",
         "_window",
         "admitted_at",
+        "entry",
         "finished",
         "first_at",
         "first_tokens",
@@ -59,7 +67,7 @@ class Ticket:
 
     def __init__(
         self,
-        window: WeightWindow,
+        window: ReservationBook,
         tenant: str,
         model: str,
         unit: int,
@@ -70,7 +78,7 @@ class Ticket:
         self._window = window
         self.admitted_at = admitted_at
         self.last_at = admitted_at  # when its latest tokens came back
-        self._entry = entry
+        self.entry = entry
         self.tenant = tenant
         self.model = model
         self.unit = unit
@@ -93,7 +101,7 @@ class Ticket:
             return
         step = min(self.unit * tokens, self.reserved - self.used)
         self.used += step
-        self._window._progressed(self, step)
+        self._window.ticket_progressed(self, step)
 
     def finish(self) -> int:
         """Idempotent; returns the weight refunded."""
@@ -101,7 +109,7 @@ class Ticket:
             return 0
         self.finished = True
         refund = self.reserved - self.used
-        self._window._finished(self, refund)
+        self._window.ticket_finished(self, refund)
         if refund and self.on_refund is not None:
             self.on_refund(refund)
         if self.on_finish is not None:

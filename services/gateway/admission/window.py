@@ -15,9 +15,9 @@ from services.gateway.admission.config import (
     SOURCE_LOCAL,
     Admission,
     AdmissionConfig,
-    _refusal,
-    _Request,
-    _request,
+    WeightRequest,
+    weight_request,
+    window_refusal,
 )
 from services.gateway.admission.reservations import Hold, Ticket
 
@@ -53,7 +53,7 @@ class _Series:
         return None
 
 
-def _promised(req: _Request, held: int) -> int:
+def _promised(req: WeightRequest, held: int) -> int:
     """Room in the learned in-flight limit owed to a request that held `held` weight since its
     precheck: what it held, or its least admissible weight when its exact size outgrew the
     prediction by at most 2x (capping absorbs the rest), so the prediction's error does not turn
@@ -105,7 +105,7 @@ class WeightWindow:
 
     def admit(self, tenant: str, weight: int, lane: str = INTERACTIVE) -> Admission:
         """Records `weight` or raises ResourceExhausted / RequestTooHeavy."""
-        return self._take(_request(self.config, tenant, weight, 1, lane, False, planned=False))
+        return self._take(weight_request(self.config, tenant, weight, 1, lane, False, planned=False))
 
     def plan(
         self,
@@ -124,7 +124,7 @@ class WeightWindow:
         The admission carries a Ticket: report progress on it and finish it on every exit path."""
         degrade = self.config.degrade if allow_degrade is None else allow_degrade
         unit, want = max(1, int(input_tokens)), max(1, int(max_new_tokens))
-        req = _request(self.config, tenant, unit, want, lane, degrade, planned=True)
+        req = weight_request(self.config, tenant, unit, want, lane, degrade, planned=True)
         if hold is None:
             return self._take(req, model=model, in_flight_limit=in_flight_limit)
         # The request's own reservation turns into its admission; the reservations of requests
@@ -156,7 +156,7 @@ class WeightWindow:
         prechecks and plans count it, so the request is not refused after its hops unless its
         true size outgrows the prediction by more than capping absorbs."""
         unit, want = max(1, int(input_tokens)), max(1, int(max_new_tokens))
-        req = _request(self.config, tenant, unit, want, lane, self.config.degrade, planned=True)
+        req = weight_request(self.config, tenant, unit, want, lane, self.config.degrade, planned=True)
         fits = self._take(req, record=False, with_holds=True, model=model, in_flight_limit=in_flight_limit)
         if not hold:
             return None
@@ -175,7 +175,7 @@ class WeightWindow:
         with self._lock:
             return self.capacity(model).in_flight
 
-    def _unhold(self, hold: Hold) -> None:
+    def release_hold(self, hold: Hold) -> None:
         with self._lock:
             self._held -= hold.weight
             self.capacity(hold.model).held -= hold.weight
@@ -216,7 +216,7 @@ class WeightWindow:
             if series is not None:
                 series.total -= int(weight)
 
-    def _progressed(self, ticket: Ticket, weight: int) -> None:
+    def ticket_progressed(self, ticket: Ticket, weight: int) -> None:
         with self._lock:
             capacity = self.capacity(ticket.model)
             capacity.in_flight -= weight
@@ -234,7 +234,7 @@ class WeightWindow:
             ticket.last_at = now
             capacity.advance(now, weight)
 
-    def _finished(self, ticket: Ticket, refund: int) -> None:
+    def ticket_finished(self, ticket: Ticket, refund: int) -> None:
         with self._lock:
             capacity = self.capacity(ticket.model)
             capacity.advance(self.clock())
@@ -243,7 +243,7 @@ class WeightWindow:
             if ticket.streaming:
                 capacity.streaming -= 1
         if refund:
-            self.refund(ticket.tenant, ticket._entry, refund)
+            self.refund(ticket.tenant, ticket.entry, refund)
 
     def occupancy(self, tenant: str | None = None) -> float:
         with self._lock:
@@ -263,7 +263,7 @@ class WeightWindow:
                 return None
         return series
 
-    def flight_room(self, req: _Request, model: str, with_holds: bool, own_hold: int = 0) -> tuple[int, float]:
+    def flight_room(self, req: WeightRequest, model: str, with_holds: bool, own_hold: int = 0) -> tuple[int, float]:
         """(max_new_tokens that fit in the in-flight limit now, retry_after when fewer than
         `least` do): the cap a cluster window applies before asking Redis. `own_hold`: the
         request's own hold, not counted against it, and always room for it."""
@@ -277,7 +277,7 @@ class WeightWindow:
 
     def _take(
         self,
-        req: _Request,
+        req: WeightRequest,
         record: bool = True,
         with_holds: bool = False,
         model: str = "",
@@ -346,4 +346,4 @@ class WeightWindow:
                 retry = capacity.retry_after(weight - flight, config.window_seconds)
                 if retry > worst[0]:
                     worst = (retry, "in_flight", capacity.in_flight + (capacity.held if with_holds else 0))
-        raise _refusal(config, req, worst[1], worst[2], worst[0], capacity.limit())
+        raise window_refusal(config, req, worst[1], worst[2], worst[0], capacity.limit())

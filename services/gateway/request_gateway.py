@@ -1,0 +1,80 @@
+"""What a request's path (pipeline.RequestPath) needs from the gateway that runs it, as a
+Protocol the gateway (core.Gateway) satisfies, and the route of one served model. The path gets
+its collaborators through this, never the gateway's own state, so it does not import core."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+from llmesh.chat_template import ChatTemplate
+from llmesh.v1 import cache_pb2, gateway_pb2
+from services.gateway.admission import AdmissionController, RedisWeightWindow, WeightWindow
+from services.gateway.cache_health import CacheHealth
+from services.gateway.deadline import Deadline
+from services.gateway.peers import Peers
+from services.gateway.plan import GatewayConfig, InputTokenPredictor, Plan
+from services.gateway.recent_hits import RecentHits
+from services.gateway.versions import CollectionVersions
+
+
+@dataclass
+class ModelRoute:
+    """One model the gateway routes to: its name (requests' `model`), its inference peer in
+    `Peers` (own channel and circuit breaker: `inference_peer(name)`), the tokenizer it asks for,
+    and its model key as last learned from its inference. Admission is per model through the
+    model key (`WeightWindow.capacity(key)`: its own in-flight limit, learned from its own
+    tokens). The name "" is the one model of a deployment that lists none (LLMESH_MODELS empty):
+    its public name is the id its inference reports, and the tokenizer's default serves it."""
+
+    name: str
+    # (when learned, model key)
+    learned: tuple[float, str] | None = None
+
+    @property
+    def tokenizer(self) -> str:
+        return self.name
+
+    def expire(self) -> None:
+        """The next `model_key` asks inference again (the learned key serves if it fails)."""
+        if self.learned is not None:
+            self.learned = (-math.inf, self.learned[1])
+
+    def expired(self) -> bool:
+        return self.learned is not None and self.learned[0] == -math.inf
+
+    def public_name(self) -> str | None:
+        """The name clients see and route by; for the unnamed model, None until learned."""
+        if self.name:
+            return self.name
+        return self.learned[1].rpartition("@")[0] if self.learned is not None else None
+
+
+class RequestGateway(Protocol):
+    """The gateway's members a request's path uses: its wiring (config, window, admission, peers,
+    collection versions, recent hits, the cache's health, token predictors, chat templates) and
+    the few services it offers each request."""
+
+    config: GatewayConfig
+    window: WeightWindow | RedisWeightWindow
+    admission: AdmissionController
+    peers: Peers
+    versions: CollectionVersions
+    recent_hits: RecentHits
+    cache_health: CacheHealth
+    predictor: InputTokenPredictor
+    templates: dict[str, ChatTemplate]
+    local_templates: dict[str, ChatTemplate]
+
+    async def route(self, model: str, deadline: Deadline) -> ModelRoute: ...
+
+    async def model_key(self, deadline: Deadline, model: str = "") -> str: ...
+
+    def predictor_for(self, model: str) -> InputTokenPredictor: ...
+
+    def cache_scope(self, plan: Plan, model: str, collection: str, version: int) -> cache_pb2.CacheScope: ...
+
+    def store_later(self, plan: Plan, scope: cache_pb2.CacheScope, response: gateway_pb2.GenerateResponse) -> None: ...
+
+    def learn_template(self, tokenizer: str) -> None: ...
