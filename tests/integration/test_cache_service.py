@@ -217,7 +217,6 @@ async def test_ttl_expiry_in_both_tiers(cache: cache_pb2_grpc.CacheStub) -> None
     assert (await lookup(cache, "How do I center a div in CSS?", sc)).hit
     assert (await lookup(cache, "What's the way to center a div with CSS?", sc)).hit
 
-
     async def expired() -> bool:
         return not (await lookup(cache, "How do I center a div in CSS?", sc)).hit
 
@@ -249,7 +248,6 @@ async def test_expired_questions_are_deleted_from_the_index_not_only_skipped(
                 swept = await store(stub, "Where is the staff parking?", sc, "Behind building B.", ttl=1)
                 assert await indexed() == 2
                 entries = [f"{prefix}e:{met.key}", f"{prefix}e:{swept.key}"]
-
 
                 async def expired() -> bool:
                     return not await core.redis.exists(*entries)

@@ -243,7 +243,6 @@ async def test_shared_window_redis_down_is_reported_and_requests_still_admitted(
                 health = health_pb2_grpc.HealthStub(channel)
                 detail = health_pb2.HealthCheckRequest(service="llmesh.v1.Gateway/redis")
 
-
                 async def redis_not_serving() -> bool:
                     try:
                         reply = await health.Check(detail, timeout=2)
