@@ -3,10 +3,13 @@ random-weight model on the real tokenizer, and services hosted in-process on por
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
+import inspect
 import os
 import shutil
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -190,6 +193,64 @@ class OtlpReceiver:
         # and leaves a thread cancelling calls on the C-core server; at interpreter exit (a
         # session fixture's teardown) that thread raced gRPC's own shutdown and segfaulted.
         self._server.stop(None).wait()
+
+
+#: How often `eventually` and `wait_until` look again: short beside any condition a test waits
+#: for, long beside the look itself.
+POLL_INTERVAL_S = 0.01
+
+
+def _pause(interval: float | Callable[[], float]) -> float:
+    return interval() if callable(interval) else interval
+
+
+def _timed_out(timeout: float, message: str | Callable[[], str]) -> AssertionError:
+    what = message() if callable(message) else message
+    return AssertionError(f"not within {timeout:g} s: {what}" if what else f"condition not met within {timeout:g} s")
+
+
+async def eventually(
+    predicate: Callable[[], Any],
+    timeout: float,
+    *,
+    interval: float | Callable[[], float] = POLL_INTERVAL_S,
+    message: str | Callable[[], str] = "",
+) -> Any:
+    """Looks at `predicate()` (awaited when it returns an awaitable) until it is truthy and returns
+    that value; fails the test with `message` when `timeout` seconds pass first.
+
+    The one way a test polls: for a condition the code under test signals by no event a test can
+    wait on (a metric, a key in Redis, a port being bound). Where there is an event, wait on it.
+    `interval` may be a callable, asked before each pause (a client honouring retry advice)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if loop.time() >= deadline:
+            raise _timed_out(timeout, message)
+        await asyncio.sleep(min(_pause(interval), max(0.0, deadline - loop.time())))
+
+
+def wait_until(
+    predicate: Callable[[], Any],
+    timeout: float,
+    *,
+    interval: float | Callable[[], float] = POLL_INTERVAL_S,
+    message: str | Callable[[], str] = "",
+) -> Any:
+    """`eventually` for blocking code (a test without an event loop, a thread)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise _timed_out(timeout, message)
+        time.sleep(min(_pause(interval), max(0.0, deadline - time.monotonic())))
 
 
 class FakeClock:

@@ -4,7 +4,6 @@ grounded answer from an ingested document, and one trace across all five service
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 
 from llmesh.client import InvalidRequestError, Mesh
 from llmesh.supervisor import Mesh as Processes
-from llmesh.testing import OtlpReceiver
+from llmesh.testing import OtlpReceiver, wait_until
 from llmesh.v1 import common_pb2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -56,15 +55,32 @@ def client(mesh: Processes) -> Iterator[Mesh]:
 
 
 def wait_for_spans(receiver: OtlpReceiver, trace_id: str, caller_span: str, timeout: float = 15) -> list[dict]:
-    """Spans of the trace once every service and the gateway's entry span have been exported."""
+    """Spans of the trace once it is whole: every service and the gateway's entry span exported,
+    every span's parent there too, and every gRPC call's server side there. A parent ends after its
+    children and each process exports in order of ending, so what is still in a batch processor
+    shows as a missing parent or a client span without its callee's span."""
+    whole: list[dict] = []
 
     def complete(spans: list[dict]) -> bool:
         mine = [s for s in spans if s["trace_id"] == trace_id]
-        return SERVICES <= {s["service"] for s in mine} and any(s["parent_span_id"] == caller_span for s in mine)
+        by_id = {s["span_id"]: s for s in mine}
+        if not SERVICES <= {s["service"] for s in mine} or not any(s["parent_span_id"] == caller_span for s in mine):
+            return False
+        if any(s["parent_span_id"] not in by_id for s in mine if s["parent_span_id"] != caller_span):
+            return False
+        callees = {(s["parent_span_id"], s["service"]) for s in mine}
+        for s in mine:
+            parent = by_id.get(str(s["parent_span_id"]))
+            # A client span: an RPC span whose parent is in its own service (a server span's
+            # parent is its caller's client span, in another service).
+            if "rpc.system" in s["attributes"] and parent is not None and parent["service"] == s["service"]:
+                if not any(p == s["span_id"] and svc != s["service"] for p, svc in callees):
+                    return False
+        whole[:] = mine  # taken under the receiver's lock: no export lands between check and copy
+        return True
 
     receiver.wait_for(complete, timeout)
-    time.sleep(1.0)  # stragglers of the same trace still in a batch processor
-    return receiver.trace(trace_id)
+    return whole or receiver.trace(trace_id)
 
 
 def test_real_answer_then_cache_hit(client: Mesh) -> None:
@@ -227,14 +243,13 @@ def test_log_lines_carry_the_trace_id(client: Mesh, mesh: Processes) -> None:
     import json
 
     reply = client.ask("What is the capital of France?", max_new_tokens=48)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
+
+    def logged() -> list[dict]:
         lines = [json.loads(x) for x in mesh.procs["gateway"].log_lines if x.startswith("{")]
-        mine = [x for x in lines if x.get("trace_id") == reply.trace_id]
-        if mine:
-            break
-        time.sleep(0.1)
-    assert mine and all(len(x["span_id"]) == 16 for x in mine)
+        return [x for x in lines if x.get("trace_id") == reply.trace_id]
+
+    mine = wait_until(logged, 5.0, message="no gateway log line carries the trace id")
+    assert all(len(x["span_id"]) == 16 for x in mine)
     assert "What is the capital" not in json.dumps(mine)  # no prompt text unless opted in
 
 

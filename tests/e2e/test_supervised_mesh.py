@@ -25,7 +25,7 @@ from llmesh.client import Mesh, MeshError
 from llmesh.settings import load
 from llmesh.supervisor import Mesh as Processes
 from llmesh.supervisor import ServiceProcess, Supervision, wait_serving
-from llmesh.testing import free_port
+from llmesh.testing import free_port, wait_until
 from llmesh.v1 import gateway_pb2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -95,17 +95,29 @@ def restarts(mesh: Processes) -> dict[str, float]:
 
 def fresh_generation(target: str, deadline: float, prompt: str) -> gateway_pb2.GenerateResponse:
     """A generation (no cache), asked until answered or the deadline passes. Between attempts it
-    waits as long as the gateway's answer says (an open breaker's retry info), else POLL_S."""
+    waits as long as the gateway's answer says (an open breaker's retry info, at most 0.5 s), else
+    POLL_S: a client's back-off, paced through the suite's one polling helper."""
+    pause = POLL_S
+
+    def attempt() -> gateway_pb2.GenerateResponse | None:
+        nonlocal pause
+        try:
+            left = max(0.001, deadline - time.monotonic())
+            return client.ask(prompt, use_cache=False, use_retrieval=False, max_new_tokens=4, timeout=left)
+        except MeshError as exc:
+            if exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+            pause = min(exc.retry_after or POLL_S, 0.5)
+            return None
+
     with Mesh(target, retries=0, throttle=False) as client:
-        while True:
-            left = deadline - time.monotonic()
-            assert left > 0, "no fresh generation before the deadline"
-            try:
-                return client.ask(prompt, use_cache=False, use_retrieval=False, max_new_tokens=4, timeout=left)
-            except MeshError as exc:
-                if exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise
-                time.sleep(min(exc.retry_after or POLL_S, 0.5))
+        answer: gateway_pb2.GenerateResponse = wait_until(
+            attempt,
+            deadline - time.monotonic(),
+            interval=lambda: pause,
+            message="no fresh generation before the deadline",
+        )
+        return answer
 
 
 def cached_answer(client: Mesh) -> gateway_pb2.GenerateResponse:

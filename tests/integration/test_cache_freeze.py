@@ -7,9 +7,9 @@ shorter than the cache hop's budget share the same lookup batches."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
-import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from llmesh.supervisor import Mesh
+from llmesh.testing import eventually
 from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -26,7 +27,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 RUNS = 3
 LONG_CLIENTS, SHORT_CLIENTS = 12, 4
 LONG_DEADLINE_S, SHORT_DEADLINE_S = 10.0, 0.2
-BEFORE_S, FREEZE_S, AFTER_S = 1.0, 3.0, 1.5
+#: How long the cache stays frozen: well past the cache hop's budget and the long deadline's share.
+FREEZE_S = 3.0
+#: Calls each phase waits for: the load is flowing before the freeze, and goes on after the thaw.
+ANSWERED_BEFORE, ANSWERED_AFTER = 2 * LONG_CLIENTS, 2 * LONG_CLIENTS
 QUESTIONS = [f"Cached question {i}: what is {i} times {i}?" for i in range(4)]
 
 
@@ -58,10 +62,15 @@ def request(i: int, tenant: str) -> gateway_pb2.GenerateRequest:
     )
 
 
+async def served_from_cache(stub: gateway_pb2_grpc.GatewayStub, tenant: str) -> bool:
+    return bool((await stub.Generate(request(0, tenant), timeout=60)).cache.hit)
+
+
 async def load_with_a_freeze(target: str, cache_pid: int, tenant: str) -> tuple[Counter[str], Counter[str]]:
     """Codes of the long- and the short-deadline clients' calls, through one freeze."""
     long_codes: Counter[str] = Counter()
     short_codes: Counter[str] = Counter()
+    ended = asyncio.Condition()  # notified as each call ends
     stop = asyncio.Event()
     channels = [grpc.aio.insecure_channel(target) for _ in range(4)]
     stubs = [gateway_pb2_grpc.GatewayStub(c) for c in channels]
@@ -74,19 +83,27 @@ async def load_with_a_freeze(target: str, cache_pid: int, tenant: str) -> tuple[
                 codes["OK"] += 1
             except grpc.aio.AioRpcError as err:
                 codes[err.code().name] += 1
+            async with ended:
+                ended.notify_all()
             n += 1
+
+    async def calls_end(n: int) -> None:
+        """Until `n` more long-deadline calls have ended."""
+        target = long_codes.total() + n
+        async with ended:
+            await asyncio.wait_for(ended.wait_for(lambda: long_codes.total() >= target), 60)
 
     tasks = [asyncio.create_task(client(i, LONG_DEADLINE_S, long_codes)) for i in range(LONG_CLIENTS)]
     tasks += [asyncio.create_task(client(i, SHORT_DEADLINE_S, short_codes)) for i in range(SHORT_CLIENTS)]
     frozen = False
     try:
-        await asyncio.sleep(BEFORE_S)  # the load's own pace: the freeze comes under load
+        await calls_end(ANSWERED_BEFORE)  # the freeze comes under load
         os.kill(cache_pid, signal.SIGSTOP)
         frozen = True
-        await asyncio.sleep(FREEZE_S)
+        await asyncio.sleep(FREEZE_S)  # simulated work: an outage of the cache this long
         os.kill(cache_pid, signal.SIGCONT)
         frozen = False
-        await asyncio.sleep(AFTER_S)
+        await calls_end(ANSWERED_AFTER)  # and the thaw too
         stop.set()
         # Calls in flight end within their deadline.
         await asyncio.wait_for(asyncio.gather(*tasks), LONG_DEADLINE_S + 5)
@@ -110,9 +127,8 @@ async def test_a_frozen_cache_costs_no_caller_its_deadline(mesh: Mesh) -> None:
             stub = gateway_pb2_grpc.GatewayStub(channel)
             for i in range(len(QUESTIONS)):  # cached before the load
                 await stub.Generate(request(i, tenant), timeout=60)
-            started = time.monotonic()
-            while not (await stub.Generate(request(0, tenant), timeout=60)).cache.hit:
-                assert time.monotonic() - started < 30, "the answer was never cached"
+            cached = functools.partial(served_from_cache, stub, tenant)
+            await eventually(cached, 30.0, message="the answer was never cached")
         long_codes, short_codes = await load_with_a_freeze(target, cache_pid, tenant)
         assert long_codes["OK"] > 0 and short_codes, (run, long_codes, short_codes)
         assert long_codes["DEADLINE_EXCEEDED"] == 0, f"run {run}: {dict(long_codes)} (short: {dict(short_codes)})"

@@ -4,7 +4,6 @@ real Redis, and the real retrieval service (MiniLM, embedded Qdrant) for Embed."
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import math
 import uuid
@@ -23,7 +22,7 @@ from prometheus_client import REGISTRY
 from llmesh import keys_file
 from llmesh.errors import status_details, unpack_details
 from llmesh.server import ServiceHost
-from llmesh.testing import hosted
+from llmesh.testing import eventually, hosted
 from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.cache.servicer import CacheApp
 from services.gateway.peers import Deadline
@@ -170,25 +169,17 @@ async def test_streamed_n_answers_come_by_index_with_their_logprobs(mesh: Mesh) 
     assert [len(c.logprobs) for c in final.choices] == [counted[0], counted[1]]
 
 
-async def wait_until(predicate, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    """Polls a condition the servers reach by themselves (no event to wait on across processes)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
-
-
 async def test_a_cancelled_n_stream_frees_every_row_and_its_weight(mesh: Mesh) -> None:
     engine = mesh.inference.app.manager.get().engine  # type: ignore[attr-defined]
     gateway = mesh.gateway.app.gateway  # type: ignore[attr-defined]
     sampling = common_pb2.SamplingParams(max_new_tokens=400, temperature=1.0, ignore_eos=True)
     call = mesh.stub.GenerateStream(ask(f"Forever ({uuid.uuid4().hex[:6]})", n=3, sampling=sampling), metadata=AUTH)
     await call.read()  # the first delta: every stream has started
-    await wait_until(lambda: engine.running_count == 3)
+    await eventually(lambda: engine.running_count == 3, 20.0)
     model = gateway.routes[""].learned[1]
     assert gateway.window.in_flight(model) > 0
     call.cancel()
-    await wait_until(lambda: engine.running_count == 0 and gateway.window.in_flight(model) == 0)
+    await eventually(lambda: engine.running_count == 0 and gateway.window.in_flight(model) == 0, 20.0)
 
 
 # ----- gRPC: log probabilities and the cache

@@ -23,7 +23,7 @@ from prometheus_client import REGISTRY
 from pydantic import BaseModel, Field
 
 from llmesh.server import ServiceHost
-from llmesh.testing import hosted
+from llmesh.testing import eventually, hosted
 from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
 from services.cache.servicer import CacheApp
 from services.gateway.servicer import GatewayApp
@@ -357,14 +357,6 @@ async def test_two_tool_lists_never_share_an_entry(mesh: Mesh) -> None:
     assert again.finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS
 
 
-async def wait_until(predicate, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    """Polls a condition the servers reach by themselves (no event to wait on across processes)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
-
-
 async def test_a_non_streaming_client_that_disconnects_frees_its_row_and_its_weight(mesh: Mesh) -> None:
     engine = mesh.inference.app.manager.get().engine  # type: ignore[attr-defined]
     gateway = mesh.gateway.app.gateway  # type: ignore[attr-defined]
@@ -378,10 +370,10 @@ async def test_a_non_streaming_client_that_disconnects_frees_its_row_and_its_wei
     }
     async with httpx.AsyncClient(timeout=60) as client:
         request = asyncio.create_task(client.post(f"{mesh.http_base}/chat/completions", json=body))
-        await wait_until(lambda: engine.running_count == 1)
+        await eventually(lambda: engine.running_count == 1, 20.0)
         request.cancel()  # the client goes away: its connection closes
         with contextlib.suppress(asyncio.CancelledError):
             await request
     model = gateway.routes[""].learned[1]
-    await wait_until(lambda: engine.running_count == 0 and gateway.window.in_flight(model) == 0)
+    await eventually(lambda: engine.running_count == 0 and gateway.window.in_flight(model) == 0, 20.0)
     assert (REGISTRY.get_sample_value("llmesh_gateway_http_disconnects_total") or 0.0) == gone + 1

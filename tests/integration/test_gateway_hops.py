@@ -103,11 +103,11 @@ class FakePeers(
 
     async def Generate(self, request, context):  # type: ignore[no-untyped-def]
         await self.generate.act(context, self.release)
-        await asyncio.sleep(self.first_token_delay)  # the fake's own pace, not synchronization
+        await asyncio.sleep(self.first_token_delay)  # simulated work: the fake's time to a first token
         want = min(self.tokens, request.sampling.max_new_tokens)
         for i in range(want):
             if i:
-                await asyncio.sleep(self.token_interval)
+                await asyncio.sleep(self.token_interval)  # simulated work: the fake's pace per token
             last = i == want - 1
             yield inference_pb2.InferenceResponse(
                 token_ids=[100 + i],

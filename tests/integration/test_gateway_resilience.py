@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmesh.errors import status_details, unpack_details
 from llmesh.server import ServiceHost
-from llmesh.testing import hosted
+from llmesh.testing import eventually, hosted
 from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.servicer import GatewayApp
 from services.inference.servicer import InferenceApp
@@ -70,8 +70,9 @@ async def test_answers_without_cache_and_retrieval_and_says_so(models_dir: Path,
     async with backends(models_dir) as (tok, inf), hosted("gateway", GatewayApp, gateway_env(tok, inf)) as gw:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
-            started = time.perf_counter()
-            call = stub.Generate(ask("Hello there"), timeout=30)
+            # The missing cache and retrieval must not hold the answer up: it comes within the
+            # call's deadline (DEADLINE_EXCEEDED otherwise), not after their own timeouts pile up.
+            call = stub.Generate(ask("Hello there"), timeout=10)
             reply = await call
             assert reply.usage.output_tokens == 8 and reply.text
             timing = dict(await call.trailing_metadata())["server-timing"]
@@ -79,7 +80,6 @@ async def test_answers_without_cache_and_retrieval_and_says_so(models_dir: Path,
             assert {"cache", "retrieval", "tokenizer", "admission", "inference"} <= set(hops)
             assert all(float(ms) >= 0 for ms in hops.values())
             assert {"cache_unavailable", "retrieval_unavailable"} <= set(reply.degradations)
-            assert time.perf_counter() - started < 10
 
 
 async def test_tokenizer_down_falls_back_to_a_local_estimate(models_dir: Path, tiny_model: Path) -> None:
@@ -101,15 +101,13 @@ async def test_inference_down_opens_the_breaker_and_fails_fast(models_dir: Path)
                 with pytest.raises(grpc.aio.AioRpcError) as down:
                     await stub.Generate(ask("hi"), timeout=10)
                 assert down.value.code() == grpc.StatusCode.UNAVAILABLE
-            started = time.perf_counter()
             with pytest.raises(grpc.aio.AioRpcError) as open_:
                 await stub.Generate(ask("hi"), timeout=10)
-            elapsed = time.perf_counter() - started
+    # Failing fast: CIRCUIT_OPEN is the breaker's refusal, given without calling inference.
     assert open_.value.code() == grpc.StatusCode.UNAVAILABLE
     info = unpack_details(status_details(open_.value.trailing_metadata()))
     assert info["error_info"].reason == "CIRCUIT_OPEN"  # type: ignore[attr-defined]
     assert "retry_info" in info
-    assert elapsed < 0.5
     # The model-info lookup is the first call a request makes to inference: its own breaker
     # (issue 26: cheap calls have theirs) is the one that opened.
     assert gw.app.peers.breakers["inference:info"].state.value == "open"  # type: ignore[attr-defined]
@@ -141,16 +139,18 @@ async def window_filled(models_dir: Path, admitted: int, **extra: str) -> AsyncI
 async def test_over_budget_is_shed_at_once_with_retry_info(models_dir: Path, tiny_model: Path) -> None:
     async with window_filled(models_dir, 3) as stub:
         started = time.perf_counter()
+        # Shed, not held until budget frees: the refusal comes within the call's deadline, far
+        # shorter than the admission window (a held call would end DEADLINE_EXCEEDED).
         with pytest.raises(grpc.aio.AioRpcError) as shed:
-            await stub.Generate(ask("Hello there", 16), timeout=30)
+            await stub.Generate(ask("Hello there", 16), timeout=5)
         elapsed = time.perf_counter() - started
     assert shed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     details = unpack_details(status_details(shed.value.trailing_metadata()))
     delay = details["retry_info"].retry_delay  # type: ignore[attr-defined]
     assert 0 < delay.seconds + delay.nanos / 1e9 <= 10
     assert details["error_info"].reason == "WEIGHT_BUDGET_EXCEEDED"  # type: ignore[attr-defined]
-    assert elapsed < 1.0
-    # The refusal says where the gateway's time went, like a served reply's server-timing.
+    # The refusal says where the gateway's time went, like a served reply's server-timing (spent
+    # within the call the client saw).
     timing = dict(shed.value.trailing_metadata())["server-timing"]
     hops = dict(part.split(";dur=") for part in str(timing).split(", "))
     assert "admission" in hops and float(hops["total"]) < elapsed * 1000
@@ -242,17 +242,17 @@ async def test_shared_window_redis_down_is_reported_and_requests_still_admitted(
                 assert gw.app.health_details() == {"redis": False}
                 health = health_pb2_grpc.HealthStub(channel)
                 detail = health_pb2.HealthCheckRequest(service="llmesh.v1.Gateway/redis")
-                loop = asyncio.get_running_loop()
-                deadline = loop.time() + 5
-                while True:  # published by the runtime's health-details loop (every second)
+
+                async def redis_not_serving() -> bool:
                     try:
                         reply = await health.Check(detail, timeout=2)
-                        if reply.status == health_pb2.HealthCheckResponse.NOT_SERVING:
-                            break
                     except grpc.aio.AioRpcError as err:  # NOT_FOUND until first published
                         assert err.code() == grpc.StatusCode.NOT_FOUND
-                    assert loop.time() < deadline, "llmesh.v1.Gateway/redis never became NOT_SERVING"
-                    await asyncio.sleep(0.05)
+                        return False
+                    return reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+                # Published by the runtime's health-details loop (every second).
+                await eventually(redis_not_serving, 5.0, message="llmesh.v1.Gateway/redis never became NOT_SERVING")
                 # The gauge is set before the health entry in the same pass.
                 assert REGISTRY.get_sample_value("llmesh_dependency_up", {"dependency": "redis"}) == 0
                 overall = await health.Check(health_pb2.HealthCheckRequest(), timeout=2)
@@ -265,6 +265,16 @@ async def test_sigterm_drain_completes_in_flight_streams(models_dir: Path, tiny_
     async with backends(models_dir) as (tok, inf):
         settings = service_settings("gateway", gateway_env(tok, inf))
         gw = ServiceHost(GatewayApp(settings), settings)
+        refusing = asyncio.Event()
+        drain_http = gw.app.drain  # type: ignore[attr-defined]
+
+        async def drain(grace: float) -> None:
+            # The host runs the app's drain beside its gRPC server's stop, which is started
+            # first and refuses new calls from its first step on: from here they are refused.
+            refusing.set()
+            await drain_http(grace)
+
+        gw.app.drain = drain  # type: ignore[attr-defined]
         await gw.start()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -274,9 +284,12 @@ async def test_sigterm_drain_completes_in_flight_streams(models_dir: Path, tiny_
             first = await call.read()
             assert first.delta
             draining = asyncio.create_task(gw.stop(grace=20))
-            # No event marks the moment the server refuses new calls (Health.Watch does not pass
-            # the runtime interceptor); a new call sent earlier is CANCELLED, not refused.
-            await asyncio.sleep(0.1)
+            # Health.Watch does not pass the runtime interceptor, so the app's drain is the event.
+            await asyncio.wait_for(refusing.wait(), 10)
+            # The server sends GOAWAY as it stops taking calls; until this channel has it, a new
+            # call still goes out on the old connection and is CANCELLED there, not refused.
+            if channel.get_state() == grpc.ChannelConnectivity.READY:
+                await asyncio.wait_for(channel.wait_for_state_change(grpc.ChannelConnectivity.READY), 10)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.Generate(ask("new work"), timeout=5)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE

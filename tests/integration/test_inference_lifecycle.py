@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 
 from llmesh.models import verify
 from llmesh.server import ServiceHost
-from llmesh.testing import build_tiny_model, hosted
+from llmesh.testing import build_tiny_model, eventually, hosted
 from llmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.servicer import InferenceApp
 
@@ -123,17 +122,21 @@ async def test_switch_under_a_steady_stream_loses_no_request(
     v1_tokens, _ = await generate(stub, "Hello")
     results: list[tuple[list[int], inference_pb2.InferenceResponse]] = []
     switched = asyncio.Event()
+    flowing = asyncio.Event()  # every client has had an answer and asked again
     after_switch = 0
+    n_clients = 4
 
     async def client(i: int) -> None:
         nonlocal after_switch
         while after_switch < 12:
             results.append(await generate(stub, "Hello" if i % 2 == 0 else f"Request {i}", 16))
+            if len(results) >= n_clients:
+                flowing.set()
             if switched.is_set():
                 after_switch += 1
 
-    clients = [asyncio.create_task(client(i)) for i in range(4)]
-    await asyncio.sleep(0.3)  # a steady stream is flowing
+    clients = [asyncio.create_task(client(i)) for i in range(n_clients)]
+    await asyncio.wait_for(flowing.wait(), 30)
     info = await stub.LoadModel(inference_pb2.LoadModelRequest(version="v2"), metadata=AUTH)
     switched.set()
     await asyncio.gather(*clients)
@@ -152,7 +155,4 @@ async def test_switch_under_a_steady_stream_loses_no_request(
     assert last.batch_id.startswith("v2.") and v2_tokens != v1_tokens  # other weights answer now
     # The old engine drains and is released.
     manager = host.app.manager.get()  # type: ignore[attr-defined]
-    deadline = time.monotonic() + 10
-    while manager.draining:
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.05)
+    await eventually(lambda: not manager.draining, 10.0, message="the old engine was never released")

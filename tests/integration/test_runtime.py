@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from llmesh.errors import status_details, unpack_details
 from llmesh.metrics import MetricsEndpoint
-from llmesh.testing import hosted
+from llmesh.testing import eventually, hosted
 from llmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.servicer import TokenizerApp
 
@@ -26,12 +26,15 @@ class ProbeApp:
     def __init__(self, settings) -> None:  # type: ignore[no-untyped-def]
         self.warm = asyncio.Event()
         self.release = asyncio.Event()
+        self.entered = asyncio.Event()  # a call is in Encode, held until `release`
+        self.draining = asyncio.Event()  # the host has begun to stop
 
     def register(self, server: grpc.aio.Server) -> None:
         app = self
 
         class Servicer(tokenizer_pb2_grpc.TokenizerServicer):
             async def Encode(self, request, context):  # type: ignore[no-untyped-def]
+                app.entered.set()
                 await app.release.wait()  # an in-flight call for the drain test
                 return tokenizer_pb2.EncodeResponse(ids=[1, 2, 3])
 
@@ -42,6 +45,11 @@ class ProbeApp:
 
     async def start(self) -> None:
         await self.warm.wait()
+
+    async def drain(self, grace: float) -> None:
+        # The host runs this beside its gRPC server's stop, which is started first and refuses
+        # new calls from its first step on: once this runs, the server is draining.
+        self.draining.set()
 
     async def stop(self) -> None:
         return None
@@ -119,10 +127,7 @@ async def test_health_reports_not_serving_during_warm_up() -> None:
     app = ProbeApp(settings)
     host = ServiceHost(app, settings)
     starting = asyncio.create_task(host.start())
-    for _ in range(100):
-        if host.port:
-            break
-        await asyncio.sleep(0.02)
+    await eventually(lambda: host.port, 5.0, message="the host never bound its port")
     assert await _health(host.port) == health_pb2.HealthCheckResponse.NOT_SERVING
     app.warm.set()
     await starting
@@ -142,9 +147,13 @@ async def test_stop_drains_in_flight_calls_and_refuses_new_ones() -> None:
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{host.port}")
     stub = tokenizer_pb2_grpc.TokenizerStub(channel)
     in_flight = asyncio.ensure_future(stub.Encode(tokenizer_pb2.EncodeRequest(text="x"), timeout=10))
-    await asyncio.sleep(0.2)
+    await asyncio.wait_for(app.entered.wait(), 10)
     stopping = asyncio.create_task(host.stop(grace=5))
-    await asyncio.sleep(0.2)
+    await asyncio.wait_for(app.draining.wait(), 10)
+    # The server sends GOAWAY as it stops taking calls; until this channel has it, a new call still
+    # goes out on the old connection and is CANCELLED there. Having it, the channel leaves READY.
+    if channel.get_state() == grpc.ChannelConnectivity.READY:
+        await asyncio.wait_for(channel.wait_for_state_change(grpc.ChannelConnectivity.READY), 10)
     # The server refuses new RPCs while draining, so read the health state from the servicer itself.
     status = await host.health.Check(health_pb2.HealthCheckRequest(service=""), None)
     assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
@@ -192,11 +201,11 @@ class DependencyProbeApp(WarmProbeApp):
 async def _wait_for_sample(name: str, labels: dict[str, str], value: float, timeout: float = 5.0) -> None:
     from prometheus_client import REGISTRY
 
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while REGISTRY.get_sample_value(name, labels) != value:
-        assert loop.time() < deadline, f"{name}{labels} is {REGISTRY.get_sample_value(name, labels)}, not {value}"
-        await asyncio.sleep(0.05)
+    await eventually(
+        lambda: REGISTRY.get_sample_value(name, labels) == value,
+        timeout,
+        message=lambda: f"{name}{labels} is {REGISTRY.get_sample_value(name, labels)}, not {value}",
+    )
 
 
 async def test_health_listener_is_plaintext_and_serves_only_health(mesh_certs: Path) -> None:

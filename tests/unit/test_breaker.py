@@ -250,7 +250,7 @@ async def test_guard_cancellation_frees_trial_slot(clock: FakeClock) -> None:
 
     async def call() -> None:
         async with b.guard():
-            await asyncio.sleep(10)
+            await asyncio.Event().wait()  # in flight until cancelled
 
     task = asyncio.ensure_future(call())
     await asyncio.sleep(0)

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from llmesh.testing import eventually
 from llmesh.v1 import cache_pb2
 from services.gateway.deadline import CallerDeadline, Deadline
 from services.gateway.lookups import LookupCoalescer
@@ -20,6 +21,16 @@ class Cache:
         self.batches: list[list[str]] = []
         self.fail = False
         self.single_called = asyncio.Event()
+        self.called = asyncio.Condition()  # notified on every call, single or batch
+
+    async def calls_reach(self, n: int) -> None:
+        """Until `n` calls (singles and batches) have come in."""
+        async with self.called:
+            await asyncio.wait_for(self.called.wait_for(lambda: len(self.singles) + len(self.batches) >= n), 5)
+
+    async def _heard(self) -> None:
+        async with self.called:
+            self.called.notify_all()
 
     def answer(self, request: cache_pb2.CacheLookupRequest) -> cache_pb2.CacheLookupResponse:
         return cache_pb2.CacheLookupResponse(hit=True, answer=cache_pb2.CachedAnswer(text=request.prompt))
@@ -28,6 +39,7 @@ class Cache:
         assert 0 < deadline.remaining() <= 5.0  # the caller's deadline (the hop budget is Peers')
         self.singles.append(request.prompt)
         self.single_called.set()
+        await self._heard()
         await self.release.wait()
         if self.fail:
             raise RuntimeError("cache down")
@@ -37,6 +49,7 @@ class Cache:
         self, request: cache_pb2.CacheLookupBatchRequest, deadline: Deadline
     ) -> cache_pb2.CacheLookupBatchResponse:
         self.batches.append([r.prompt for r in request.requests])
+        await self._heard()
         await self.release.wait()
         if self.fail:
             raise RuntimeError("cache down")
@@ -56,7 +69,7 @@ async def test_lookups_of_one_loop_turn_go_together_while_calls_are_in_flight_th
     assert cache.singles == ["q"] and cache.batches == []  # one caller: a plain Lookup
     cache.release.clear()
     tasks = [asyncio.create_task(ask(coalescer, f"q{i}")) for i in range(7)]
-    await asyncio.sleep(0.01)
+    await cache.calls_reach(1 + 2)  # "q", then as many calls as may be in flight
     # The seven came in one loop turn: two calls of up to three went out, one lookup waits.
     assert cache.batches == [["q0", "q1", "q2"], ["q3", "q4", "q5"]] and cache.singles == ["q"]
     cache.release.set()
@@ -72,7 +85,7 @@ async def test_a_failed_batch_fails_each_of_its_callers_and_a_cancelled_caller_i
     first = asyncio.create_task(ask(coalescer, "a"))
     await cache.single_called.wait()
     queued = [asyncio.create_task(ask(coalescer, p)) for p in ("b", "c", "d")]
-    await asyncio.sleep(0.01)
+    await eventually(lambda: len(coalescer._queue) == 3, 5.0, message="the three never queued")
     queued[1].cancel()  # "c" gives up while queued
     cache.fail = True
     cache.release.set()

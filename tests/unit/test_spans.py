@@ -12,6 +12,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from llmesh import spans
 from llmesh.spans import LeanSpan, LeanTracerProvider
+from llmesh.testing import wait_until
 
 
 @pytest.fixture
@@ -106,12 +107,7 @@ def test_a_sampled_remote_parent_is_continued(provider: LeanTracerProvider) -> N
 def test_the_background_thread_hands_spans_over_without_a_flush(provider: LeanTracerProvider) -> None:
     exporter = exported(provider)
     provider.get_tracer("unit.test").start_span("background").end()
-    import time
-
-    deadline = time.monotonic() + 5 * spans.FLUSH_INTERVAL_S + 2
-    while not exporter.get_finished_spans():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(exporter.get_finished_spans, 5 * spans.FLUSH_INTERVAL_S + 2, message="the span was never handed over")
     assert exporter.get_finished_spans()[0].name == "background"
 
 
