@@ -384,6 +384,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "semantic_threshold": accuracy["threshold"],
         "semantic_precision": accuracy["semantic_precision"],
         "semantic_recall": accuracy["semantic_recall"],
+        "heldout_precision": accuracy["heldout_precision"],
+        "heldout_recall": accuracy["heldout_recall"],
         "pairs": accuracy["pairs"],
         "curve": accuracy["curve"],
     }
@@ -406,8 +408,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     semantic_p50 = result["semantic_hit_p50_ms"]
     result["load_average_1m"] = {"at_end": round(__import__("os").getloadavg()[0], 2)}
     result["passes"] = {
-        "semantic_precision>=0.97": result["semantic_precision"] >= 0.97,
-        "semantic_recall>=0.6": result["semantic_recall"] >= 0.6,
+        # Judged on the pairs the threshold was not chosen on (bench.cache_eval's held-out half).
+        "heldout_precision>=0.97": result["heldout_precision"] >= 0.97,
+        "heldout_recall>=0.6": result["heldout_recall"] >= 0.6,
         "exact_hit_p50_ms<=5": result["exact_hit_p50_ms"] <= 5,
         "semantic_hit_p50_ms<=30": semantic_p50 is not None and semantic_p50 <= 30,
         "miss/exact_hit>=50": result["miss_over_exact_hit"] >= 50,

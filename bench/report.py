@@ -94,7 +94,14 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "vllm_json_schema_stream_tok_s",
         "vllm_schemas_valid",
     ),
-    "cache_eval": ("threshold", "semantic_precision", "semantic_recall", "pairs"),
+    "cache_eval": (
+        "threshold",
+        "semantic_precision",
+        "semantic_recall",
+        "heldout_precision",
+        "heldout_recall",
+        "pairs",
+    ),
     "retrieval": ("ingest_chunks_s", "raw_embed_chunks_s", "search_p50_ms", "chunks"),
     "retrieval_scale": (
         "store_search_100k.p50_ms",
