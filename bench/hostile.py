@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import machine, percentile, print_table, write_result
 from bench.mesh import bench_mesh
+from bench.reliability import f_bytes, f_varint
 from llmesh.supervisor import Mesh
 from llmesh.v1 import (
     cache_pb2,
@@ -67,22 +68,9 @@ DOCUMENTS = [
 # --- hostile requests, as raw bytes where the point is their wire size
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
 def many_empty(number: int, size: int) -> bytes:
     """`size` bytes of empty elements of repeated field `number` (an empty turn, input...)."""
-    return _field(number, b"") * (size // 2)
+    return f_bytes(number, b"") * (size // 2)
 
 
 def tool_schema_request(size: int) -> bytes:
@@ -94,8 +82,8 @@ def tool_schema_request(size: int) -> bytes:
 
 
 def logit_bias_request() -> bytes:
-    entries = b"".join(_field(13, _varint(1 << 3) + _varint(i) + b"\x15\x00\x00\x80\x3f") for i in range(30_000))
-    return gateway_pb2.GenerateRequest(prompt="hi").SerializeToString() + _field(3, entries)
+    entries = b"".join(f_bytes(13, f_varint(1, i) + b"\x15\x00\x00\x80\x3f") for i in range(30_000))
+    return gateway_pb2.GenerateRequest(prompt="hi").SerializeToString() + f_bytes(3, entries)
 
 
 def long_tool_arguments_request() -> bytes:
@@ -116,7 +104,7 @@ def ingest_request(chunk_tokens: int, overlap: int) -> bytes:
 
 
 def search_filter_request() -> bytes:
-    entries = b"".join(_field(6, _field(1, f"k{i}".encode()) + _field(2, b"v")) for i in range(6_000))
+    entries = b"".join(f_bytes(6, f_bytes(1, f"k{i}".encode()) + f_bytes(2, b"v")) for i in range(6_000))
     return gateway_pb2.SearchRequest(query="refunds").SerializeToString() + entries
 
 

@@ -17,6 +17,7 @@ import pytest
 from google.protobuf.descriptor import FieldDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.reliability import f_bytes, f_varint
 from llmesh.channels import PeerAccess, peer_channel
 from llmesh.errors import status_details, unpack_details
 from llmesh.request_limits import repeated_paths
@@ -50,24 +51,8 @@ METHODS = {
 }
 
 
-# --- the wire format, written directly: a test that built millions of messages in Python would
-# spend minutes on its own side.
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _length_delimited(number: int, payload: bytes) -> bytes:
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+# --- the wire format, written directly (bench.reliability's writer): a test that built millions
+# of messages in Python would spend minutes on its own side.
 
 
 def _element(f: FieldDescriptor, i: int) -> bytes:
@@ -75,13 +60,9 @@ def _element(f: FieldDescriptor, i: int) -> bytes:
     is kept)."""
     if f.message_type is not None and f.message_type.GetOptions().map_entry:
         key = f.message_type.fields_by_name["key"]
-        entry = (
-            _length_delimited(1, str(i).encode())
-            if key.type == FieldDescriptor.TYPE_STRING
-            else _varint(1 << 3) + _varint(i)
-        )
-        return _length_delimited(f.number, entry)
-    return _length_delimited(f.number, b"")  # an empty message or string
+        entry = f_bytes(1, str(i).encode()) if key.type == FieldDescriptor.TYPE_STRING else f_varint(1, i)
+        return f_bytes(f.number, entry)
+    return f_bytes(f.number, b"")  # an empty message or string
 
 
 def filled(descriptor: Any, path: str, size: int) -> bytes:
@@ -90,10 +71,10 @@ def filled(descriptor: Any, path: str, size: int) -> bytes:
     f = descriptor.fields_by_name[head]
     if rest:
         inner = filled(f.message_type, rest, size - 8)
-        element = _length_delimited(f.number, inner)
+        element = f_bytes(f.number, inner)
         return element
     if f.type not in (FieldDescriptor.TYPE_MESSAGE, FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES):
-        return _length_delimited(f.number, bytes(range(100)) * ((size - 8) // 100))  # packed small numbers
+        return f_bytes(f.number, bytes(range(100)) * ((size - 8) // 100))  # packed small numbers
     if size > 4 * MB:
         # Past every method's limit: refused on its length, so one element repeated will do.
         element = _element(f, 10**6)
