@@ -21,7 +21,7 @@ figure the mean over its loops: the load on a shared machine drifts, and one clo
 differs from the next by several per cent. Backend: vLLM's CPU build (`make vllm`, .venv-vllm)
 on the prepared SmolLM2.
 
-Targets (the `passes` entries, issue 26): mesh_tok_s >= 0.95 x direct_tok_s with 0 sheds; mesh
+Targets (the `passes` entries): mesh_tok_s >= 0.95 x direct_tok_s with 0 sheds; mesh
 TTFT p50 within 15 ms of direct.
 
 * cpu_s_per_1k_tokens  CPU seconds (user + system, children included) each process spent per

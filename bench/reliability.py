@@ -80,7 +80,7 @@ BREAKER_WAIT_S = 2.0
 GRACE_S = 5.0
 ADMISSION_WINDOW_S = 5.0
 SHED_FRACTION = 0.5  # admission budget = this x the weight the mesh completed per window in calibration
-# The default-budget phase offers this many times the mesh's capacity (issue 26): a fixed client
+# The default-budget phase offers this many times the mesh's capacity: a fixed client
 # count is within a fast machine's capacity and sheds nothing there.
 DEFAULT_BUDGET_OVERLOAD = 4.0
 LOST_GRACE_S = 5.0  # a request with no reply nor status this long after its deadline is lost

@@ -1,4 +1,4 @@
-"""A model's replicas behind the gateway (issue 26): freeze, kill, mixed load and prefix affinity.
+"""A model's replicas behind the gateway: freeze, kill, mixed load and prefix affinity.
 
     python -m bench.replicas [--clients 32] [--freeze-seconds 10] [--mixed-seconds 30] [--turns 6]
 

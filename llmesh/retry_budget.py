@@ -1,5 +1,5 @@
 """A retry budget: retries as a share of requests, so that during an outage they cannot multiply
-the load on what is left (issue 26). The gateway's replica router and the openai backend's
+the load on what is left. The gateway's replica router and the openai backend's
 replicas each keep one.
 
 Every first attempt earns `ratio` of a token, up to `burst`; a retry spends a whole one, or is

@@ -130,7 +130,7 @@ def _target(raw: str) -> str:
 
 
 def _targets(raw: str) -> str:
-    """One target, or several replicas of one model: `host:port|host:port` (issue 26)."""
+    """One target, or several replicas of one model: `host:port|host:port`."""
     parts = [p.strip() for p in raw.split("|")]
     if len(parts) > 1 and any(p.startswith("dns:") or not p for p in parts):
         raise ValueError("expected host:port|host:port (a dns:/// target stands alone)")
@@ -728,7 +728,7 @@ DECLARED: tuple[Setting, ...] = (
         ("gateway",),
         _non_negative_float,
     ),
-    # issue 26: routing over a model's replicas (several targets, or dns:///).
+    # Routing over a model's replicas (several targets, or dns:///).
     Setting(
         "LLMESH_INFERENCE_MULTIPLEX",
         "true",

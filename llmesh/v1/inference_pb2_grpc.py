@@ -93,14 +93,14 @@ class InferenceServicer:
     def WatchLoad(self, request, context):
         """The engine's own load, streamed for as long as the caller listens: a report at once, then
         one whenever the load changes (at most every min_interval) and at least every
-        max_interval. The gateway admits and routes on it (issue 26).
+        max_interval. The gateway admits and routes on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GenerateMany(self, request_iterator, context):
-        """Many generations over one long-lived stream (issue 26): the gateway keeps one per replica
+        """Many generations over one long-lived stream: the gateway keeps one per replica
         and starts each request on it; the replica answers with what its generations produced since
         its last message, so an engine step that advances many requests is one message, not one per
         request (vLLM's engine core hands its front end one output per step the same way). Each

@@ -70,7 +70,7 @@ MAX_BACKGROUND_STORES = 64
 
 
 def _worth_a_fallback(exc: BaseException) -> bool:
-    """issue 29: an alias's next model is tried when this one is unavailable or shed, not when
+    """An alias's next model is tried when this one is unavailable or shed, not when
     the request itself is wrong (those errors would be the same on any model)."""
     if isinstance(exc, KeyLimitExceeded):
         return False
@@ -109,7 +109,7 @@ class Gateway:
         self._learning: dict[str, asyncio.Task[None]] = {}
         self.config = config
         self.window = window
-        # issue 26: admission from the engines' own load (`loads`, fed by WatchLoad), the window
+        # Admission from the engines' own load (`loads`, fed by WatchLoad), the window
         # and the learned limit as its fallback, behind one controller.
         self.admission = AdmissionController(window, loads)
         metrics.ADMISSION_BUDGET.set(window.config.budget)
@@ -117,13 +117,12 @@ class Gateway:
         if default_model not in self.routes:
             raise ValueError(f"default model {default_model!r} is not one of {list(self.routes)}")
         self.default_model = default_model
-        # --- issue 29: model aliases (an ordered list of models, the next serving when one cannot).
+        # Model aliases: an ordered list of models, the next serving when one cannot.
         self.aliases = {name: tuple(chain) for name, chain in (aliases or {}).items()}
         for alias, chain in self.aliases.items():
             if alias in self.routes or not chain or any(not m or m not in self.routes for m in chain):
                 raise ValueError(f"alias {alias!r}: must not be a model's name and must list served models")
         self.usage = usage or UsageMeter()
-        # --- end issue 29
         self.embeddings = Embeddings(peers, self.usage)
         # One per model (a tokenizer's rate is wrong for another); "" serves until a model is known.
         self.predictors: dict[str, InputTokenPredictor] = {}
@@ -188,13 +187,13 @@ class Gateway:
             name = route.public_name()
             if name is not None:
                 names.append(name)
-        return [*names, *self.aliases]  # issue 29: an alias is asked for by name as a model is
+        return [*names, *self.aliases]  # an alias is asked for by name as a model is
 
     def _label(self, model: str) -> str:
         """The metrics label of a request's model: a served model's name (a bounded set), never
         the caller's text ("unknown" for a name not served)."""
         if model in self.aliases:
-            return model  # issue 29: an alias's name is a configured, bounded label value
+            return model  # an alias's name is a configured, bounded label value
         route = self.routes.get(model) if model else self.routes[self.default_model]
         if route is None and "" in self.routes and self.routes[""].public_name() == model:
             route = self.routes[""]
@@ -228,7 +227,7 @@ class Gateway:
         embedder = asyncio.ensure_future(self.embedding_model(deadline))
         entries = list(await asyncio.gather(*(entry(r) for r in ordered)))
         by_name = {e.name: e for e in entries}
-        for alias, chain in self.aliases.items():  # issue 29: available while one of its models is
+        for alias, chain in self.aliases.items():  # available while one of its models is
             available = any(by_name[m].available for m in chain if m in by_name)
             entries.append(gateway_pb2.ModelEntry(name=alias, available=available, alias_of=chain))
         name = await embedder
@@ -267,7 +266,7 @@ class Gateway:
         error: BaseException | None = None
         attempts: list[RequestState] = []
         try:
-            # issue 29: the key's models, then its own limits, before any work.
+            # The key's models, then its own limits, before any work.
             requested = request.model or self.default_model
             if caller is not None and requested and not caller.key.allows(requested):
                 raise PermissionDenied(
@@ -299,7 +298,7 @@ class Gateway:
             metrics.REQUESTS.labels(outcome, tier, label).inc()
             if outcome == "ok":
                 metrics.REQUEST_DURATION.labels(tier, label).observe(elapsed, trace_exemplar())
-            # issue 29: usage per tenant and model, the key's tokens, one access-log line per request.
+            # Usage per tenant and model, the key's tokens, one access-log line per request.
             # A request that ended early (cancelled, failed mid-stream) is billed what it spent.
             if response is None and any(p.spent.input_tokens for p in attempts):
                 spent = common_pb2.Usage(
@@ -313,7 +312,7 @@ class Gateway:
         self, request: gateway_pb2.GenerateRequest, deadline: Deadline, attempts: list[RequestState] | None = None
     ) -> AsyncIterator[Delta | Final]:
         attempts = [] if attempts is None else attempts
-        # --- issue 29: an alias tries its models in order (model_fallback).
+        # An alias tries its models in order (model_fallback).
         chain = self.aliases.get(request.model)
         if chain is None:
             attempts.append(RequestState(validate(request, self.config)))
@@ -339,7 +338,6 @@ class Gateway:
                 if answered or last or not _worth_a_fallback(exc):
                     raise
                 log.info("alias %s: %s could not answer (%s), trying the next model", request.model, name, exc)
-        # --- end issue 29
 
     async def _attempt(self, state: RequestState, deadline: Deadline) -> AsyncIterator[Delta | Final]:
         started = time.perf_counter()

@@ -59,7 +59,7 @@ HTTP_DISCONNECTS = Counter(
     "llmesh_gateway_http_disconnects",
     "Non-streaming HTTP requests whose client went away before the answer (the generation was cancelled).",
 )
-# issue 26: a model's replicas (labels: the model's route name, "default" for the unnamed one,
+# A model's replicas (labels: the model's route name, "default" for the unnamed one,
 # and the replica's address).
 REPLICAS = Gauge("llmesh_gateway_replicas", "Replicas known per model (listed, or resolved from DNS).", ["model"])
 REPLICA_EJECTED = Gauge(

@@ -1,4 +1,4 @@
-"""Generate calls to one inference replica over Inference.GenerateMany streams (issue 26).
+"""Generate calls to one inference replica over Inference.GenerateMany streams.
 
 `GenerationMux.generate(request, timeout)` is a drop-in for `stub.Generate(request,
 timeout=timeout)`: what it returns iterates the responses, raises `grpc.aio.AioRpcError` with the

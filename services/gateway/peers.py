@@ -140,7 +140,7 @@ async def _stream(breaker: CircuitBreaker, start: Callable[[float], Any], deadli
 
 
 PEERS = ("tokenizer", "inference", "cache", "retrieval")
-# Breakers per peer and method where the calls differ (issue 26): a cheap call (model info)
+# Breakers per peer and method where the calls differ: a cheap call (model info)
 # never spends the Generate breaker's half-open trials nor closes it while Generate fails; an
 # Ingest, or a caller's own Search, never opens the breaker the RAG hop relies on. Named
 # "<peer>:<method>"; the peer's own name is the breaker of its main calls.
@@ -204,7 +204,7 @@ class Peers:
         self.budgets = budgets or HopBudgets()
         self.probe_seconds = probe_seconds
         models = models or {"": targets["inference"]}
-        # issue 26: a model with several replicas (`a:1|b:2`, or dns:///name:port) is routed over
+        # A model with several replicas (`a:1|b:2`, or dns:///name:port) is routed over
         # them (services/gateway/routing.py); one with a single target keeps its one channel.
         self.routers = {
             model: ReplicaRouter(model, target, max_message_bytes, access, routing, loads, multiplex=multiplex)
@@ -236,7 +236,7 @@ class Peers:
             for model in models
             if model not in self.routers
         }
-        # issue 26: each model's generations share one GenerateMany stream (services/gateway/multiplex.py).
+        # Each model's generations share one GenerateMany stream (services/gateway/multiplex.py).
         self.generators = {model: GenerationMux(stub, multiplex) for model, stub in self.inferences.items()}
         self.cache = cache_pb2_grpc.CacheStub(self.channels["cache"])
         self.retrieval = retrieval_pb2_grpc.RetrievalStub(self.channels["retrieval"])
@@ -357,7 +357,7 @@ class Peers:
         else:
             request.token_ids.ids.extend(prompt)
         router = self.routers.get(model)
-        if router is not None:  # issue 26: over the model's replicas, one retry before the first token
+        if router is not None:  # over the model's replicas, one retry before the first token
             return router.generate(request, deadline, self.breakers[inference_peer(model)])
         generator = self.generators[model]
         return _stream(
@@ -365,7 +365,7 @@ class Peers:
         )
 
     async def watch_load(self, model: str = "") -> AsyncIterator[inference_pb2.LoadReport]:
-        """The model's inference load reports (issue 26), for as long as the stream lasts: no
+        """The model's inference load reports, for as long as the stream lasts: no
         deadline and no breaker (a long-lived stream that says nothing of a request's health);
         a failure is a PeerCallError (UNIMPLEMENTED: the backend reports no load)."""
         call = self.inferences[model].WatchLoad(inference_pb2.WatchLoadRequest())

@@ -65,11 +65,11 @@ class RequestState:
     hold: Hold | None = None
     # The admitted reservation: progress reported as tokens arrive, finished on every exit path.
     ticket: Ticket | None = None
-    # issue 26: the prompt-length predictor of the model the request goes to (one per model).
+    # The prompt-length predictor of the model the request goes to (one per model).
     predictor: InputTokenPredictor | None = None
     # Milliseconds spent per hop, returned to the caller as `server-timing` metadata.
     timings: dict[str, float] = field(default_factory=dict)
-    # issue 29: tokens spent so far, counted for a request that ends without its final message.
+    # Tokens spent so far, counted for a request that ends without its final message.
     spent: common_pb2.Usage = field(default_factory=common_pb2.Usage)
 
     @contextlib.contextmanager
@@ -146,7 +146,7 @@ def from_cache(
 ) -> tuple[Delta, Final]:
     """The events of a cache hit; it carries what this request degraded (how it reached the
     scope it was answered under, e.g. without retrieval) and the model that answers for it. Its
-    usage bills nothing processed or generated: the cached answer's tokens were saved (issue 29)."""
+    usage bills nothing processed or generated: the cached answer's tokens were saved."""
     if state.hold is not None:
         state.hold.release()
     answer = hit.answer
@@ -409,7 +409,7 @@ class RequestPath:
                 step = max(step, message.usage.output_tokens - answer.generated)
             answer.generated += step
             generated += step
-            # issue 29: what the request spent once inference answered, billed if it ends early.
+            # What the request spent once inference answered, billed if it ends early.
             state.spent.input_tokens, state.spent.output_tokens = input_tokens, generated
             if state.ticket is not None:
                 state.ticket.progress(step)

@@ -1,4 +1,4 @@
-"""A model's replicas and the choice among them (issue 26; gateway domain logic, no gRPC here).
+"""A model's replicas and the choice among them (gateway domain logic, no gRPC here).
 
 Each model is served by a set of replicas (several targets in LLMESH_MODELS, or the addresses a
 headless Service's DNS name resolves to), each with its own channel, health, load and outlier

@@ -1,4 +1,4 @@
-"""A model's replicas over gRPC (issue 26): one channel, health check and load watch per replica,
+"""A model's replicas over gRPC: one channel, health check and load watch per replica,
 the replica set re-resolved from DNS, and Generate routed with one retry before its first token.
 The decisions are `services/gateway/replicas.py`'s; this module only feeds it and acts on them.
 

@@ -203,7 +203,7 @@ class GatewayApp:
         # One inference peer per model (name -> target); without LLMESH_MODELS the one at
         # LLMESH_INFERENCE_TARGET, unnamed.
         models, default_model = model_routes(s)
-        # issue 26: each model's inference reports its own load; admission decides on it. A model
+        # Each model's inference reports its own load; admission decides on it. A model
         # with several replicas is routed over them, each replica's load feeding the book.
         self.loads = LoadBook()
         self.peers = Peers(

@@ -1,4 +1,4 @@
-"""Inference.GenerateMany (issue 26): many generations over one gRPC stream, the outputs of an
+"""Inference.GenerateMany: many generations over one gRPC stream, the outputs of an
 engine step going out together.
 
 A Generate call per request costs a gRPC message per token on both sides of the hop, and at 32

@@ -1,4 +1,4 @@
-"""Breakers per peer and method (issue 26), on a real gRPC server whose handlers fail or stall on
+"""Breakers per peer and method, on a real gRPC server whose handlers fail or stall on
 demand: a cheap call never spends nor closes the Generate breaker; Ingest never opens the breaker
 the RAG search relies on; a stream that stalls and then fails counts as a failure."""
 

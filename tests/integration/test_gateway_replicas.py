@@ -1,4 +1,4 @@
-"""A model's replicas behind the gateway (issue 26), on real gRPC servers on port 0: a Generate
+"""A model's replicas behind the gateway, on real gRPC servers on port 0: a Generate
 that fails before its first token is retried once on another replica, never after it; a replica
 that goes away is ejected and its requests served by the others, and it rejoins once it is back."""
 

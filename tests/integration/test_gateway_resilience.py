@@ -109,7 +109,7 @@ async def test_inference_down_opens_the_breaker_and_fails_fast(models_dir: Path)
     assert info["error_info"].reason == "CIRCUIT_OPEN"  # type: ignore[attr-defined]
     assert "retry_info" in info
     # The model-info lookup is the first call a request makes to inference: its own breaker
-    # (issue 26: cheap calls have theirs) is the one that opened.
+    # (cheap calls have theirs) is the one that opened.
     assert gw.app.peers.breakers["inference:info"].state.value == "open"  # type: ignore[attr-defined]
 
 

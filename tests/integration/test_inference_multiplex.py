@@ -1,4 +1,4 @@
-"""Generations over Inference.GenerateMany (issue 26), the gateway's GenerationMux against the real
+"""Generations over Inference.GenerateMany, the gateway's GenerationMux against the real
 inference service (tiny model, in-process on port 0): the same answers as Generate calls, fewer
 messages than tokens, and each generation's cancellation, deadline, status and drain."""
 

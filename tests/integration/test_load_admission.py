@@ -1,4 +1,4 @@
-"""Admission from the engines' own load (issue 26), on real servers: the tiny model's inference
+"""Admission from the engines' own load, on real servers: the tiny model's inference
 reports its load on WatchLoad, and the gateway admits a burst its engine can serve whole."""
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ async def test_watch_load_reports_at_once_and_on_change(models_dir: Path, tiny_m
 
 async def test_a_burst_within_the_engines_batch_room_is_served_whole(models_dir: Path, tiny_model: Path) -> None:
     # The engine has 32 free rows; the learned in-flight limit of a cold gateway (65,536 weight)
-    # held fewer than half of 16 requests for 256 tokens and shed the rest (issue 26).
+    # held fewer than half of 16 requests for 256 tokens and shed the rest.
     async with mesh(models_dir) as (_inf, gw), grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
         app: GatewayApp = gw.app  # type: ignore[assignment]
         await asyncio.wait_for(app.load_watchers[0].connected.wait(), 10)

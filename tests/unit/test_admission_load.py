@@ -1,4 +1,4 @@
-"""Admission from the engines' load reports (issue 26): the predicted wait, the decision and its
+"""Admission from the engines' load reports: the predicted wait, the decision and its
 fallback, on a fake clock."""
 
 from __future__ import annotations

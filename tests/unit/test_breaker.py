@@ -275,7 +275,7 @@ def test_permit_reports_once(clock: FakeClock) -> None:
 
 
 def test_a_failure_after_an_early_success_turns_it_into_a_failure(clock: FakeClock) -> None:
-    # A stream reported slow when it stalled, then failed: one call, and a failed one (issue 26).
+    # A stream reported slow when it stalled, then failed: one call, and a failed one.
     b, _ = make(clock, minimum_calls=2, window_size=4, consecutive_failures=0)
     p = b.acquire()
     p.success(1.0)

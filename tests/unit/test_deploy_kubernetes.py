@@ -379,7 +379,7 @@ def test_headless_services_and_peer_targets(objects: tuple[Obj, ...]) -> None:
             f"dns:///{name}.{namespace}.svc.cluster.local:{settings.DEFAULT_PORTS['inference']}"
         )
     assert models == served, "each model routes to the inference service that serves it"
-    # issue 26: the gateway resolves each headless name itself and routes per pod, re-resolving
+    # The gateway resolves each headless name itself and routes per pod, re-resolving
     # often enough to follow the autoscaler.
     from services.gateway.routing import dns_name, routed
 

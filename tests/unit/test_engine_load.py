@@ -1,4 +1,4 @@
-"""`Engine.load()`: the engine's own load report (issue 26), and the openai backend's from the
+"""`Engine.load()`: the engine's own load report, and the openai backend's from the
 engine's Prometheus text."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ async def test_load_reports_rows_queue_kv_and_step_time(tiny_model: Path) -> Non
     engine = Engine(loaded, EngineConfig(max_batch_size=2, max_prompt_tokens=64, max_new_tokens=8))
     idle = engine.load()
     assert (idle.running, idle.waiting, idle.max_running) == (0, 0, 2)
-    # KV in blocks (issue 28): the pool holds at least two worst-case sequences (64 + 8 tokens).
+    # KV in blocks: the pool holds at least two worst-case sequences (64 + 8 tokens).
     total = idle.kv_blocks_total
     assert idle.kv_blocks_free == total and idle.block_tokens == engine.config.block_tokens
     assert total * idle.block_tokens >= 2 * 72

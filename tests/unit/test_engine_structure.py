@@ -1,4 +1,4 @@
-"""The engine package's ownership split (issue 28): no import cycle among its modules, and no
+"""The engine package's ownership split: no import cycle among its modules, and no
 module reaching into another's private names (`other._private`, `from m import _private`).
 Read from the source (ast), not by importing it."""
 

@@ -1,4 +1,4 @@
-"""Findings of the review of the engine (issue 28), each pinned by a test: the idle flag and a
+"""Findings of the review of the engine, each pinned by a test: the idle flag and a
 request arriving meanwhile, a worker dying while a prefill group is taken, a stop string found
 only when the decoder flushes, 64-bit seeds, the EOS token counted and sent, and a row whose
 stop fired not prefilled again after an out-of-memory split."""

@@ -1,4 +1,4 @@
-"""The openai backend across replicas (issue 26): a generation whose replica fails before its first
+"""The openai backend across replicas: a generation whose replica fails before its first
 token in a way another replica may fix (refused, timed out, 5xx, 429/503, a stream that ends or
 breaks with nothing in it) is tried once more on another replica, within a retry budget; after the
 first token, for a request the server rejects, or for a cancelled one, never.

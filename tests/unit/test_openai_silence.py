@@ -1,4 +1,4 @@
-"""A frozen openai backend replica (issue 26): one that answers nothing (a SIGSTOPped vLLM accepts
+"""A frozen openai backend replica: one that answers nothing (a SIGSTOPped vLLM accepts
 connections and never answers) is out of service after `silence_s`, not after the /models poll's
 timeout; its first answer (a /metrics scrape counts) brings it back; each change is announced at
 once (`wait_changed`), and a load watch sends no report while the backend does not serve."""

@@ -1,4 +1,4 @@
-"""Routing over a model's replicas (issue 26), on a fake clock: the pick by predicted wait, prefix
+"""Routing over a model's replicas, on a fake clock: the pick by predicted wait, prefix
 affinity bounded by load, outlier ejection and return, the retry budget, and the replica set
 following DNS."""
 

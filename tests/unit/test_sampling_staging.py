@@ -1,4 +1,4 @@
-"""Sampling costs one host-to-device copy per decode step, not five (issue 28's review): the
+"""Sampling costs one host-to-device copy per decode step, not five: the
 batch's fixed parameters are staged once per batch change; and the nucleus is found among the
 likeliest tokens instead of a sort of the whole vocabulary, with the same tokens kept."""
 

@@ -1,4 +1,4 @@
-"""The host publishes an app's change of serving as soon as the app announces it (issue 26: a
+"""The host publishes an app's change of serving as soon as the app announces it (e.g. a
 frozen vLLM behind the openai backend), not at the next look of its periodic watch."""
 
 from __future__ import annotations

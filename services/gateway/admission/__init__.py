@@ -43,7 +43,7 @@ Weight in flight
 methods as coroutines and enforces one budget across gateway replicas with a Redis sorted set and
 an atomic Lua script; when Redis is unreachable it falls back to its local ``WeightWindow``.
 
-The package (issue 26)
+The package
     ``load``: the engines' own load reports (WatchLoad) as the gateway keeps them, and the
     predicted queue wait; ``controller``: the admission decision, the one ``AdmissionController``
     the request path calls; ``window`` and ``redis_window``: the sliding window and its Redis twin

@@ -29,7 +29,7 @@ REASON_TENANT = "TENANT_BUDGET_EXCEEDED"
 REASON_TOO_HEAVY = "REQUEST_TOO_HEAVY"
 REASON_IN_FLIGHT = "IN_FLIGHT_LIMIT"
 REASON_DEADLINE = "DEADLINE_TOO_SHORT"
-# No replica the request may go to can start it within its time budget (issue 26).
+# No replica the request may go to can start it within its time budget.
 REASON_QUEUE_WAIT = "QUEUE_WAIT_TOO_LONG"
 
 SOURCE_LOCAL = "local"

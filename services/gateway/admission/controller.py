@@ -7,7 +7,7 @@ the reported step time, against the caller's deadline. With a free row somewhere
 shed. The sliding window (an operator's budget over time, per tenant and lane) applies as
 before. For a model whose backend reports nothing (no fresh report), the throughput-learned
 in-flight limit and the deadline check at the measured throughput decide instead, as they did
-before issue 26.
+before the engines reported their load.
 
 Two calls per request: `reserve` before the expensive hops, on a predicted prompt length (it may
 hold the predicted weight in the window until `admit`), and `admit` once the exact length is
