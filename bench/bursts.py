@@ -278,7 +278,7 @@ def passes(result: dict[str, Any]) -> dict[str, bool]:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="builtin engine's model: smollm2 (default) or tiny")
-    parser.add_argument("--mixed-seconds", type=float, default=20.0, help="each mixed-load run (the issue: 180)")
+    parser.add_argument("--mixed-seconds", type=float, default=20.0, help="each mixed-load run (a full run: 180)")
     parser.add_argument("--overload-seconds", type=float, default=15.0)
     parser.add_argument("--no-openai", action="store_true", help="skip the openai backend (vLLM CPU) bursts")
     parser.add_argument(
