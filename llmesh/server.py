@@ -14,7 +14,6 @@ import gc
 import hmac
 import inspect
 import logging
-import math
 import os
 import signal
 import time
@@ -332,51 +331,6 @@ class _Unparsable:
         self.error = error
 
 
-# A refused request this large had the process take memory for it (gRPC's receive buffers,
-# the bytes handed to Python) that the allocator keeps in its arenas once freed: given back to
-# the system soon after, or a caller sending such requests leaves the process that much larger.
-TRIM_AFTER_BYTES = 1024 * 1024
-
-
-class MemoryRelease:
-    """Gives the allocator's free memory back to the system (glibc's malloc_trim), at most once per
-    `interval` seconds, after the callbacks already queued on the loop have run (the refused
-    bytes are freed by then)."""
-
-    def __init__(self, interval: float = 0.05) -> None:
-        self.interval = interval
-        self._last = -math.inf
-        self._trim: Callable[[int], int] | None = None
-        try:
-            import ctypes
-
-            self._trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):  # not glibc: nothing to release this way
-            self._trim = None
-        self.released = 0
-
-    def soon(self) -> None:
-        if self._trim is None:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        now = loop.time()
-        if now - self._last < self.interval:
-            return
-        self._last = now
-        loop.call_soon(self._release)
-
-    def _release(self) -> None:
-        assert self._trim is not None
-        self._trim(0)
-        self.released += 1
-
-
-memory_release = MemoryRelease()
-
-
 def _tolerant(
     deserializer: Callable[[bytes], Any] | None, full: str = "", limit: RequestLimit | None = None
 ) -> Callable[[bytes], Any] | None:
@@ -388,8 +342,6 @@ def _tolerant(
         if limit is not None:
             refused = limit.refusal(raw, method)
             if refused is not None:
-                if len(raw) >= TRIM_AFTER_BYTES:
-                    memory_release.soon()
                 return _Unparsable(refused)
         try:
             return deserializer(raw)

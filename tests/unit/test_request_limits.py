@@ -1,14 +1,10 @@
-"""Request limits read on a request's bytes before it is parsed (llmesh/request_limits.py), and
-the memory a refused large request leaves behind (llmesh/server.py MemoryRelease)."""
+"""Request limits read on a request's bytes before it is parsed (llmesh/request_limits.py)."""
 
 from __future__ import annotations
-
-import asyncio
 
 import pytest
 
 from llmesh.request_limits import COUNT_ABOVE_BYTES, RequestLimit, largest_field, repeated_paths
-from llmesh.server import MemoryRelease
 from llmesh.v1 import common_pb2, gateway_pb2
 
 COUNTS = {
@@ -72,14 +68,3 @@ def test_largest_field_reads_a_bounded_number_of_fields() -> None:
     raw = b"\x5a\x00" * 1_000_000
     assert largest_field(gateway_pb2.GenerateRequest.DESCRIPTOR, raw)[0] == "messages"
     assert largest_field(gateway_pb2.GenerateRequest.DESCRIPTOR, b"\xff") == ("", 0)
-
-
-async def test_memory_is_released_at_most_once_per_interval_after_the_queued_callbacks() -> None:
-    release = MemoryRelease(interval=3600.0)
-    calls: list[int] = []
-    release._trim = calls.append  # type: ignore[assignment]
-    release.soon()
-    release.soon()
-    assert calls == []  # not before the callbacks already queued (the refused bytes are freed by then)
-    await asyncio.sleep(0)
-    assert calls == [0] and release.released == 1
