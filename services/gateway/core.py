@@ -44,7 +44,7 @@ from services.gateway.plan import (
 from services.gateway.recent_hits import RecentHits
 from services.gateway.request_gateway import ModelRoute
 from services.gateway.shape import cache_scope
-from services.gateway.usage import UsageMeter
+from services.gateway.usage import Metered, UsageMeter
 from services.gateway.versions import BACKGROUND_DEADLINE_S, CollectionVersions
 
 __all__ = [
@@ -414,9 +414,12 @@ class Gateway:
         gateway's ingest budget by document bytes (services/gateway/ingest.py). The documents'
         tokens count as the key's tokens and as the embedding model's input tokens in usage."""
         started = time.perf_counter()
-        outcome, error = "error", None
         document_tokens = 0
-        try:
+
+        def finish(outcome: str, error: BaseException | None) -> None:
+            self._finish_retrieval_call(caller, request.tenant, outcome, error, started, "ingest", document_tokens)
+
+        with Metered(finish):
             violations = chunking.request_violations(request.chunk_tokens, request.overlap_tokens)
             if violations:
                 raise InvalidArgument(violations)
@@ -440,7 +443,6 @@ class Gateway:
             if not last.done:
                 raise LlmeshError("ingest ended before it was done")
             document_tokens = last.document_tokens
-            outcome = "ok"
             return gateway_pb2.IngestResponse(
                 documents=last.documents_done,
                 chunks=last.chunks_done,
@@ -448,14 +450,6 @@ class Gateway:
                 trace_id=current_trace_id(),
                 document_tokens=document_tokens,
             )
-        except LlmeshError as exc:
-            outcome, error = exc.code.name.lower(), exc
-            raise
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            raise
-        finally:
-            self._finish_retrieval_call(caller, request.tenant, outcome, error, started, "ingest", document_tokens)
 
     def _finish_retrieval_call(
         self,
@@ -520,8 +514,11 @@ class Gateway:
     ) -> gateway_pb2.SearchResponse:
         """A caller's own search of a collection, behind the key's own limits as a generation is."""
         started = time.perf_counter()
-        outcome, error = "error", None
-        try:
+
+        def finish(outcome: str, error: BaseException | None) -> None:
+            self._finish_retrieval_call(caller, request.tenant, outcome, error, started, "search")
+
+        with Metered(finish):
             if not request.query.strip():
                 raise InvalidArgument([("query", "must not be empty")])
             await self.usage.admit(caller)
@@ -537,13 +534,4 @@ class Gateway:
                 deadline,
                 optional=False,
             )
-            outcome = "ok"
             return gateway_pb2.SearchResponse(results=found.results, trace_id=current_trace_id())
-        except LlmeshError as exc:
-            outcome, error = exc.code.name.lower(), exc
-            raise
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            raise
-        finally:
-            self._finish_retrieval_call(caller, request.tenant, outcome, error, started, "search")

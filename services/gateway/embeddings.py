@@ -9,7 +9,6 @@ usage counts their tokens as input tokens of the embedding model.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -23,7 +22,7 @@ from services.gateway.breaker import BreakerOpen
 from services.gateway.deadline import Deadline
 from services.gateway.hop_errors import PeerCallError
 from services.gateway.peers import Peers
-from services.gateway.usage import UsageMeter
+from services.gateway.usage import Metered, UsageMeter
 
 log = logging.getLogger("llmesh.gateway")
 
@@ -86,12 +85,16 @@ class Embeddings:
     ) -> gateway_pb2.EmbedResponse:
         """`tenant_ok`: the tenant's name passed the gateway's check (done by the caller)."""
         started = time.perf_counter()
-        outcome, error = "error", None
         tenant = request.tenant or "default"
         name = self.name or "embedding"
         response: gateway_pb2.GenerateResponse | None = None
         span = trace.get_current_span()
-        try:
+
+        def finish(outcome: str, error: BaseException | None) -> None:
+            elapsed = time.perf_counter() - started
+            self.usage.finish(caller, tenant, name, outcome, "none", response, error, elapsed, event="embed")
+
+        with Metered(finish):
             bad = []
             if not tenant_ok:
                 bad.append(("tenant", "letters, digits, '_', '.', '-' only, at most 64 characters"))
@@ -123,19 +126,9 @@ class Embeddings:
             usage = common_pb2.Usage(input_tokens=found.input_tokens)
             span.set_attribute("gen_ai.usage.input_tokens", found.input_tokens)
             response = gateway_pb2.GenerateResponse(usage=usage, model=name, trace_id=current_trace_id())
-            outcome = "ok"
             return gateway_pb2.EmbedResponse(
                 embeddings=[gateway_pb2.Embedding(index=i, values=v.values) for i, v in enumerate(found.vectors)],
                 model=name,
                 usage=usage,
                 trace_id=current_trace_id(),
             )
-        except LlmeshError as exc:
-            outcome, error = exc.code.name.lower(), exc
-            raise
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            raise
-        finally:
-            elapsed = time.perf_counter() - started
-            self.usage.finish(caller, tenant, name, outcome, "none", response, error, elapsed, event="embed")

@@ -11,8 +11,10 @@ cache tier, tokens, degradations, status, latency; the formatter adds the trace 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Iterable
+from types import TracebackType
 
 from prometheus_client import Counter
 
@@ -22,6 +24,31 @@ from services.gateway.auth import ANONYMOUS, Caller
 from services.gateway.limits import KeyLimiter, KeyLimitExceeded
 
 access = logging.getLogger("llmesh.gateway")
+
+
+class Metered:
+    """A metered call's ending, however it ends: `finish(outcome, error)` runs as the block exits,
+    with "ok", a domain error's code (and the error), "cancelled", or "error" for anything else.
+    The exception, if any, goes on."""
+
+    def __init__(self, finish: Callable[[str, BaseException | None], None]) -> None:
+        self.finish = finish
+
+    def __enter__(self) -> Metered:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if exc is None:
+            self.finish("ok", None)
+        elif isinstance(exc, LlmeshError):
+            self.finish(exc.code.name.lower(), exc)
+        elif isinstance(exc, asyncio.CancelledError):
+            self.finish("cancelled", None)
+        else:
+            self.finish("error", None)
+
 
 OTHER_TENANTS = "_other"
 LABELS = ["tenant", "model"]
