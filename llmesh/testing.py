@@ -519,3 +519,27 @@ class TestRedis:
         if self.server is not None:
             self.server.stop()
             self.server = None
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A circle in a directed graph (module -> the modules it imports), as the path that closes
+    it (first node repeated at the end); None when there is none. For the structure tests."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)) is not None:
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)) is not None:
+            return cycle
+    return None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from llmesh.testing import REPO_ROOT
+from llmesh.testing import REPO_ROOT, find_cycle
 
 PACKAGE = "services.inference.engine"
 ROOT = REPO_ROOT / "services" / "inference" / "engine"
@@ -32,28 +32,6 @@ def engine_imports(tree: ast.Module) -> set[str]:
                 if alias.name.startswith(PACKAGE + "."):
                     found.add(alias.name.removeprefix(PACKAGE + ".").split(".")[0])
     return found
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}  # 1: on the path, 2: done
-    path: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        path.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                return [*path[path.index(nxt) :], nxt]
-            if nxt not in state and (cycle := visit(nxt)) is not None:
-                return cycle
-        path.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (cycle := visit(node)) is not None:
-            return cycle
-    return None
 
 
 def own_private_names(tree: ast.Module) -> set[str]:

@@ -9,7 +9,7 @@ import ast
 from collections.abc import Iterable
 from pathlib import Path
 
-from llmesh.testing import REPO_ROOT
+from llmesh.testing import REPO_ROOT, find_cycle
 
 ROOTS = ("llmesh", "services")
 # protoc's output: generated, checked for drift, not edited.
@@ -67,28 +67,6 @@ def imports_of(name: str, tree: ast.Module, known: set[str]) -> set[str]:
 def import_graph(trees: dict[str, ast.Module]) -> dict[str, set[str]]:
     known = set(trees)
     return {name: imports_of(name, tree, known) for name, tree in trees.items()}
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}  # 1: on the path, 2: done
-    path: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        path.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                return [*path[path.index(nxt) :], nxt]
-            if nxt not in state and (cycle := visit(nxt)) is not None:
-                return cycle
-        path.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (cycle := visit(node)) is not None:
-            return cycle
-    return None
 
 
 # namedtuple's public API is spelled with a leading underscore so it cannot clash with a field.
