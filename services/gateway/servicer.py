@@ -97,15 +97,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             request = scoped
         return request, caller
 
-    def _begin(self, context: grpc.aio.ServicerContext, request: Any) -> tuple[Any, Deadline]:
+    def _begin(self, context: grpc.aio.ServicerContext, request: Any) -> tuple[Any, Deadline, Caller]:
         """Authorizes the caller for the request's tenant, then fixes the request's deadline."""
-        request, _ = self._as_caller(context, request)
-        return request, Deadline.after(remaining_seconds(context, self.default_deadline))
+        request, caller = self._as_caller(context, request)
+        return request, Deadline.after(remaining_seconds(context, self.default_deadline)), caller
 
     def _generation(self, request, context):  # type: ignore[no-untyped-def]
-        request, caller = self._as_caller(context, request)
-        deadline = Deadline.after(remaining_seconds(context, self.default_deadline))
-        return self.gateway.generate(request, deadline, caller)
+        return self.gateway.generate(*self._begin(context, request))
 
     async def Generate(self, request, context):  # type: ignore[no-untyped-def]
         final: Final | None = None
@@ -128,19 +126,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 yield gateway_pb2.GenerateStreamResponse(final=event.response)
 
     async def Embed(self, request, context):  # type: ignore[no-untyped-def]
-        request, caller = self._as_caller(context, request)
-        deadline = Deadline.after(remaining_seconds(context, self.default_deadline))
-        return await self.gateway.embed(request, deadline, caller)
+        return await self.gateway.embed(*self._begin(context, request))
 
     async def Ingest(self, request, context):  # type: ignore[no-untyped-def]
-        request, caller = self._as_caller(context, request)
-        deadline = Deadline.after(remaining_seconds(context, self.default_deadline))
-        return await self.gateway.ingest(request, deadline, caller)
+        return await self.gateway.ingest(*self._begin(context, request))
 
     async def Search(self, request, context):  # type: ignore[no-untyped-def]
-        request, caller = self._as_caller(context, request)
-        deadline = Deadline.after(remaining_seconds(context, self.default_deadline))
-        return await self.gateway.search(request, deadline, caller)
+        return await self.gateway.search(*self._begin(context, request))
 
     async def PurgeCache(self, request, context):  # type: ignore[no-untyped-def]
         authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
