@@ -58,7 +58,8 @@ proto: install
 # The self-reference and this machine's local index mirrors are dropped from the lock files.
 # Extras stay on their pins (httpx[http2]==…): pip 23's hash mode otherwise resolves a
 # dependent's `httpx[http2]>=…` to PyPI's newest release and refuses it as unpinned.
-LOCK_CLEAN := sed -i -e '/^llmesh @ file:/,+1d' -e '/^--extra-index-url file:/d'
+LOCK_CLEAN := sed -i -e '/^llmesh\(\[[^]]*\]\)\? @ file:/,+1d' -e '/^--extra-index-url file:/d' \
+	-e '/^\# WARNING: pip install will require/d' -e '/^\# Consider using a hashable URL/d'
 lock: $(BIN)/python
 	$(BIN)/pip install -q pip-tools==7.6.2
 	$(BIN)/pip-compile -q --generate-hashes --allow-unsafe --extra dev --no-strip-extras \
