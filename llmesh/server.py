@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from llmesh import errors, rpc_tracing, telemetry
+from llmesh import errors, memory, rpc_tracing, telemetry
 from llmesh.channels import MESH_TOKEN_HEADER
 from llmesh.metrics import (
     DEPENDENCY_UP,
@@ -147,6 +147,8 @@ class MethodMeter:
 #: Refuses a call before its request is read, from its method and metadata alone (raises a
 #: domain error: a missing credential, an unknown API key).
 CallGate = Callable[[str, Sequence[tuple[str, Any]]], None]
+#: Told of each call the service refused as invalid (INVALID_ARGUMENT): its method and metadata.
+RefusalObserver = Callable[[str, Sequence[tuple[str, Any]]], None]
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
@@ -175,10 +177,16 @@ class RuntimeInterceptor(grpc.aio.ServerInterceptor):
     mapped to statuses (one place) and the gRPC server metrics. Each method's wrapped handler is
     built once, not per call."""
 
-    def __init__(self, gates: Sequence[CallGate] = (), limits: Mapping[str, RequestLimit] | None = None) -> None:
+    def __init__(
+        self,
+        gates: Sequence[CallGate] = (),
+        limits: Mapping[str, RequestLimit] | None = None,
+        refused: RefusalObserver | None = None,
+    ) -> None:
         self._handlers: dict[str, _Method] = {}
         self._gates = tuple(gates)
         self._limits = dict(limits or {})
+        self._refused = refused
 
     async def intercept_service(
         self,
@@ -191,7 +199,7 @@ class RuntimeInterceptor(grpc.aio.ServerInterceptor):
             handler = await continuation(handler_call_details)
             if handler is None:
                 return handler
-            method = self._handlers[full] = _Method(full, handler, self._limits.get(full))
+            method = self._handlers[full] = _Method(full, handler, self._limits.get(full), self._refused)
         for gate in self._gates:
             try:
                 gate(full, handler_call_details.invocation_metadata or ())
@@ -203,10 +211,12 @@ class RuntimeInterceptor(grpc.aio.ServerInterceptor):
 class _Method:
     """One served method: its wrapped handler, and refusals that answer without reading the request."""
 
-    def __init__(self, full: str, handler: grpc.RpcMethodHandler, limit: RequestLimit | None) -> None:
+    def __init__(
+        self, full: str, handler: grpc.RpcMethodHandler, limit: RequestLimit | None, refused: RefusalObserver | None
+    ) -> None:
         self.full = full
         self.handler = handler
-        self.wrapped = _wrap(full, handler, limit)
+        self.wrapped = _wrap(full, handler, limit, refused)
         service, method = rpc_tracing.split_method(full)
         kind = "unary" if handler.unary_unary else "server_stream" if handler.unary_stream else "bidi_stream"
         self.meter = MethodMeter(kind, service, method)
@@ -254,7 +264,9 @@ def _code_of(context: grpc.aio.ServicerContext, exc: BaseException | None) -> gr
     return grpc.StatusCode.INTERNAL if exc is not None else grpc.StatusCode.OK
 
 
-def _wrap(full: str, handler: grpc.RpcMethodHandler, limit: RequestLimit | None = None) -> grpc.RpcMethodHandler:
+def _wrap(
+    full: str, handler: grpc.RpcMethodHandler, limit: RequestLimit | None = None, refused: RefusalObserver | None = None
+) -> grpc.RpcMethodHandler:
     service, method = rpc_tracing.split_method(full)
     traced_method = rpc_tracing.ServerMethod(full) if rpc_tracing.traced(full) else None
     kind = "unary" if handler.unary_unary else "server_stream" if handler.unary_stream else ""
@@ -271,6 +283,8 @@ def _wrap(full: str, handler: grpc.RpcMethodHandler, limit: RequestLimit | None 
     def finish(started: float, context: Any, span: rpc_tracing.ServerSpan | None, exc: BaseException | None) -> None:
         code = _code_of(context, exc)
         meter.handled(code, time.perf_counter() - started)
+        if refused is not None and code == grpc.StatusCode.INVALID_ARGUMENT:
+            refused(full, context.invocation_metadata() or ())
         if span is not None:
             span.finish(code, exc)
 
@@ -382,7 +396,11 @@ class ServiceHost:
         self.settings = settings
         self.health = health_aio.HealthServicer()
         self.server = grpc.aio.server(
-            interceptors=[RuntimeInterceptor(call_gates(app, settings), getattr(app, "request_limits", None))],
+            interceptors=[
+                RuntimeInterceptor(
+                    call_gates(app, settings), getattr(app, "request_limits", None), getattr(app, "call_refused", None)
+                )
+            ],
             options=server_options(settings),
             maximum_concurrent_rpcs=None,
         )
@@ -494,6 +512,7 @@ def run_service(service: str, factory: Callable[[Settings], ServiceApp]) -> None
     settings = load_or_exit(service)
     telemetry.setup_logging(service, settings.log_level, settings.log_format)
     apply_niceness(settings.nice)
+    memory.map_large_buffers(getattr(settings, "mmap_threshold_bytes", 0))
     telemetry.setup_tracing(service)
     try:
         asyncio.run(_serve(service, factory, settings))

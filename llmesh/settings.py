@@ -570,6 +570,25 @@ DECLARED: tuple[Setting, ...] = (
         _positive_int,
     ),
     Setting(
+        "LLMESH_MMAP_THRESHOLD_BYTES",
+        str(128 * 1024),
+        "Allocations at least this large get their own memory mapping, returned to the system when "
+        "freed (glibc's mallopt M_MMAP_THRESHOLD, which also stops glibc raising it). Without it the "
+        "gateway keeps tens of MB after a run of megabyte-sized requests. 0: the C library's default.",
+        ("gateway",),
+        _non_negative_int,
+    ),
+    Setting(
+        "LLMESH_INVALID_CALLS_PER_MINUTE",
+        "60",
+        "Calls of one API key that may be refused as invalid (INVALID_ARGUMENT, HTTP 400/413) in any "
+        "minute; past it the key's calls are refused RESOURCE_EXHAUSTED (HTTP 429) with retry info, "
+        "on their headers, until the oldest refusal is a minute old. 0: no such limit. Without API "
+        "keys there is no caller to hold to account, and no limit.",
+        ("gateway",),
+        _non_negative_int,
+    ),
+    Setting(
         "LLMESH_INGEST_MAX_BYTES_IN_FLIGHT",
         str(8 * 1024 * 1024),
         "Document bytes this gateway ingests at once (an ingest's admission weight is its documents' bytes); one "

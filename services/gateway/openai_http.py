@@ -45,6 +45,7 @@ from services.gateway.auth import ApiKeys, KeyRing
 from services.gateway.core import Delta, Final, Gateway, server_timing
 from services.gateway.deadline import Deadline
 from services.gateway.embeddings import same_model
+from services.gateway.intake import KeyGate
 from services.gateway.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -167,10 +168,18 @@ class ObservedHttp:
     and status, the API key checked before any of the body is read (401), and the route's body
     limit applied while the body is read (413): a body is never read past its limit."""
 
-    def __init__(self, app: ASGIApp, limits: BodyLimits, authenticate: Callable[[str | None], object]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        limits: BodyLimits,
+        authenticate: Callable[[str | None], object],
+        refused: Callable[[str | None], None] | None = None,
+    ) -> None:
         self.app = app
         self.limits = limits
         self.authenticate = authenticate
+        # Told of each API request refused as invalid (400, 413), by its `authorization`.
+        self.refused = refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -214,6 +223,8 @@ class ObservedHttp:
             label = method if method in ("GET", "POST", "HEAD", "OPTIONS") else "other"  # bounded label values
             metrics.HTTP_REQUESTS.labels(route, label, str(status)).inc()
             metrics.HTTP_DURATION.labels(route).observe(time.perf_counter() - started)
+            if status in (400, 413) and self.refused is not None and path.startswith("/v1/"):
+                self.refused(next((v for k, v in headers if k == "authorization"), None))
 
     def _refusal(self, path: str, headers: Sequence[tuple[str, str]]) -> Response | None:
         """The answer to a request refused on its headers alone: no known key (keys on), or a
@@ -254,7 +265,7 @@ class OpenAiApi:
         self.api_keys = api_keys
         self.default_deadline = default_deadline
 
-    def app(self, limits: BodyLimits) -> ASGIApp:
+    def app(self, limits: BodyLimits, gate: KeyGate | None = None) -> ASGIApp:
         # Plain Starlette routes with pydantic models parsing the body straight from JSON: a
         # framework's dependency injection and its own telemetry would cost more per cache hit
         # than the rest of the HTTP path (the span and metrics here are llmesh's own).
@@ -292,7 +303,11 @@ class OpenAiApi:
             ClientGone: on_gone,
             BodyTooLarge: on_too_large,
         }
-        return ObservedHttp(Starlette(routes=routes, exception_handlers=handlers), limits, self.api_keys.authenticate)
+        starlette = Starlette(routes=routes, exception_handlers=handlers)
+        if gate is None:
+            return ObservedHttp(starlette, limits, self.api_keys.authenticate)
+        # The gRPC methods' gate: the key, then its budget of invalid calls, before the body.
+        return ObservedHttp(starlette, limits, gate.admit_http, gate.refused_http)
 
     def _authenticated(self, request: Request) -> None:
         # Before the body is parsed: a bad key is a 401 whatever the body says.
@@ -707,13 +722,15 @@ class HttpServer:
         self._task = None
 
 
-def http_api(gateway: Gateway, api_keys: ApiKeys | KeyRing, settings: Any) -> HttpServer | None:
+def http_api(
+    gateway: Gateway, api_keys: ApiKeys | KeyRing, settings: Any, gate: KeyGate | None = None
+) -> HttpServer | None:
     """The gateway's HTTP API per its settings; None when LLMESH_HTTP_LISTEN is empty."""
     s = settings
     if not s.http_listen:
         return None
     limits = BodyLimits(s.max_generate_request_bytes, s.max_embed_request_bytes, s.max_query_request_bytes)
-    app = OpenAiApi(gateway, api_keys, s.default_deadline_seconds).app(limits)
+    app = OpenAiApi(gateway, api_keys, s.default_deadline_seconds).app(limits, gate)
     return HttpServer(app, s.http_listen, s.grace_seconds, s.tls_cert, s.tls_key, s.tls_client_ca)
 
 

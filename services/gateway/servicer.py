@@ -23,7 +23,7 @@ from services.gateway.auth import Caller, KeyRing
 from services.gateway.breaker import BreakerConfig, State, TransitionListener
 from services.gateway.core import Delta, Final, Gateway, GatewayConfig, server_timing
 from services.gateway.deadline import Deadline
-from services.gateway.intake import KeyGate, request_limits
+from services.gateway.intake import InvalidCallBudget, KeyGate, request_limits
 from services.gateway.limits import KeyLimiter
 from services.gateway.openai_http import announce, http_api
 from services.gateway.peers import HopBudgets, Peers, breaker_labels
@@ -266,9 +266,10 @@ class GatewayApp:
         # Read by the runtime's interceptor: each method's limits on a request's bytes, and the key
         # check on a call's metadata, both before the request is parsed.
         self.request_limits = request_limits(s)
-        self.admit_call = KeyGate(self.api_keys, admin_keys)
+        self.admit_call = KeyGate(self.api_keys, admin_keys, InvalidCallBudget(s.invalid_calls_per_minute))
+        self.call_refused = self.admit_call.refused
         # The OpenAI-compatible HTTP API: another adapter over the same Gateway.
-        self.http = http_api(self.gateway, self.api_keys, s)
+        self.http = http_api(self.gateway, self.api_keys, s, self.admit_call)
 
     def register(self, server: grpc.aio.Server) -> None:
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, server)

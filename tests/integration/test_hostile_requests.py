@@ -320,3 +320,37 @@ async def test_cache_store_from_outside_the_mesh_is_refused(mesh_token: str, red
             await asyncio.wait_for(cache_pb2_grpc.CacheStub(mesh).Store(store, metadata=token), 10)
             found = await cache_pb2_grpc.CacheStub(mesh).Lookup(lookup, timeout=10, metadata=token)
             assert found.hit
+
+
+async def test_a_key_whose_calls_keep_being_refused_is_refused_on_its_headers() -> None:
+    """A retry loop resending one oversized body: past LLMESH_INVALID_CALLS_PER_MINUTE refusals,
+    the key's calls are RESOURCE_EXHAUSTED with retry info, decided on the headers (over gRPC and
+    HTTP alike), while another key's calls are still judged on their own."""
+    other = "o" * 32
+    env = {**ENV, "LLMESH_API_KEYS": f"{API_KEY}=acme;{other}=globex", "LLMESH_INVALID_CALLS_PER_MINUTE": "3"}
+    payload = filled(gateway_pb2.GenerateRequest.DESCRIPTOR, "messages", SERVER_MAX - 64)
+    keyed = (("authorization", f"Bearer {API_KEY}"),)
+    async with hosted("gateway", GatewayApp, env) as gw:
+        async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{gw.port}", options=[("grpc.max_send_message_length", SERVER_MAX)]
+        ) as channel:
+            codes = [(await call_raw(channel, "Generate", payload, keyed)).code() for _ in range(3)]
+            assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+            with peak_growth() as growth:
+                for _ in range(10):
+                    error = await call_raw(channel, "Generate", payload, keyed)
+                    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+            retry = unpack_details(status_details(error.trailing_metadata() or ())).get("retry_info")
+            assert retry is not None and 0 < retry.retry_delay.seconds <= 60
+            assert growth[0] <= MAX_RSS_GROWTH
+            error = await call_raw(channel, "Generate", payload, (("authorization", f"Bearer {other}"),))
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        base = f"http://127.0.0.1:{gw.app.http.port}"  # type: ignore[attr-defined]
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            empty = {"model": "m", "messages": []}
+            mine = {"authorization": f"Bearer {API_KEY}"}
+            throttled = await http.post("/v1/chat/completions", json=empty, headers=mine)
+            assert throttled.status_code == 429
+            assert 0 < int(throttled.headers["retry-after"]) <= 60
+            judged = await http.post("/v1/chat/completions", json=empty, headers={"authorization": f"Bearer {other}"})
+            assert judged.status_code == 400
