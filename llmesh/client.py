@@ -4,8 +4,9 @@
     with Mesh("127.0.0.1:50051") as mesh:
         print(mesh.ask("What is the capital of France?").text)
 
-`AsyncMesh` is the asyncio twin. Errors arrive as `MeshError` subclasses carrying the gRPC
-status details (retry-after, bad fields). Other languages use the protos directly.
+`AsyncMesh` is the asyncio client; `Mesh` runs the same calls on an event loop of its own.
+Errors arrive as `MeshError` subclasses carrying the gRPC status details (retry-after, bad
+fields). Other languages use the protos directly.
 
 A shed call (RESOURCE_EXHAUSTED, or UNAVAILABLE with retry info: an open breaker) is retried
 after the delay the mesh asked for, jittered, at most `retries` times within the call's timeout
@@ -23,7 +24,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -228,25 +229,6 @@ class CallGuard:
             return None
         return delay
 
-    def run(self, call: Callable[[float], T], timeout: float, sleep: Callable[[float], None] = time.sleep) -> T:
-        """`call(seconds left)` with retries; raises the last MeshError."""
-        deadline = self.clock() + timeout
-        attempt = 0
-        while True:
-            self.admit()
-            try:
-                result = call(max(0.001, deadline - self.clock()))
-            except MeshError as error:
-                self.heard(error)
-                attempt += 1
-                delay = self.next_delay(attempt, error, deadline)
-                if delay is None:
-                    raise
-                sleep(delay)
-                continue
-            self.heard(None)
-            return result
-
     async def run_async(
         self,
         call: Callable[[float], Awaitable[T]],
@@ -410,71 +392,44 @@ def search_request(
 
 
 class Mesh:
-    """Blocking client."""
+    """Blocking client: the same calls as AsyncMesh, run on an event loop of its own (one daemon
+    thread per client), so that retries, throttling and streaming are written once."""
 
     def __init__(self, target: str = DEFAULT_TARGET, **kwargs: Any) -> None:
-        self.opts = ClientOptions(target=target, **kwargs)
-        creds = self.opts.credentials()
-        options = self.opts.channel_options()
-        self.channel = grpc.secure_channel(target, creds, options) if creds else grpc.insecure_channel(target, options)
-        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
-        self.guard = self.opts.guard()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="llmesh-client", daemon=True)
+        self._thread.start()
+        self._closed = False
+        # grpc.aio binds a channel to the loop it is made on: make it on the client's own.
+        self._async: AsyncMesh = self._call(_made(target, kwargs))
+        self.opts = self._async.opts
+        self.guard = self._async.guard
 
-    def _kw(self, timeout: float | None, metadata: Iterable[tuple[str, str]] = ()) -> dict[str, Any]:
-        return {"timeout": timeout or self.opts.timeout, "metadata": (*self.opts.metadata(), *metadata)}
+    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def ask(
         self, prompt: str, *, timeout: float | None = None, metadata: Iterable[tuple[str, str]] = (), **options: Any
     ) -> gateway_pb2.GenerateResponse:
         """`metadata` passes extra headers, e.g. a W3C `traceparent` to continue the caller's trace.
         A shed is retried as its retry info says (see the module doc)."""
-        request = generate_request(prompt, **options)
-        headers = (*self.opts.metadata(), *metadata)
-
-        def once(left: float) -> gateway_pb2.GenerateResponse:
-            try:
-                return self.stub.Generate(request, timeout=left, metadata=headers)
-            except grpc.RpcError as err:
-                raise to_mesh_error(err) from None
-
-        return self.guard.run(once, timeout or self.opts.timeout)
+        return self._call(self._async.ask(prompt, timeout=timeout, metadata=metadata, **options))
 
     def stream(
         self, prompt: str, *, timeout: float | None = None, **options: Any
     ) -> Iterator[gateway_pb2.GenerateStreamResponse]:
-        """A shed before the first message is retried; nothing is retried once one came."""
-        request = generate_request(prompt, **options)
-        total = timeout or self.opts.timeout
-        guard = self.guard
-        deadline = guard.clock() + total
-        attempt = 0
-        while True:
-            guard.admit()
-            call = self.stub.GenerateStream(
-                request, timeout=max(0.001, deadline - guard.clock()), metadata=self.opts.metadata()
-            )
-            started = False
-            try:
-                for message in call:
-                    if not started:
-                        started = True
-                        guard.heard(None)
-                    yield message
-                if not started:
-                    guard.heard(None)
-                return
-            except grpc.RpcError as err:
-                error = to_mesh_error(err)
-                if started:
-                    raise error from None
-                guard.heard(error)
-                attempt += 1
-                delay = guard.next_delay(attempt, error, deadline)
-                if delay is None:
-                    raise error from None
-            finally:
-                call.cancel()
-            time.sleep(delay)
+        """A shed before the first message is retried; nothing is retried once one came. Closing
+        the iterator early cancels the call."""
+        messages = self._async.stream(prompt, timeout=timeout, **options)
+        try:
+            while True:
+                try:
+                    yield self._call(anext(messages))
+                except StopAsyncIteration:
+                    return
+        finally:
+            if not self._closed:
+                self._call(messages.aclose())
 
     def ingest(
         self,
@@ -486,13 +441,16 @@ class Mesh:
         overlap_tokens: int = 0,
         timeout: float | None = None,
     ) -> gateway_pb2.IngestResponse:
-        request = ingest_request(
-            docs, collection=collection, tenant=tenant, chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens
+        return self._call(
+            self._async.ingest(
+                docs,
+                collection=collection,
+                tenant=tenant,
+                chunk_tokens=chunk_tokens,
+                overlap_tokens=overlap_tokens,
+                timeout=timeout,
+            )
         )
-        try:
-            return self.stub.Ingest(request, **self._kw(timeout))
-        except grpc.RpcError as err:
-            raise to_mesh_error(err) from None
 
     def search(
         self,
@@ -505,48 +463,55 @@ class Mesh:
         filter: Mapping[str, str] | None = None,
         timeout: float | None = None,
     ) -> gateway_pb2.SearchResponse:
-        request = search_request(
-            query, collection=collection, tenant=tenant, top_k=top_k, score_threshold=score_threshold, filter=filter
+        return self._call(
+            self._async.search(
+                query,
+                collection=collection,
+                tenant=tenant,
+                top_k=top_k,
+                score_threshold=score_threshold,
+                filter=filter,
+                timeout=timeout,
+            )
         )
-        try:
-            return self.stub.Search(request, **self._kw(timeout))
-        except grpc.RpcError as err:
-            raise to_mesh_error(err) from None
 
     def embed(
         self, texts: Iterable[str], *, model: str = "", tenant: str = "", timeout: float | None = None
     ) -> list[list[float]]:
         """Unit-length embeddings of `texts` (1-256, each at most 16 KiB), in order, with the mesh's
         embedding model (the one retrieval searches with); `embed_response` for usage and model."""
-        return [
-            list(e.values) for e in self.embed_response(texts, model=model, tenant=tenant, timeout=timeout).embeddings
-        ]
+        return self._call(self._async.embed(texts, model=model, tenant=tenant, timeout=timeout))
 
     def embed_response(
         self, texts: Iterable[str], *, model: str = "", tenant: str = "", timeout: float | None = None
     ) -> gateway_pb2.EmbedResponse:
-        request = gateway_pb2.EmbedRequest(inputs=list(texts), model=model, tenant=tenant)
-        try:
-            return self.stub.Embed(request, **self._kw(timeout))
-        except grpc.RpcError as err:
-            raise to_mesh_error(err) from None
+        return self._call(self._async.embed_response(texts, model=model, tenant=tenant, timeout=timeout))
 
     def list_models(self, *, timeout: float | None = None) -> list[gateway_pb2.ModelEntry]:
         """The models the gateway routes to (the default first), each with its key and whether
         its inference answers now."""
-        try:
-            return list(self.stub.ListModels(gateway_pb2.ListModelsRequest(), **self._kw(timeout)).models)
-        except grpc.RpcError as err:
-            raise to_mesh_error(err) from None
+        return self._call(self._async.list_models(timeout=timeout))
 
     def close(self) -> None:
-        self.channel.close()
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._call(self._async.close())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
 
     def __enter__(self) -> Mesh:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def _made(target: str, kwargs: dict[str, Any]) -> AsyncMesh:
+    return AsyncMesh(target, **kwargs)
 
 
 class AsyncMesh:
@@ -581,7 +546,7 @@ class AsyncMesh:
 
     async def stream(
         self, prompt: str, *, timeout: float | None = None, **options: Any
-    ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+    ) -> AsyncGenerator[gateway_pb2.GenerateStreamResponse, None]:
         """A shed before the first message is retried; nothing is retried once one came."""
         request = generate_request(prompt, **options)
         guard = self.guard

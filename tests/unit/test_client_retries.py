@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -27,6 +29,18 @@ def guard(clock: FakeClock, retries: int = 2, throttle: AdaptiveThrottle | None 
     return CallGuard(RetryPolicy(retries=retries), throttle, clock=clock, rng=random.Random(1))
 
 
+def run(g: CallGuard, call: Callable[[float], str], timeout: float, sleep: Callable[[float], None]) -> str:
+    """The guard's retry loop over a call that answers at once, sleeping on the fake clock."""
+
+    async def once(left: float) -> str:
+        return call(left)
+
+    async def fake_sleep(seconds: float) -> None:
+        sleep(seconds)
+
+    return asyncio.run(g.run_async(once, timeout, fake_sleep))
+
+
 def test_a_shed_is_retried_after_its_retry_info_with_jitter() -> None:
     clock = FakeClock()
     g = guard(clock)
@@ -43,7 +57,7 @@ def test_a_shed_is_retried_after_its_retry_info_with_jitter() -> None:
         sleeps.append(seconds)
         clock.advance(seconds)
 
-    assert g.run(call, 10.0, sleep) == "ok"
+    assert run(g, call, 10.0, sleep) == "ok"
     assert len(sleeps) == 2 and all(0.4 <= s < 0.6 for s in sleeps)
     assert sleeps[0] != sleeps[1]  # jittered: a crowd shed together does not come back together
 
@@ -59,7 +73,7 @@ def test_no_retry_past_the_deadline_nor_for_what_can_never_fit() -> None:
         raise shed(3.0)
 
     with pytest.raises(OverloadedError):
-        g.run(too_slow, 2.0, clock.advance)
+        run(g, too_slow, 2.0, clock.advance)
     assert calls == 1  # 3 s of retry info does not fit in a 2 s timeout
 
     calls = 0
@@ -70,10 +84,10 @@ def test_no_retry_past_the_deadline_nor_for_what_can_never_fit() -> None:
         raise InvalidRequestError(grpc.StatusCode.INVALID_ARGUMENT, "bad")
 
     with pytest.raises(InvalidRequestError):
-        g.run(invalid, 10.0, clock.advance)
+        run(g, invalid, 10.0, clock.advance)
     assert calls == 1
     with pytest.raises(OverloadedError):
-        g.run(lambda left: (_ for _ in ()).throw(shed(None)), 10.0, clock.advance)  # too heavy: no retry info
+        run(g, lambda left: (_ for _ in ()).throw(shed(None)), 10.0, clock.advance)  # too heavy: no retry info
 
 
 def test_the_throttle_refuses_locally_when_most_calls_are_shed_and_recovers() -> None:
@@ -107,6 +121,6 @@ def test_a_throttled_call_never_reaches_the_mesh() -> None:
     outcomes = []
     for _ in range(50):
         with pytest.raises(OverloadedError) as info:
-            g.run(call, 10.0, clock.advance)
+            run(g, call, 10.0, clock.advance)
         outcomes.append(info.value.reason)
     assert outcomes.count(REASON_CLIENT_THROTTLED) > 25 and sent + outcomes.count(REASON_CLIENT_THROTTLED) == 50
