@@ -41,15 +41,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import grpc
 
 from bench.common import RESULTS_DIR, machine, percentile, print_table, write_result
-from bench.reliability import (
-    CACHED_QUESTIONS,
-    FAQ,
-    TENANT,
-    Load,
-    Outcome,
-    Reliability,
-    engine_rows,
-)
+from bench.harness.load import CACHED_QUESTIONS, FAQ, TENANT, Load, Outcome
+from bench.reliability import Reliability, engine_rows
 from llmesh.testing import VllmServer
 from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 

@@ -32,8 +32,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import machine, percentile, print_table, write_result
+from bench.harness.wire import f_bytes, f_varint
 from bench.mesh import bench_mesh
-from bench.reliability import f_bytes, f_varint
 from llmesh.supervisor import Mesh
 from llmesh.v1 import (
     cache_pb2,

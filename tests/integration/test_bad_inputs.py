@@ -14,7 +14,7 @@ import pytest
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.reliability import GENERATE, INGEST, SEARCH, STREAM, BadInput, crafted_inputs, random_inputs, send_raw
+from bench.harness.bad_inputs import GENERATE, INGEST, SEARCH, STREAM, BadInput, crafted_inputs, random_inputs, send_raw
 from llmesh.errors import InvalidArgument
 from llmesh.testing import hosted
 from llmesh.v1 import gateway_pb2

@@ -17,7 +17,7 @@ import pytest
 from google.protobuf.descriptor import FieldDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.reliability import f_bytes, f_varint
+from bench.harness.wire import f_bytes, f_varint
 from llmesh.channels import PeerAccess, peer_channel
 from llmesh.errors import status_details, unpack_details
 from llmesh.request_limits import repeated_paths
@@ -51,7 +51,7 @@ METHODS = {
 }
 
 
-# --- the wire format, written directly (bench.reliability's writer): a test that built millions
+# --- the wire format, written directly (bench.harness.wire): a test that built millions
 # of messages in Python would spend minutes on its own side.
 
 

@@ -1,0 +1,1 @@
+"""The pieces the mesh benchmarks share: load, bad inputs, the wire format, metric scrapes."""
