@@ -332,7 +332,7 @@ def scale_run(n_misses: int) -> dict[str, Any]:
     from llmesh.testing import TestRedis
 
     result: dict[str, Any] = {"others_running_at_start": others_running()}
-    threshold = load("cache", {}).semantic_threshold  # the shipped default
+    threshold = load("cache", {}).cache.semantic_threshold  # the shipped default
     with tempfile.TemporaryDirectory(prefix="llmesh-bench-cache-scale-") as tmp:
         # The Redis LLMESH_TEST_REDIS_URL names, else a scratch embedded valkey (as bench_mesh):
         # nothing assumes a Redis on 127.0.0.1:6379.

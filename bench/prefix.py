@@ -187,7 +187,8 @@ def concurrency(model_dir: Path) -> dict[str, float]:
     from llmesh.settings import load as load_settings
     from services.inference.engine.config import EngineConfig
 
-    config = EngineConfig.from_settings(load_settings("inference", {}))
+    settings = load_settings("inference", {})
+    config = EngineConfig.from_settings(settings.engine, settings.generation)
     seq = config.max_prompt_tokens + config.max_new_tokens
     pool = config.max_batch_size * seq  # the CPU default, as EngineConfig.kv_tokens derives it
     prompts = build_prompts(model_dir)

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from llmesh.rpc_tracing import TracedChannel
+from llmesh.settings import RuntimeSettings
 
 # The metadata key of the mesh credential (LLMESH_MESH_TOKEN), checked by llmesh.server's gate.
 MESH_TOKEN_HEADER = "x-llmesh-mesh-token"
@@ -76,18 +77,18 @@ class PeerAccess:
     metadata: tuple[tuple[str, str], ...] = ()
 
 
-def peer_credentials(settings: Any) -> grpc.ChannelCredentials | None:
+def peer_credentials(runtime: RuntimeSettings) -> grpc.ChannelCredentials | None:
     """TLS to peers when LLMESH_TLS_CA is set, presenting this service's own cert (mutual TLS)."""
-    if not getattr(settings, "tls_ca", ""):
+    if not runtime.tls_ca:
         return None
     read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
-    return grpc.ssl_channel_credentials(read(settings.tls_ca), read(settings.tls_key), read(settings.tls_cert))
+    return grpc.ssl_channel_credentials(read(runtime.tls_ca), read(runtime.tls_key), read(runtime.tls_cert))
 
 
-def peer_access(settings: Any) -> PeerAccess:
+def peer_access(runtime: RuntimeSettings) -> PeerAccess:
     """This service's access to its peers: its TLS identity, and LLMESH_MESH_TOKEN on every call."""
-    token = getattr(settings, "mesh_token", "")
-    return PeerAccess(peer_credentials(settings), ((MESH_TOKEN_HEADER, token),) if token else ())
+    token = runtime.mesh_token
+    return PeerAccess(peer_credentials(runtime), ((MESH_TOKEN_HEADER, token),) if token else ())
 
 
 def peer_channel(

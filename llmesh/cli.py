@@ -38,7 +38,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     """Starts the mesh and supervises it: a service that dies is restarted (see Supervision);
     Ctrl-C or SIGTERM stops the mesh (status 0), so does a service that keeps dying (status 1)."""
     from llmesh.redis_server import EmbeddedRedisError, redacted
-    from llmesh.settings import DEFAULT_PORTS, load_or_exit
+    from llmesh.settings import DEFAULT_PORTS, CliSettings, load_or_exit
     from llmesh.supervisor import LogEcho, Supervision
     from llmesh.supervisor import Mesh as Processes
 
@@ -46,7 +46,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     # The mesh's credential, new for each start: the internal services answer only the processes
     # started here (any other local process reaches their ports, but not their methods).
     os.environ.setdefault("LLMESH_MESH_TOKEN", secrets.token_urlsafe(32))
-    supervision = Supervision.from_settings(load_or_exit("cli"))
+    supervision = Supervision.from_settings(load_or_exit(CliSettings))
     procs = Processes(ports=DEFAULT_PORTS, echo_logs=not args.quiet, supervision=supervision)
     say = (procs.echo or LogEcho(os.environ.get("LLMESH_LOG_FORMAT", "auto"))).say
     stop = {"now": False}
@@ -223,10 +223,10 @@ def cmd_models(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     telemetry.quiet_progress_bars()  # before the model libraries are imported: they read it then
     from llmesh import models
-    from llmesh.settings import load_or_exit
+    from llmesh.settings import CliSettings, load_or_exit
 
-    settings = load_or_exit("cli")
-    base = settings.models_path
+    settings = load_or_exit(CliSettings)
+    base = settings.runtime.models_path
     try:
         if args.action == "prepare":
             for path in models.prepare_all(base):

@@ -28,7 +28,7 @@ from qdrant_client.http.exceptions import ResponseHandlingException
 from qdrant_client.http.models import QueryResponse
 
 from llmesh.edge_store import EdgeClient, StoreInUse
-from llmesh.settings import Settings
+from llmesh.settings import CacheServiceSettings, RetrievalServiceSettings
 
 log = logging.getLogger("llmesh.qdrant")
 T = TypeVar("T")
@@ -126,20 +126,24 @@ class QdrantHandle:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def embedded_path(settings: Settings, service: str) -> Path:
-    return settings.data_path / f"qdrant-edge-{service}"
+#: The services that keep vectors in Qdrant.
+StoreServiceSettings = CacheServiceSettings | RetrievalServiceSettings
 
 
-def legacy_path(settings: Settings, service: str) -> Path:
+def embedded_path(settings: StoreServiceSettings, service: str) -> Path:
+    return settings.runtime.data_path / f"qdrant-edge-{service}"
+
+
+def legacy_path(settings: StoreServiceSettings, service: str) -> Path:
     """Where qdrant-client's local mode kept the service's data before Qdrant Edge."""
-    return settings.data_path / f"qdrant-{service}"
+    return settings.runtime.data_path / f"qdrant-{service}"
 
 
-def open_client(settings: Settings, service: str) -> QdrantHandle:
+def open_client(settings: StoreServiceSettings, service: str) -> QdrantHandle:
     """Blocking: opens the server client or the embedded store (created when missing)."""
-    url = settings.qdrant_url
+    url = settings.store.qdrant_url
     if url:
-        client = QdrantClient(url=url, api_key=settings.qdrant_api_key or None, timeout=SERVER_TIMEOUT_SECONDS)
+        client = QdrantClient(url=url, api_key=settings.store.qdrant_api_key or None, timeout=SERVER_TIMEOUT_SECONDS)
         executor = ThreadPoolExecutor(SERVER_WORKERS, thread_name_prefix="qdrant")
         return QdrantHandle(cast(VectorClient, client), executor)
     path = embedded_path(settings, service)

@@ -39,7 +39,15 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from llmesh.settings import Settings, SettingsError, load, redact_url
+from llmesh.settings import (
+    CacheServiceSettings,
+    CliSettings,
+    GatewayServiceSettings,
+    RetrievalServiceSettings,
+    SettingsError,
+    load,
+    redact_url,
+)
 
 #: LLMESH_ADMISSION_REDIS_URL value that points the gateway's shared window at the embedded server.
 EMBEDDED = "embedded"
@@ -65,12 +73,16 @@ class EmbeddedRedisError(RuntimeError):
     """The embedded server cannot be started (binary missing, port taken, failed to serve)."""
 
 
-def _port(settings: Settings, role: str) -> int:
-    return int(settings.embedded_redis_state_port if role == STATE else settings.embedded_redis_port)
+#: The settings that know where the embedded servers are.
+RedisUsers = GatewayServiceSettings | CacheServiceSettings | RetrievalServiceSettings | CliSettings
 
 
-def directory_of(settings: Settings, role: str = CACHE, cwd: Path | None = None) -> Path:
-    data = Path(settings.data_dir)
+def _port(settings: RedisUsers, role: str) -> int:
+    return settings.embedded_redis.state_port if role == STATE else settings.embedded_redis.port
+
+
+def directory_of(settings: RedisUsers, role: str = CACHE, cwd: Path | None = None) -> Path:
+    data = Path(settings.runtime.data_dir)
     if not data.is_absolute():
         data = (cwd or Path.cwd()) / data
     return data.resolve() / FOLDERS[role]
@@ -94,11 +106,11 @@ def redacted(url: str) -> str:
     return redact_url(url)
 
 
-def embedded_url(settings: Settings, role: str = CACHE) -> str:
+def embedded_url(settings: RedisUsers, role: str = CACHE) -> str:
     return url_for(_port(settings, role), password_of(directory_of(settings, role)))
 
 
-def resolve_url(configured: str, settings: Settings) -> str:
+def resolve_url(configured: str, settings: RedisUsers) -> str:
     """The Redis URL a service dials: the configured one, or an embedded server's when the
     setting is empty (LLMESH_REDIS_URL: the cache role) or `embedded` (LLMESH_ADMISSION_REDIS_URL:
     the state role)."""
@@ -182,7 +194,7 @@ class EmbeddedRedis:
             settings = load("cli", env)
         except SettingsError as exc:
             raise EmbeddedRedisError(str(exc)) from exc
-        maxmemory = settings.embedded_redis_maxmemory if role == CACHE else ""
+        maxmemory = settings.cache.embedded_redis_maxmemory if role == CACHE else ""
         return cls(_port(settings, role), directory_of(settings, role, cwd), role=role, maxmemory=maxmemory)
 
     @property

@@ -39,7 +39,7 @@ from llmesh.metrics import (
     MetricsEndpoint,
 )
 from llmesh.request_limits import RequestLimit
-from llmesh.settings import Settings, load_or_exit
+from llmesh.settings import RuntimeSettings, ServiceSettings, load_or_exit
 
 log = logging.getLogger("llmesh.server")
 # Lifecycle events (listening, serving, draining, stopped) are logged whatever the log level:
@@ -47,6 +47,7 @@ log = logging.getLogger("llmesh.server")
 lifecycle = logging.getLogger("llmesh.lifecycle")
 lifecycle.setLevel(logging.INFO)
 T = TypeVar("T")
+S = TypeVar("S", bound=ServiceSettings)
 HEALTH_DETAIL_INTERVAL_S = 1.0
 LOOP_LAG_INTERVAL_S = 0.05
 
@@ -68,8 +69,8 @@ class ServiceApp(Protocol):
         """Release resources after in-flight calls have drained."""
 
 
-def server_options(settings: Settings) -> list[tuple[str, Any]]:
-    size = settings.max_message_bytes
+def server_options(runtime: RuntimeSettings) -> list[tuple[str, Any]]:
+    size = runtime.max_message_bytes
     return [
         ("grpc.max_receive_message_length", size),
         ("grpc.max_send_message_length", size),
@@ -85,13 +86,13 @@ def server_options(settings: Settings) -> list[tuple[str, Any]]:
     ]
 
 
-def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
+def server_credentials(runtime: RuntimeSettings) -> grpc.ServerCredentials | None:
     """TLS when a cert is set; mutual TLS (client certs required) when a client CA is set too."""
-    if not settings.tls_cert:
+    if not runtime.tls_cert:
         return None
-    client_ca = Path(settings.tls_client_ca).read_bytes() if settings.tls_client_ca else None
+    client_ca = Path(runtime.tls_client_ca).read_bytes() if runtime.tls_client_ca else None
     return grpc.ssl_server_credentials(
-        [(Path(settings.tls_key).read_bytes(), Path(settings.tls_cert).read_bytes())],
+        [(Path(runtime.tls_key).read_bytes(), Path(runtime.tls_cert).read_bytes())],
         root_certificates=client_ca,
         require_client_auth=client_ca is not None,
     )
@@ -375,13 +376,13 @@ def _is_abort(exc: BaseException) -> bool:
     return type(exc).__name__ == "AbortError"
 
 
-def call_gates(app: ServiceApp, settings: Settings) -> list[CallGate]:
+def call_gates(app: ServiceApp, settings: ServiceSettings) -> list[CallGate]:
     """The gates of a service's calls: the mesh credential on every service but the public
     gateway, where LLMESH_MESH_TOKEN is set; then the app's own (`admit_call`: the gateway's API
     keys, checked before a request's bytes are parsed)."""
     gates: list[CallGate] = []
-    if getattr(settings, "mesh_token", "") and settings.service != "gateway":
-        gates.append(mesh_token_gate(settings.mesh_token))
+    if settings.runtime.mesh_token and settings.service != "gateway":
+        gates.append(mesh_token_gate(settings.runtime.mesh_token))
     admit = getattr(app, "admit_call", None)
     if admit is not None:
         gates.append(admit)
@@ -391,7 +392,7 @@ def call_gates(app: ServiceApp, settings: Settings) -> list[CallGate]:
 class ServiceHost:
     """One gRPC server hosting one ServiceApp, with health and reflection."""
 
-    def __init__(self, app: ServiceApp, settings: Settings) -> None:
+    def __init__(self, app: ServiceApp, settings: ServiceSettings) -> None:
         self.app = app
         self.settings = settings
         self.health = health_aio.HealthServicer()
@@ -401,7 +402,7 @@ class ServiceHost:
                     call_gates(app, settings), getattr(app, "request_limits", None), getattr(app, "call_refused", None)
                 )
             ],
-            options=server_options(settings),
+            options=server_options(settings.runtime),
             maximum_concurrent_rpcs=None,
         )
         self.port = 0
@@ -416,16 +417,16 @@ class ServiceHost:
         reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], self.server)
         for name in ("", *self.app.service_names):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        credentials = server_credentials(self.settings)
+        credentials = server_credentials(self.settings.runtime)
         if credentials is None:
-            self.port = self.server.add_insecure_port(self.settings.listen)
+            self.port = self.server.add_insecure_port(self.settings.serving.listen)
         else:
-            self.port = self.server.add_secure_port(self.settings.listen, credentials)
+            self.port = self.server.add_secure_port(self.settings.serving.listen, credentials)
         if self.port == 0:
-            raise RuntimeError(f"could not bind {self.settings.listen}")
+            raise RuntimeError(f"could not bind {self.settings.serving.listen}")
         await self.server.start()
-        if self.settings.health_listen:
-            await self._start_health_listener(self.settings.health_listen)
+        if self.settings.runtime.health_listen:
+            await self._start_health_listener(self.settings.runtime.health_listen)
         if on_listening is not None:
             on_listening(self.port)
         await self.app.start()
@@ -437,7 +438,7 @@ class ServiceHost:
     async def _start_health_listener(self, address: str) -> None:
         """Health only, in plaintext, on its own server: probes that cannot present a client
         certificate (the kubelet's) read the status without opening the service's own port."""
-        self._health_server = grpc.aio.server(options=server_options(self.settings))
+        self._health_server = grpc.aio.server(options=server_options(self.settings.runtime))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
         self.health_port = self._health_server.add_insecure_port(address)
         if self.health_port == 0:
@@ -486,7 +487,7 @@ class ServiceHost:
         if self._details_task is not None:
             self._details_task.cancel()
         await self.set_serving(False)
-        grace = self.settings.grace_seconds if grace is None else grace
+        grace = self.settings.runtime.grace_seconds if grace is None else grace
         # An app serving another protocol too (the gateway's HTTP API) drains it alongside.
         drain = getattr(self.app, "drain", None)
         await asyncio.gather(self.server.stop(grace), *([drain(grace)] if drain is not None else []))
@@ -507,12 +508,13 @@ def apply_niceness(increment: int) -> int:
     return os.nice(0)
 
 
-def run_service(service: str, factory: Callable[[Settings], ServiceApp]) -> None:
-    """Entry point of `python -m services.<name>`."""
-    settings = load_or_exit(service)
-    telemetry.setup_logging(service, settings.log_level, settings.log_format)
-    apply_niceness(settings.nice)
-    memory.map_large_buffers(getattr(settings, "mmap_threshold_bytes", 0))
+def run_service(model: type[S], factory: Callable[[S], ServiceApp]) -> None:
+    """Entry point of `python -m services.<name>`: the service's settings model and its app."""
+    settings = load_or_exit(model)
+    service = settings.service
+    telemetry.setup_logging(service, settings.runtime.log_level, settings.runtime.log_format)
+    apply_niceness(settings.serving.nice)
+    memory.map_large_buffers(settings.mmap_threshold_bytes)
     telemetry.setup_tracing(service)
     try:
         asyncio.run(_serve(service, factory, settings))
@@ -530,8 +532,8 @@ async def watch_loop_lag(interval: float = LOOP_LAG_INTERVAL_S) -> None:
         EVENT_LOOP_LAG.observe(max(0.0, loop.time() - due))
 
 
-async def _serve(service: str, factory: Callable[[Settings], ServiceApp], settings: Settings) -> None:
-    metrics = MetricsEndpoint(settings.metrics_host, settings.metrics_port)
+async def _serve(service: str, factory: Callable[[S], ServiceApp], settings: S) -> None:
+    metrics = MetricsEndpoint(settings.runtime.metrics_host, settings.serving.metrics_port)
     host = ServiceHost(factory(settings), settings)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -569,7 +571,7 @@ async def _serve(service: str, factory: Callable[[Settings], ServiceApp], settin
         await waiter
     else:
         startup.cancel()
-    lifecycle.info("draining", extra={"fields": {"event": "draining", "grace_seconds": settings.grace_seconds}})
+    lifecycle.info("draining", extra={"fields": {"event": "draining", "grace_seconds": settings.runtime.grace_seconds}})
     await host.stop()
     lag.cancel()
     metrics.close()

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmesh import redis_server, telemetry
 from llmesh.metrics import SUPERVISOR_REGISTRY, SUPERVISOR_RESTARTS, MetricsEndpoint
-from llmesh.settings import DEFAULT_METRICS_PORTS, Settings, parse_models
+from llmesh.settings import DEFAULT_METRICS_PORTS, CliSettings, parse_models
 
 # Start order: a service starts after the peers it dials.
 START_ORDER = ("tokenizer", "inference", "cache", "retrieval", "gateway")
@@ -143,14 +143,14 @@ class Supervision:
     clock: Callable[[], float] = time.monotonic
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Supervision:
+    def from_settings(cls, settings: CliSettings) -> Supervision:
         """From `load("cli")`: LLMESH_RESTART_LIMIT_PER_MINUTE, LLMESH_RESTART_BACKOFF_MAX_SECONDS,
         LLMESH_UP_METRICS_PORT on LLMESH_METRICS_HOST."""
         return cls(
-            limit_per_minute=settings.restart_limit_per_minute,
-            backoff_max=settings.restart_backoff_max_seconds,
-            metrics_host=settings.metrics_host,
-            metrics_port=settings.up_metrics_port,
+            limit_per_minute=settings.supervisor.restart_limit_per_minute,
+            backoff_max=settings.supervisor.restart_backoff_max_seconds,
+            metrics_host=settings.runtime.metrics_host,
+            metrics_port=settings.supervisor.metrics_port,
         )
 
     def policy(self) -> RestartPolicy:

@@ -16,7 +16,7 @@ from typing import Any
 
 from llmesh import models
 from llmesh.server import ServiceApp, ServiceHost
-from llmesh.settings import Settings, load
+from llmesh.settings import ServiceSettings, load
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -80,7 +80,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def service_settings(service: str, env: Mapping[str, str] | None = None) -> Settings:
+def service_settings(service: str, env: Mapping[str, str] | None = None) -> ServiceSettings:
     """Settings for an in-process service on ephemeral ports."""
     merged = {
         **os.environ,
@@ -89,12 +89,15 @@ def service_settings(service: str, env: Mapping[str, str] | None = None) -> Sett
         "LLMESH_HTTP_LISTEN": "127.0.0.1:0",
         **(env or {}),
     }
-    return load(service, merged)
+    settings = load(service, merged)
+    if not isinstance(settings, ServiceSettings):
+        raise ValueError(f"{service!r} is not a service")
+    return settings
 
 
 @contextlib.asynccontextmanager
 async def hosted(
-    service: str, factory: Callable[[Settings], ServiceApp], env: Mapping[str, str] | None = None
+    service: str, factory: Callable[[ServiceSettings], ServiceApp], env: Mapping[str, str] | None = None
 ) -> AsyncIterator[ServiceHost]:
     """Runs one service in this event loop on port 0; yields the host (host.port, host.app)."""
     host = ServiceHost(factory(service_settings(service, env)), service_settings(service, env))

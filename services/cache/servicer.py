@@ -13,7 +13,7 @@ from llmesh import qdrant as qdrant_mod
 from llmesh.embeddings import Embedder
 from llmesh.errors import InvalidArgument, PermissionDenied
 from llmesh.server import Readiness
-from llmesh.settings import Settings
+from llmesh.settings import CacheServiceSettings
 from llmesh.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 from services.cache.core import DEFAULT_PREFIX, CacheCore, LookupQuery, LookupResult, redis_client
 from services.cache.keys import Scope
@@ -144,7 +144,7 @@ class CacheApp:
 
     def __init__(
         self,
-        settings: Settings,
+        settings: CacheServiceSettings,
         *,
         key_prefix: str = DEFAULT_PREFIX,
         semantic: bool = True,
@@ -161,28 +161,28 @@ class CacheApp:
         self._qdrant: qdrant_mod.QdrantHandle | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
-        invalidators = [name.strip() for name in self.settings.cache_invalidators.split(",") if name.strip()]
+        invalidators = [name.strip() for name in self.settings.cache.invalidators.split(",") if name.strip()]
         cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(self.core, invalidators), server)
 
     async def start(self) -> None:
         s = self.settings
         if self.semantic:
             self._embedder = await asyncio.to_thread(
-                Embedder.load, s.models_path, s.embedding_model, dtype=s.embedding_dtype
+                Embedder.load, s.runtime.models_path, s.store.embedding_model, dtype=s.store.embedding_dtype
             )
             await self._embedder.aencode(["warm up"])
             self._qdrant = await asyncio.to_thread(qdrant_mod.open_client, s, "cache")
-        if not s.redis_url:
+        if not s.store.redis_url:
             url = redis_server.redacted(redis_server.embedded_url(s))
             log.info("using the embedded Redis at %s (started by `llmesh up`)", url)
         core = CacheCore(
-            redis_client(redis_server.resolve_url(s.redis_url, s), s.redis_timeout_seconds),
+            redis_client(redis_server.resolve_url(s.store.redis_url, s), s.store.redis_timeout_seconds),
             embedder=self._embedder,
             qdrant=self._qdrant,
-            threshold=s.semantic_threshold,
-            default_ttl=s.cache_ttl_seconds,
-            timeout=s.redis_timeout_seconds,
-            default_collection=s.default_collection,
+            threshold=s.cache.semantic_threshold,
+            default_ttl=s.cache.ttl_seconds,
+            timeout=s.store.redis_timeout_seconds,
+            default_collection=s.collections.default_collection,
             prefix=self.key_prefix,
             version_prefix=self.version_prefix,
         )

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from llmesh.errors import Unavailable
+from llmesh.settings import BreakerSettings
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,20 @@ class BreakerConfig:
     wait_in_open: float = 5.0  # seconds
     permitted_calls_in_half_open: int = 3
     consecutive_failures: int = 5  # 0: only the rates open the breaker
+
+    @classmethod
+    def from_settings(cls, settings: BreakerSettings) -> BreakerConfig:
+        """From the gateway's LLMESH_BREAKER_* settings."""
+        return cls(
+            window_size=settings.window,
+            minimum_calls=settings.minimum_calls,
+            failure_rate_threshold=settings.failure_rate,
+            slow_call_rate_threshold=settings.slow_call_rate,
+            slow_call_duration=settings.slow_call_seconds,
+            wait_in_open=settings.wait_seconds,
+            permitted_calls_in_half_open=settings.half_open_calls,
+            consecutive_failures=settings.consecutive_failures,
+        )
 
     def __post_init__(self) -> None:
         if self.window_size < 1:

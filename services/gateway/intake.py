@@ -16,6 +16,7 @@ from typing import Any
 
 from llmesh.errors import ResourceExhausted, Unauthenticated
 from llmesh.request_limits import RequestLimit
+from llmesh.settings import RequestLimitSettings
 from llmesh.v1 import gateway_pb2
 from services.gateway.admin import AdminKeys
 from services.gateway.auth import KeyRing
@@ -28,9 +29,8 @@ MAX_METADATA_KEYS = 32
 MAX_EMBED_INPUTS = 256
 
 
-def request_limits(settings: Any) -> dict[str, RequestLimit]:
+def request_limits(s: RequestLimitSettings) -> dict[str, RequestLimit]:
     """Each public method's RequestLimit, by full method name."""
-    s = settings
     generate = RequestLimit(
         gateway_pb2.GenerateRequest,
         s.max_generate_request_bytes,

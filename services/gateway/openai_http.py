@@ -39,6 +39,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from llmesh.errors import HTTP_STATUS, InvalidArgument, LlmeshError, NotFound, retry_after_of
 from llmesh.rpc_tracing import start_server_span
 from llmesh.server import lifecycle
+from llmesh.settings import GatewayServiceSettings
 from llmesh.v1 import common_pb2, gateway_pb2
 from services.gateway import metrics
 from services.gateway.auth import ApiKeys, KeyRing
@@ -723,15 +724,15 @@ class HttpServer:
 
 
 def http_api(
-    gateway: Gateway, api_keys: ApiKeys | KeyRing, settings: Any, gate: KeyGate | None = None
+    gateway: Gateway, api_keys: ApiKeys | KeyRing, settings: GatewayServiceSettings, gate: KeyGate | None = None
 ) -> HttpServer | None:
     """The gateway's HTTP API per its settings; None when LLMESH_HTTP_LISTEN is empty."""
-    s = settings
-    if not s.http_listen:
+    listen, sizes, runtime = settings.http.listen, settings.request_limits, settings.runtime
+    if not listen:
         return None
-    limits = BodyLimits(s.max_generate_request_bytes, s.max_embed_request_bytes, s.max_query_request_bytes)
-    app = OpenAiApi(gateway, api_keys, s.default_deadline_seconds).app(limits, gate)
-    return HttpServer(app, s.http_listen, s.grace_seconds, s.tls_cert, s.tls_key, s.tls_client_ca)
+    limits = BodyLimits(sizes.max_generate_request_bytes, sizes.max_embed_request_bytes, sizes.max_query_request_bytes)
+    app = OpenAiApi(gateway, api_keys, settings.requests.default_deadline_seconds).app(limits, gate)
+    return HttpServer(app, listen, runtime.grace_seconds, runtime.tls_cert, runtime.tls_key, runtime.tls_client_ca)
 
 
 def announce(port: int) -> None:

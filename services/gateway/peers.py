@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmesh import tasks
 from llmesh.channels import PeerAccess, peer_channel
 from llmesh.errors import LlmeshError, from_rpc_error
+from llmesh.settings import HopBudgetSettings
 from llmesh.v1 import (
     cache_pb2,
     cache_pb2_grpc,
@@ -51,6 +52,17 @@ class HopBudgets:
     collection_info: float = 0.25
     search: float = 1.0
     tokenizer: float = 0.25
+
+    @classmethod
+    def from_settings(cls, settings: HopBudgetSettings) -> HopBudgets:
+        """From the gateway's LLMESH_HOP_* settings."""
+        return cls(
+            cache_lookup=settings.cache_lookup_seconds,
+            cache_store=settings.cache_store_seconds,
+            collection_info=settings.collection_info_seconds,
+            search=settings.search_seconds,
+            tokenizer=settings.tokenizer_seconds,
+        )
 
 
 def counts_as_failure(exc: BaseException) -> bool:

@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from llmesh.retry_budget import RetryBudget
+from llmesh.settings import RoutingSettings
 
 PICK_LEAST_WAIT = "least_wait"
 PICK_ROUND_ROBIN = "round_robin"
@@ -94,22 +95,22 @@ class RoutingConfig:
     dns_refresh_seconds: float = 5.0
 
     @classmethod
-    def from_settings(cls, s: object) -> RoutingConfig:
-        get = lambda name: getattr(s, name)  # noqa: E731
+    def from_settings(cls, s: RoutingSettings) -> RoutingConfig:
+        """From the gateway's LLMESH_ROUTING_* settings."""
         return cls(
-            pick=get("routing_pick"),
-            eject_consecutive_failures=get("routing_eject_failures"),
-            stall_seconds=get("routing_stall_seconds"),
-            eject_base_seconds=get("routing_eject_seconds"),
-            max_ejected_share=get("routing_max_ejected_share"),
-            health_interval_seconds=get("routing_health_seconds"),
-            health_timeout_seconds=max(0.5, get("routing_health_seconds") * 2),
-            first_token_timeout_seconds=get("routing_first_token_seconds"),
-            retry_budget_ratio=get("routing_retry_budget"),
-            affinity=get("routing_affinity_min_tokens") > 0,
-            affinity_min_tokens=get("routing_affinity_min_tokens"),
-            affinity_load_factor=max(1.0, get("routing_affinity_load_factor")),
-            dns_refresh_seconds=get("routing_dns_seconds"),
+            pick=s.pick,
+            eject_consecutive_failures=s.eject_failures,
+            stall_seconds=s.stall_seconds,
+            eject_base_seconds=s.eject_seconds,
+            max_ejected_share=s.max_ejected_share,
+            health_interval_seconds=s.health_seconds,
+            health_timeout_seconds=max(0.5, s.health_seconds * 2),
+            first_token_timeout_seconds=s.first_token_seconds,
+            retry_budget_ratio=s.retry_budget,
+            affinity=s.affinity_min_tokens > 0,
+            affinity_min_tokens=s.affinity_min_tokens,
+            affinity_load_factor=max(1.0, s.affinity_load_factor),
+            dns_refresh_seconds=s.dns_seconds,
         )
 
     def __post_init__(self) -> None:

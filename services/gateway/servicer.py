@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -13,7 +14,7 @@ from llmesh import redis_server, tasks
 from llmesh.channels import peer_access, remaining_seconds
 from llmesh.chat_template import ChatTemplate, load_template
 from llmesh.models import resolve
-from llmesh.settings import Settings, SettingsError, model_routes
+from llmesh.settings import GatewayServiceSettings, SettingsError
 from llmesh.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway import metrics
 from services.gateway.admin import AdminKeys
@@ -147,14 +148,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return await self.gateway.list_models(deadline)
 
 
-def local_templates(s: Settings, routes: list[str]) -> dict[str, ChatTemplate]:
+def local_templates(models_path: Path, default_model: str, routes: list[str]) -> dict[str, ChatTemplate]:
     """The chat templates of the routes' models found in the models folder on this host (a
     route "" is the tokenizer's default model); what the gateway renders with while the tokenizer
     is away and before it has learned them from it. None there (the usual deployment) is fine."""
     found: dict[str, ChatTemplate] = {}
     for route in routes:
         try:
-            found[route] = load_template(resolve(s.models_path, route or s.tokenizer_model))
+            found[route] = load_template(resolve(models_path, route or default_model))
         except (OSError, ValueError):
             continue
     return found
@@ -163,88 +164,73 @@ def local_templates(s: Settings, routes: list[str]) -> dict[str, ChatTemplate]:
 class GatewayApp:
     service_names = (gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,)
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: GatewayServiceSettings) -> None:
         s = settings
+        auth = s.auth
         try:  # first: a bad keys file stops the gateway before it opens anything
-            self.api_keys = KeyRing(s.api_keys, s.api_keys_file, s.api_keys_reload_seconds)
+            self.api_keys = KeyRing(auth.api_keys, auth.api_keys_file, auth.api_keys_reload_seconds)
         except ValueError as exc:
             raise SettingsError(f"invalid settings: LLMESH_API_KEYS_FILE: {exc}") from None
-        breakers = BreakerConfig(
-            window_size=s.breaker_window,
-            minimum_calls=s.breaker_minimum_calls,
-            failure_rate_threshold=s.breaker_failure_rate,
-            slow_call_rate_threshold=s.breaker_slow_call_rate,
-            slow_call_duration=s.breaker_slow_call_seconds,
-            wait_in_open=s.breaker_wait_seconds,
-            permitted_calls_in_half_open=s.breaker_half_open_calls,
-            consecutive_failures=s.breaker_consecutive_failures,
-        )
         targets = {
-            "tokenizer": s.tokenizer_target,
-            "inference": s.inference_target,
-            "cache": s.cache_target,
-            "retrieval": s.retrieval_target,
+            "tokenizer": s.tokenizer_peer.target,
+            "inference": s.peers.inference_target,
+            "cache": s.peers.cache_target,
+            "retrieval": s.peers.retrieval_target,
         }
-        budgets = HopBudgets(
-            cache_lookup=s.hop_cache_lookup_seconds,
-            cache_store=s.hop_cache_store_seconds,
-            collection_info=s.hop_collection_info_seconds,
-            search=s.hop_search_seconds,
-            tokenizer=s.hop_tokenizer_seconds,
-        )
         # One inference peer per model (name -> target); without LLMESH_MODELS the one at
         # LLMESH_INFERENCE_TARGET, unnamed.
-        models, default_model = model_routes(s)
+        models, default_model = s.peers.model_routes()
         # Each model's inference reports its own load; admission decides on it. A model
         # with several replicas is routed over them, each replica's load feeding the book.
         self.loads = LoadBook()
         self.peers = Peers(
             targets,
-            s.max_message_bytes,
-            breakers,
+            s.runtime.max_message_bytes,
+            BreakerConfig.from_settings(s.breaker),
             breaker_listener,
-            peer_access(s),
-            budgets,
+            peer_access(s.runtime),
+            HopBudgets.from_settings(s.hops),
             models,
-            probe_seconds=s.breaker_probe_seconds,
-            routing=RoutingConfig.from_settings(s),
+            probe_seconds=s.breaker.probe_seconds,
+            routing=RoutingConfig.from_settings(s.routing),
             loads=self.loads,
-            multiplex=s.inference_multiplex,
+            multiplex=s.routing.multiplex,
         )
-        admission = AdmissionConfig.from_settings(s)
+        admission = AdmissionConfig.from_settings(s.admission)
         self.load_watchers = [
             LoadWatcher(self.loads, name, lambda name=name: self.peers.watch_load(name))  # type: ignore[misc]
             for name in models
             if name not in self.peers.routers
         ]
+        # The admission window and the per-key limits are cluster-wide through one Redis, when set.
+        shared_url = s.admission.redis_url
         self.window: WeightWindow | RedisWeightWindow = (
             RedisWeightWindow(
                 admission,
-                connect_redis(redis_server.resolve_url(s.admission_redis_url, s)),
-                replicas=s.admission_replicas,
+                connect_redis(redis_server.resolve_url(shared_url, s)),
+                replicas=s.admission.replicas,
             )
-            if s.admission_redis_url
+            if shared_url
             else WeightWindow(admission)
         )
-        # Per-key limits: cluster-wide through the same Redis as the admission window.
         self.limiter = KeyLimiter(
-            connect_redis(redis_server.resolve_url(s.admission_redis_url, s)) if s.admission_redis_url else None,
-            replicas=s.admission_replicas,
-            sync_seconds=s.key_limit_sync_seconds,
+            connect_redis(redis_server.resolve_url(shared_url, s)) if shared_url else None,
+            replicas=s.admission.replicas,
+            sync_seconds=auth.key_limit_sync_seconds,
         )
-        usage = UsageMeter(self.limiter, TenantLabels(s.usage_max_tenants, self.api_keys.tenants), s.usage_metrics)
+        usage = UsageMeter(self.limiter, TenantLabels(s.usage.max_tenants, self.api_keys.tenants), s.usage.metrics)
         self._watch: asyncio.Task[None] | None = None
         config = GatewayConfig(
-            default_collection=s.default_collection,
-            default_top_k=s.default_top_k,
-            min_context_score=s.min_context_score,
-            max_prompt_bytes=s.max_prompt_bytes,
-            max_prompt_tokens=s.max_prompt_tokens,
-            max_new_tokens=s.max_new_tokens,
-            default_max_new_tokens=s.default_max_new_tokens,
-            log_prompts=s.log_prompts,
-            version_ttl=s.collection_version_ttl_seconds,
-            cache_store_budget=s.hop_cache_store_seconds,
+            default_collection=s.collections.default_collection,
+            default_top_k=s.requests.default_top_k,
+            min_context_score=s.requests.min_context_score,
+            max_prompt_bytes=s.requests.max_prompt_bytes,
+            max_prompt_tokens=s.generation.max_prompt_tokens,
+            max_new_tokens=s.generation.max_new_tokens,
+            default_max_new_tokens=s.generation.default_max_new_tokens,
+            log_prompts=s.runtime.log_prompts,
+            version_ttl=s.requests.collection_version_ttl_seconds,
+            cache_store_budget=s.hops.cache_store_seconds,
         )
         try:
             self.gateway = Gateway(
@@ -253,20 +239,20 @@ class GatewayApp:
                 self.window,
                 list(models),
                 default_model,
-                s.model_aliases,
+                s.requests.model_aliases,
                 usage,
                 loads=self.loads,
-                local_templates=local_templates(s, list(models)),
-                ingest_budget_bytes=s.ingest_max_bytes_in_flight,
+                local_templates=local_templates(s.runtime.models_path, s.tokenizer_model.model, list(models)),
+                ingest_budget_bytes=s.request_limits.ingest_max_bytes_in_flight,
             )
         except ValueError as exc:
             raise SettingsError(f"invalid settings: LLMESH_MODEL_ALIASES: {exc}") from None
-        admin_keys = AdminKeys.parse(s.admin_keys)
-        self.servicer = GatewayServicer(self.gateway, s.default_deadline_seconds, self.api_keys, admin_keys)
+        admin_keys = AdminKeys.parse(auth.admin_keys)
+        self.servicer = GatewayServicer(self.gateway, s.requests.default_deadline_seconds, self.api_keys, admin_keys)
         # Read by the runtime's interceptor: each method's limits on a request's bytes, and the key
         # check on a call's metadata, both before the request is parsed.
-        self.request_limits = request_limits(s)
-        self.admit_call = KeyGate(self.api_keys, admin_keys, InvalidCallBudget(s.invalid_calls_per_minute))
+        self.request_limits = request_limits(s.request_limits)
+        self.admit_call = KeyGate(self.api_keys, admin_keys, InvalidCallBudget(auth.invalid_calls_per_minute))
         self.call_refused = self.admit_call.refused
         # The OpenAI-compatible HTTP API: another adapter over the same Gateway.
         self.http = http_api(self.gateway, self.api_keys, s, self.admit_call)

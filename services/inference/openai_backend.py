@@ -53,7 +53,7 @@ from tokenizers import Tokenizer
 from llmesh import errors
 from llmesh.models import ModelError, resolve, verify
 from llmesh.retry_budget import RetryBudget
-from llmesh.settings import redact_url
+from llmesh.settings import BackendSettings, GenerationLimits, redact_url
 from services.inference import metrics
 from services.inference.backend_load import SCRAPED, ReplicaLoad, combine, parse_metrics
 from services.inference.decoding import Limits, ResolvedParams, SamplingParams, TokenPieces, resolve_params
@@ -124,20 +124,21 @@ class BackendConfig:
     default_max_new_tokens: int = 128
 
     @classmethod
-    def from_settings(cls, settings: Any) -> BackendConfig:
+    def from_settings(cls, backend: BackendSettings, limits: GenerationLimits) -> BackendConfig:
+        """From inference's LLMESH_BACKEND_* settings and its generation limits."""
         return cls(
-            urls=tuple(settings.backend_urls),
-            model=settings.backend_model,
-            api_key=settings.backend_api_key,
-            prompt_as=settings.backend_prompt,
-            connect_timeout_s=settings.backend_connect_timeout_seconds,
-            read_timeout_s=settings.backend_read_timeout_seconds,
-            max_connections=settings.backend_max_connections,
-            health_interval_s=settings.backend_health_interval_seconds,
-            silence_s=settings.backend_silence_seconds,
-            max_prompt_tokens=settings.max_prompt_tokens,
-            max_new_tokens=settings.max_new_tokens,
-            default_max_new_tokens=settings.default_max_new_tokens,
+            urls=backend.urls,
+            model=backend.model,
+            api_key=backend.api_key,
+            prompt_as=backend.prompt,
+            connect_timeout_s=backend.connect_timeout_seconds,
+            read_timeout_s=backend.read_timeout_seconds,
+            max_connections=backend.max_connections,
+            health_interval_s=backend.health_interval_seconds,
+            silence_s=backend.silence_seconds,
+            max_prompt_tokens=limits.max_prompt_tokens,
+            max_new_tokens=limits.max_new_tokens,
+            default_max_new_tokens=limits.default_max_new_tokens,
         )
 
 

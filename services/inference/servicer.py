@@ -14,7 +14,7 @@ import grpc
 
 from llmesh import errors
 from llmesh.server import Readiness, set_status_for
-from llmesh.settings import Settings
+from llmesh.settings import InferenceServiceSettings
 from llmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.backend import InferenceBackend
 from services.inference.decoding import ResponseFormatSpec, SamplingParams
@@ -184,9 +184,9 @@ def check_admin(context: grpc.aio.ServicerContext, admin_token: str) -> None:
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, manager: Readiness[InferenceBackend], settings: Settings) -> None:
+    def __init__(self, manager: Readiness[InferenceBackend], settings: InferenceServiceSettings) -> None:
         self._manager = manager
-        self._admin_token: str = settings.admin_token
+        self._admin_token: str = settings.inference.admin_token
         self.multiplexer = Multiplexer(self.generate)
         #: This process among the model's replicas (a restart is a new replica).
         self.replica = f"{socket.gethostname()}:{os.getpid()}"
@@ -276,7 +276,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 class InferenceApp:
     service_names = (inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,)
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: InferenceServiceSettings) -> None:
         self.settings = settings
         self.manager: Readiness[InferenceBackend] = Readiness()
         self.servicer: InferenceServicer | None = None
@@ -293,17 +293,16 @@ class InferenceApp:
 
     async def start(self) -> None:
         backend: ModelManager | OpenAIBackend
-        if self.settings.inference_backend == "openai":
-            tokenizer = await asyncio.to_thread(
-                LocalTokenizer.load, self.settings.models_path, self.settings.inference_model
-            )
-            backend = OpenAIBackend(BackendConfig.from_settings(self.settings), tokenizer)
+        s = self.settings
+        if s.inference.backend == "openai":
+            tokenizer = await asyncio.to_thread(LocalTokenizer.load, s.runtime.models_path, s.inference.model)
+            backend = OpenAIBackend(BackendConfig.from_settings(s.backend, s.generation), tokenizer)
         else:
             backend = ModelManager(
-                self.settings.models_path,
-                self.settings.inference_model,
-                EngineConfig.from_settings(self.settings),
-                self.settings.device,
+                s.runtime.models_path,
+                s.inference.model,
+                EngineConfig.from_settings(s.engine, s.generation),
+                s.inference.device,
             )
         try:
             await backend.start()

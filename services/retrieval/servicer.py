@@ -16,7 +16,7 @@ from llmesh import qdrant as qdrant_mod
 from llmesh.channels import PeerAccess, peer_access, peer_channel, remaining_seconds
 from llmesh.embeddings import Embedder
 from llmesh.server import Readiness
-from llmesh.settings import Settings
+from llmesh.settings import RetrievalServiceSettings
 from llmesh.v1 import common_pb2, retrieval_pb2, retrieval_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from services.retrieval.core import Chunked, Document, RetrievalCore
 
@@ -134,7 +134,7 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServicer):
 class RetrievalApp:
     service_names: Sequence[str] = (retrieval_pb2.DESCRIPTOR.services_by_name["Retrieval"].full_name,)
 
-    def __init__(self, settings: Settings, *, version_prefix: str = collection_versions.PREFIX) -> None:
+    def __init__(self, settings: RetrievalServiceSettings, *, version_prefix: str = collection_versions.PREFIX) -> None:
         """`version_prefix`: where collection versions live in Redis (tests keep theirs apart)."""
         self.settings = settings
         self.version_prefix = version_prefix
@@ -150,27 +150,29 @@ class RetrievalApp:
     async def start(self) -> None:
         s = self.settings
         self._embedder = await asyncio.to_thread(
-            Embedder.load, s.models_path, s.embedding_model, dtype=s.embedding_dtype
+            Embedder.load, s.runtime.models_path, s.store.embedding_model, dtype=s.store.embedding_dtype
         )
         await self._embedder.aencode(["warm up"])
         self._qdrant = await asyncio.to_thread(qdrant_mod.open_client, s, "retrieval")
-        self._chunker = TokenizerChunker(s.tokenizer_target, s.max_message_bytes, peer_access(s))
+        self._chunker = TokenizerChunker(s.tokenizer_peer.target, s.runtime.max_message_bytes, peer_access(s.runtime))
         # Collection versions: the mesh's Redis (the cache's), shared by every replica.
-        self._versions = collection_versions.connect(redis_server.resolve_url(s.redis_url, s), s.redis_timeout_seconds)
+        self._versions = collection_versions.connect(
+            redis_server.resolve_url(s.store.redis_url, s), s.store.redis_timeout_seconds
+        )
         core = RetrievalCore(
             self._embedder,
             self._qdrant,
             self._chunker,
-            chunk_tokens=s.chunk_tokens,
-            chunk_overlap=s.chunk_overlap,
-            default_collection=s.default_collection,
-            max_document_bytes=s.max_document_bytes,
+            chunk_tokens=s.retrieval.chunk_tokens,
+            chunk_overlap=s.retrieval.chunk_overlap,
+            default_collection=s.collections.default_collection,
+            max_document_bytes=s.retrieval.max_document_bytes,
             versions=self._versions,
             version_prefix=self.version_prefix,
-            max_collections_per_tenant=s.max_collections_per_tenant,
-            max_metric_collections=s.metrics_max_collections,
-            max_chunks_per_document=s.max_chunks_per_document,
-            batch_chunks=s.ingest_batch_chunks,
+            max_collections_per_tenant=s.retrieval.max_collections_per_tenant,
+            max_metric_collections=s.retrieval.metrics_max_collections,
+            max_chunks_per_document=s.chunk_limits.max_chunks_per_document,
+            batch_chunks=s.retrieval.ingest_batch_chunks,
         )
         await core.start()
         self.core.set(core)

@@ -1,4 +1,5 @@
 from llmesh.server import run_service
+from llmesh.settings import TokenizerServiceSettings
 from services.tokenizer.servicer import TokenizerApp
 
-run_service("tokenizer", TokenizerApp)
+run_service(TokenizerServiceSettings, TokenizerApp)

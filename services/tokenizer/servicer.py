@@ -11,7 +11,7 @@ import grpc
 from llmesh.channels import remaining_seconds
 from llmesh.models import resolve, verify
 from llmesh.server import Readiness
-from llmesh.settings import Settings
+from llmesh.settings import TokenizerServiceSettings
 from llmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.core import TokenizerCore, Tokenizers
 
@@ -97,7 +97,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 class TokenizerApp:
     service_names = (tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name,)
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: TokenizerServiceSettings) -> None:
         self.settings = settings
         self.core: Readiness[Tokenizers] = Readiness()
 
@@ -107,10 +107,10 @@ class TokenizerApp:
     async def start(self) -> None:
         s = self.settings
         cores: dict[str, TokenizerCore] = {}
-        for name in s.tokenizer_models or (s.tokenizer_model,):
-            model = await asyncio.to_thread(verify, resolve(s.models_path, name))
+        for name in s.tokenizer.models or (s.tokenizer_model.model,):
+            model = await asyncio.to_thread(verify, resolve(s.runtime.models_path, name))
             cores[name] = await asyncio.to_thread(
-                TokenizerCore, model.path, s.max_text_bytes, s.max_chunks_per_document
+                TokenizerCore, model.path, s.tokenizer.max_text_bytes, s.chunk_limits.max_chunks_per_document
             )
         self.core.set(Tokenizers(cores))
 

@@ -130,7 +130,7 @@ def test_which_redis_each_part_uses(tmp_path: Path) -> None:
     env = {"LLMESH_EMBEDDED_REDIS_PORT": "7001", "LLMESH_EMBEDDED_REDIS_STATE_PORT": "7002"}
     gateway = load("gateway", {**env, "LLMESH_DATA_DIR": str(tmp_path)})
     cache = load("cache", {**env, "LLMESH_DATA_DIR": str(tmp_path)})
-    assert redis_server.resolve_url(cache.redis_url, cache) == "redis://127.0.0.1:7001/0"  # no password yet
+    assert redis_server.resolve_url(cache.store.redis_url, cache) == "redis://127.0.0.1:7001/0"  # no password yet
     assert redis_server.resolve_url("embedded", gateway) == "redis://127.0.0.1:7002/0"
     assert redis_server.resolve_url("redis://r:6379/2", cache) == "redis://r:6379/2"
     (tmp_path / "redis").mkdir()

@@ -700,7 +700,7 @@ def test_shed_replies_carry_retry_info_from_the_in_flight_limit() -> None:
 
 def test_settings_parse() -> None:
     s = service_settings("gateway", {"LLMESH_HOP_TOKENIZER_SECONDS": "0.05"})
-    assert s.hop_tokenizer_seconds == 0.05 and s.admission_adaptive is True
+    assert s.hops.tokenizer_seconds == 0.05 and s.admission.adaptive is True
 
 
 async def test_a_hit_without_the_lost_context_says_which_model_answered() -> None:

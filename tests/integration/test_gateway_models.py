@@ -236,6 +236,6 @@ def test_model_settings() -> None:
     ):
         with pytest.raises(SettingsError, match=message):
             load("gateway", {"LLMESH_MODELS": bad})
-    assert load("tokenizer", {"LLMESH_TOKENIZER_MODELS": "a, b"}).tokenizer_models == ("a", "b")
+    assert load("tokenizer", {"LLMESH_TOKENIZER_MODELS": "a, b"}).tokenizer.models == ("a", "b")
     with pytest.raises(SettingsError, match="listed twice"):
         load("tokenizer", {"LLMESH_TOKENIZER_MODELS": "a,a"})

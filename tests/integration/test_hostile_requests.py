@@ -207,7 +207,7 @@ async def test_http_bodies_are_held_to_their_route_limit_while_read() -> None:
     """Keys off: a chunked body past the route's limit is a 413 after at most the limit was read;
     within the limit, a body of too many turns is a 400 naming `messages`."""
     async with hosted("gateway", GatewayApp, ENV) as gw:
-        limit = gw.settings.max_generate_request_bytes  # type: ignore[attr-defined]
+        limit = gw.settings.request_limits.max_generate_request_bytes  # type: ignore[attr-defined]
         base = f"http://127.0.0.1:{gw.app.http.port}"  # type: ignore[attr-defined]
         huge = b'{"model":"m","messages":[' + b",".join([b"{}"] * (SERVER_MAX // 3)) + b"]}"
         within = b'{"model":"m","messages":[' + b",".join([b"{}"] * ((limit - 64) // 3)) + b"]}"

@@ -2,13 +2,13 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from llmesh.errors import RETRY_PUSHBACK_KEY, ResourceExhausted, status_details, unpack_details
+from llmesh.settings import load
 from llmesh.testing import FakeClock
 from services.gateway.admission import (
     ADMIT_LUA,
@@ -220,16 +220,8 @@ def test_config_validation_and_from_settings() -> None:
     ):
         with pytest.raises(ValueError):
             AdmissionConfig(**bad)  # type: ignore[arg-type]
-    settings = SimpleNamespace(
-        admission_budget=2e7,
-        admission_window_seconds=10.0,
-        admission_tenant_share=0.5,
-        admission_tenant_budgets={"acme": 5e6},
-        admission_lanes={"interactive": 1.0, "batch": 0.5},
-        admission_degrade=True,
-        admission_min_new_tokens=16,
-    )
-    config = AdmissionConfig.from_settings(settings)
+    settings = load("gateway", {"LLMESH_ADMISSION_TENANT_BUDGETS": "acme=5e6"})
+    config = AdmissionConfig.from_settings(settings.admission)
     assert config.tenant_limit("acme") == 5e6
     assert config.tenant_limit("other") == 1e7
     assert config.max_weight(None, BATCH) == 1e7

@@ -275,11 +275,12 @@ def test_settings_values_parse(objects: tuple[Obj, ...]) -> None:
         env = environment(objects, container(one(objects, "Deployment", name)))
         concrete = {k: v for k, v in env.items() if not v.startswith("<secret")}
         # Certificate files exist only in the pod (the mounted Secret): any file stands in.
-        files = [k for k in concrete if k in settings.BY_ENV and settings.BY_ENV[k].parse is settings._optional_file]
+        optional_file = settings.parse_optional_file
+        files = [k for k in concrete if k in settings.BY_ENV and settings.BY_ENV[k].parse is optional_file]
         concrete |= dict.fromkeys(files, __file__)
         loaded = settings.load(kind_of(name), concrete)
         if name in SECOND_MODELS:
-            assert loaded.inference_model == SECOND_MODELS[name], name
+            assert loaded.inference.model == SECOND_MODELS[name], name
 
 
 def test_ports_probes_and_listen_address(objects: tuple[Obj, ...]) -> None:

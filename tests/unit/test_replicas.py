@@ -232,9 +232,9 @@ def test_replica_settings() -> None:
     from llmesh.settings import SettingsError, load
 
     s = load("gateway", {"LLMESH_MODELS": "small=10.0.0.1:50053|10.0.0.2:50053,big=dns:///big.llmesh.svc:50053"})
-    assert s.models == {"small": "10.0.0.1:50053|10.0.0.2:50053", "big": "dns:///big.llmesh.svc:50053"}
-    assert load("gateway", {"LLMESH_INFERENCE_TARGET": "a:1|b:2"}).inference_target == "a:1|b:2"
-    config = RoutingConfig.from_settings(load("gateway", {"LLMESH_ROUTING_PICK": "round_robin"}))
+    assert s.peers.models == {"small": "10.0.0.1:50053|10.0.0.2:50053", "big": "dns:///big.llmesh.svc:50053"}
+    assert load("gateway", {"LLMESH_INFERENCE_TARGET": "a:1|b:2"}).peers.inference_target == "a:1|b:2"
+    config = RoutingConfig.from_settings(load("gateway", {"LLMESH_ROUTING_PICK": "round_robin"}).routing)
     assert config.pick == "round_robin" and config.affinity and config.max_ejected_share == 0.5
     for bad in ("m=a:1|dns:///x:1", "m=a:1||b:2", "m=a:1|nowhere"):
         with pytest.raises(SettingsError):

@@ -7,8 +7,9 @@ from llmesh.settings import SettingsError, load
 def test_defaults_are_valid_for_every_service() -> None:
     for service in settings.SERVICES:
         loaded = load(service, {})
-        assert loaded.listen == f"127.0.0.1:{settings.DEFAULT_PORTS[service]}"
-        assert loaded.metrics_port == settings.DEFAULT_METRICS_PORTS[service]
+        assert isinstance(loaded, settings.ServiceSettings)
+        assert loaded.serving.listen == f"127.0.0.1:{settings.DEFAULT_PORTS[service]}"
+        assert loaded.serving.metrics_port == settings.DEFAULT_METRICS_PORTS[service]
 
 
 def test_bad_values_are_all_reported_with_their_names() -> None:
@@ -23,25 +24,25 @@ def test_bad_values_are_all_reported_with_their_names() -> None:
 def test_threshold_must_be_a_similarity_in_unit_interval() -> None:
     with pytest.raises(SettingsError, match="LLMESH_SEMANTIC_THRESHOLD"):
         load("cache", {"LLMESH_SEMANTIC_THRESHOLD": "1.5"})
-    assert load("cache", {"LLMESH_SEMANTIC_THRESHOLD": "0.8"}).semantic_threshold == 0.8
+    assert load("cache", {"LLMESH_SEMANTIC_THRESHOLD": "0.8"}).cache.semantic_threshold == 0.8
 
 
 def test_a_service_only_sees_its_own_settings() -> None:
     gateway = load("gateway", {})
-    assert gateway.inference_target == "127.0.0.1:50053"
+    assert gateway.peers.inference_target == "127.0.0.1:50053"
     with pytest.raises(AttributeError):
-        _ = gateway.redis_url
+        _ = gateway.store  # type: ignore[attr-defined]
 
 
 def test_targets_accept_grpc_uris() -> None:
     loaded = load("gateway", {"LLMESH_INFERENCE_TARGET": "dns:///inference.llmesh.svc.cluster.local:50053"})
-    assert loaded.inference_target.startswith("dns:///")
+    assert loaded.peers.inference_target.startswith("dns:///")
 
 
 def test_invalid_settings_stop_the_process_with_a_clear_message(capsys, monkeypatch) -> None:
     monkeypatch.setenv("LLMESH_GRACE_SECONDS", "-3")
     with pytest.raises(SystemExit) as info:
-        settings.load_or_exit("tokenizer")
+        settings.load_or_exit(settings.TokenizerServiceSettings)
     assert info.value.code == 2
     assert "LLMESH_GRACE_SECONDS='-3'" in capsys.readouterr().err
 
@@ -55,8 +56,8 @@ def test_the_settings_page_is_generated_from_the_declarations() -> None:
 
 
 def test_niceness_may_raise_priority_within_the_kernel_range() -> None:
-    assert load("gateway", {"LLMESH_NICE": "-10"}).nice == -10
-    assert load("inference", {}).nice == 5
+    assert load("gateway", {"LLMESH_NICE": "-10"}).serving.nice == -10
+    assert load("inference", {}).serving.nice == 5
     for bad in ("-21", "20", "high"):
         with pytest.raises(SettingsError, match="LLMESH_NICE"):
             load("gateway", {"LLMESH_NICE": bad})
@@ -131,16 +132,24 @@ def test_a_malformed_secret_setting_is_named_without_its_value(
     _assert_hides(message, secrets)
 
 
-def test_a_secret_settings_parser_text_is_never_echoed(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A parser that quotes the value in its error (as int() and most parsers do): for a secret
-    # setting only the variable and "malformed" are shown.
-    def quoting(raw: str) -> str:
-        raise ValueError(f"cannot read {raw!r}")
+def _quoting(raw: str) -> str:
+    # A parser that quotes the value in its error (as int() and most parsers do).
+    raise ValueError(f"cannot read {raw!r}")
 
-    secret = settings.Setting("LLMESH_TEST_SECRET", "", "A secret.", ("gateway",), quoting, secret=True)
-    monkeypatch.setattr(settings, "DECLARED", (*settings.DECLARED, secret))
+
+class _SecretSection(settings.Section):
+    token: str = settings.setting("LLMESH_TEST_SECRET", "", "A secret.", _quoting, secret=True)
+
+
+class _SecretServiceSettings(settings.MeshSettings):
+    service = "test"
+    secret: _SecretSection
+
+
+def test_a_secret_settings_parser_text_is_never_echoed() -> None:
+    # For a secret setting only the variable and "malformed" are shown.
     with pytest.raises(SettingsError) as info:
-        load("gateway", {"LLMESH_TEST_SECRET": "correct-horse-battery-staple"})
+        settings.build(_SecretServiceSettings, {"LLMESH_TEST_SECRET": "correct-horse-battery-staple"})
     assert "LLMESH_TEST_SECRET: malformed (the value is secret and not shown)" in str(info.value)
     _assert_hides(str(info.value), ["correct-horse-battery-staple"])
 
@@ -151,7 +160,7 @@ def test_a_malformed_key_setting_stops_the_gateway_without_printing_the_keys(
     monkeypatch.setenv("LLMESH_API_KEYS", "shortkey=acme;averylongsecretvalue123456")
     monkeypatch.setenv("LLMESH_ADMIN_KEYS", "averylongadminsecret0001,shorty")
     with pytest.raises(SystemExit):
-        settings.load_or_exit("gateway")
+        settings.load_or_exit(settings.GatewayServiceSettings)
     err = capsys.readouterr().err
     assert "LLMESH_API_KEYS:" in err and "LLMESH_ADMIN_KEYS:" in err
     _assert_hides(err, ["shortkey", "averylongsecretvalue123456", "averylongadminsecret0001", "shorty"])

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from llmesh.errors import LlmeshError, ResourceExhausted
 from llmesh.settings import (  # parsers live with the settings; re-exported here
     NAME_PATTERN,
+    AdmissionSettings,
     parse_budget,
     parse_lane_shares,
     parse_share,
@@ -79,19 +80,19 @@ class AdmissionConfig:
         object.__setattr__(self, "lanes", dict(self.lanes))
 
     @classmethod
-    def from_settings(cls, settings: Any) -> AdmissionConfig:
-        """From llmesh Settings holding the proposed LLMESH_ADMISSION_* variables (already parsed)."""
+    def from_settings(cls, settings: AdmissionSettings) -> AdmissionConfig:
+        """From the gateway's LLMESH_ADMISSION_* settings."""
         return cls(
-            budget=settings.admission_budget,
-            window_seconds=settings.admission_window_seconds,
-            tenant_share=settings.admission_tenant_share,
-            tenant_budgets=settings.admission_tenant_budgets,
-            lanes=settings.admission_lanes,
-            degrade=settings.admission_degrade,
-            min_new_tokens=settings.admission_min_new_tokens,
-            adaptive=getattr(settings, "admission_adaptive", False),
-            target_seconds=getattr(settings, "admission_target_seconds", 3.0),
-            initial_in_flight=getattr(settings, "admission_initial_in_flight", 65536.0),
+            budget=settings.budget,
+            window_seconds=settings.window_seconds,
+            tenant_share=settings.tenant_share,
+            tenant_budgets=settings.tenant_budgets,
+            lanes=settings.lanes,
+            degrade=settings.degrade,
+            min_new_tokens=settings.min_new_tokens,
+            adaptive=settings.adaptive,
+            target_seconds=settings.target_seconds,
+            initial_in_flight=settings.initial_in_flight,
         )
 
     def lane_limit(self, lane: str) -> float:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+
+from llmesh.settings import EngineSettings, GenerationLimits
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -66,26 +68,25 @@ class EngineConfig:
     grammar_compile_s: float = 2.0
 
     @classmethod
-    def from_settings(cls, settings: Any, **overrides: Any) -> EngineConfig:
-        values = dict(
-            max_batch_size=settings.max_batch_size,
-            max_queue=settings.max_queue,
-            queue_timeout_s=settings.queue_timeout_seconds,
-            batch_wait_s=settings.batch_wait_ms / 1000.0,
-            max_prompt_tokens=settings.max_prompt_tokens,
-            max_new_tokens=settings.max_new_tokens,
-            default_max_new_tokens=settings.default_max_new_tokens,
-            # Optional settings (LLMESH_MAX_BATCH_TOTAL_TOKENS, LLMESH_MAX_PREFILL_TOKENS); 0 or
-            # undeclared means derived.
-            max_batch_total_tokens=getattr(settings, "max_batch_total_tokens", 0) or None,
-            max_prefill_tokens=getattr(settings, "max_prefill_tokens", 0) or None,
-            dtype=getattr(settings, "dtype", "auto"),
-            prefix_caching=getattr(settings, "prefix_caching", True),
-            quantize=getattr(settings, "quantize", "none"),
-            grammar_compile_s=getattr(settings, "grammar_compile_seconds", 2.0),
+    def from_settings(cls, engine: EngineSettings, limits: GenerationLimits, **overrides: Any) -> EngineConfig:
+        """From inference's engine settings and its generation limits; `overrides` replace fields."""
+        config = cls(
+            max_batch_size=engine.max_batch_size,
+            max_queue=engine.max_queue,
+            queue_timeout_s=engine.queue_timeout_seconds,
+            batch_wait_s=engine.batch_wait_ms / 1000.0,
+            max_prompt_tokens=limits.max_prompt_tokens,
+            max_new_tokens=limits.max_new_tokens,
+            default_max_new_tokens=limits.default_max_new_tokens,
+            # LLMESH_MAX_BATCH_TOTAL_TOKENS, LLMESH_MAX_PREFILL_TOKENS: 0 means derived.
+            max_batch_total_tokens=engine.max_batch_total_tokens or None,
+            max_prefill_tokens=engine.max_prefill_tokens or None,
+            dtype=engine.dtype,
+            prefix_caching=engine.prefix_caching,
+            quantize=engine.quantize,
+            grammar_compile_s=engine.grammar_compile_seconds,
         )
-        values.update(overrides)
-        return cls(**values)
+        return replace(config, **overrides) if overrides else config
 
     def max_seq_tokens(self, max_context_tokens: int) -> int:
         """The longest sequence (prompt + answer) one request may reach."""
