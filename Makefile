@@ -43,6 +43,8 @@ run: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	# The settings and their typed models: strict, so no Any leaks out to the services.
+	$(BIN)/mypy --strict llmesh/settings.py
 
 typecheck: install
 	$(BIN)/mypy llmesh services

@@ -142,7 +142,7 @@ def violations(error: grpc.aio.AioRpcError) -> list[tuple[str, str]]:
 def limits() -> dict[str, Any]:
     from llmesh.testing import service_settings
 
-    return request_limits(service_settings("gateway", ENV))
+    return request_limits(service_settings("gateway", ENV).request_limits)  # type: ignore[attr-defined]
 
 
 async def test_every_repeated_field_filled_to_its_limit_is_refused_naming_it(limits: dict[str, Any]) -> None:
