@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16llmesh/v1/common.proto\x12\tllmesh.v1\"\xa9\x03\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\r\n\x05top_k\x18\x07 \x01(\r\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12<\n\nlogit_bias\x18\r \x03(\x0b\x32(.llmesh.v1.SamplingParams.LogitBiasEntry\x12\x10\n\x08logprobs\x18\x0e \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"M\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\r\n\x05\x62ytes\x18\x04 \x01(\x0c\"s\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\r\n\x05\x62ytes\x18\x04 \x01(\x0c\x12\"\n\x03top\x18\x05 \x03(\x0b\x32\x15.llmesh.v1.TopLogprob\"o\n\x05Usage\x12\x14\n\x0cinput_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_input_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_output_tokens\x18\x04 \x01(\r\"y\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\'\n\ntool_calls\x18\x05 \x03(\x0b\x32\x13.llmesh.v1.ToolCall\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"M\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\",\n\nToolChoice\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x10\n\x08\x66unction\x18\x02 \x01(\t\"q\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\x12\x0e\n\x06strict\x18\x03 \x01(\x08\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\r\n\x05regex\x18\x05 \x01(\t\x12\x0f\n\x07\x63hoices\x18\x06 \x03(\t\"\x8a\x01\n\x08\x44ocument\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x33\n\x08metadata\x18\x03 \x03(\x0b\x32!.llmesh.v1.Document.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbd\x01\n\x0bScoredChunk\x12\x13\n\x0b\x64ocument_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\r\n\x05score\x18\x04 \x01(\x02\x12\x36\n\x08metadata\x18\x05 \x03(\x0b\x32$.llmesh.v1.ScoredChunk.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\xbb\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05*V\n\tCacheTier\x12\x1a\n\x16\x43\x41\x43HE_TIER_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43\x41\x43HE_TIER_EXACT\x10\x01\x12\x17\n\x13\x43\x41\x43HE_TIER_SEMANTIC\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16llmesh/v1/common.proto\x12\tllmesh.v1\"\xbf\x04\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\r\n\x05top_k\x18\x07 \x01(\r\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12<\n\nlogit_bias\x18\r \x03(\x0b\x32(.llmesh.v1.SamplingParams.LogitBiasEntry\x12\x10\n\x08logprobs\x18\x0e \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x10 \x01(\r\x12\x1b\n\x13keep_special_tokens\x18\x11 \x01(\x08\x12\x18\n\x10include_stop_str\x18\x12 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\x01\x88\x01\x01\x12\x13\n\x0bprompt_only\x18\x14 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"M\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\r\n\x05\x62ytes\x18\x04 \x01(\x0c\"s\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\r\n\x05\x62ytes\x18\x04 \x01(\x0c\x12\"\n\x03top\x18\x05 \x03(\x0b\x32\x15.llmesh.v1.TopLogprob\"\x93\x01\n\x05Usage\x12\x14\n\x0cinput_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_input_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_output_tokens\x18\x04 \x01(\r\x12\"\n\x1aprefix_cached_input_tokens\x18\x05 \x01(\r\"y\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\'\n\ntool_calls\x18\x05 \x03(\x0b\x32\x13.llmesh.v1.ToolCall\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"M\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\",\n\nToolChoice\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x10\n\x08\x66unction\x18\x02 \x01(\t\"q\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\x12\x0e\n\x06strict\x18\x03 \x01(\x08\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\r\n\x05regex\x18\x05 \x01(\t\x12\x0f\n\x07\x63hoices\x18\x06 \x03(\t\"\x8a\x01\n\x08\x44ocument\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x33\n\x08metadata\x18\x03 \x03(\x0b\x32!.llmesh.v1.Document.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbd\x01\n\x0bScoredChunk\x12\x13\n\x0b\x64ocument_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\r\n\x05score\x18\x04 \x01(\x02\x12\x36\n\x08metadata\x18\x05 \x03(\x0b\x32$.llmesh.v1.ScoredChunk.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\xbb\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05*V\n\tCacheTier\x12\x1a\n\x16\x43\x41\x43HE_TIER_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43\x41\x43HE_TIER_EXACT\x10\x01\x12\x17\n\x13\x43\x41\x43HE_TIER_SEMANTIC\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,36 +37,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DOCUMENT_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_SCOREDCHUNK_METADATAENTRY']._loaded_options = None
   _globals['_SCOREDCHUNK_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1528
-  _globals['_FINISHREASON']._serialized_end=1715
-  _globals['_CACHETIER']._serialized_start=1717
-  _globals['_CACHETIER']._serialized_end=1803
+  _globals['_FINISHREASON']._serialized_start=1715
+  _globals['_FINISHREASON']._serialized_end=1902
+  _globals['_CACHETIER']._serialized_start=1904
+  _globals['_CACHETIER']._serialized_end=1990
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=463
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=406
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=454
-  _globals['_TOPLOGPROB']._serialized_start=465
-  _globals['_TOPLOGPROB']._serialized_end=542
-  _globals['_TOKENLOGPROB']._serialized_start=544
-  _globals['_TOKENLOGPROB']._serialized_end=659
-  _globals['_USAGE']._serialized_start=661
-  _globals['_USAGE']._serialized_end=772
-  _globals['_CHATMESSAGE']._serialized_start=774
-  _globals['_CHATMESSAGE']._serialized_end=895
-  _globals['_TOOLCALL']._serialized_start=897
-  _globals['_TOOLCALL']._serialized_end=952
-  _globals['_TOOL']._serialized_start=954
-  _globals['_TOOL']._serialized_end=1031
-  _globals['_TOOLCHOICE']._serialized_start=1033
-  _globals['_TOOLCHOICE']._serialized_end=1077
-  _globals['_RESPONSEFORMAT']._serialized_start=1079
-  _globals['_RESPONSEFORMAT']._serialized_end=1192
-  _globals['_DOCUMENT']._serialized_start=1195
-  _globals['_DOCUMENT']._serialized_end=1333
-  _globals['_DOCUMENT_METADATAENTRY']._serialized_start=1286
-  _globals['_DOCUMENT_METADATAENTRY']._serialized_end=1333
-  _globals['_SCOREDCHUNK']._serialized_start=1336
-  _globals['_SCOREDCHUNK']._serialized_end=1525
-  _globals['_SCOREDCHUNK_METADATAENTRY']._serialized_start=1286
-  _globals['_SCOREDCHUNK_METADATAENTRY']._serialized_end=1333
+  _globals['_SAMPLINGPARAMS']._serialized_end=613
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=536
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=584
+  _globals['_TOPLOGPROB']._serialized_start=615
+  _globals['_TOPLOGPROB']._serialized_end=692
+  _globals['_TOKENLOGPROB']._serialized_start=694
+  _globals['_TOKENLOGPROB']._serialized_end=809
+  _globals['_USAGE']._serialized_start=812
+  _globals['_USAGE']._serialized_end=959
+  _globals['_CHATMESSAGE']._serialized_start=961
+  _globals['_CHATMESSAGE']._serialized_end=1082
+  _globals['_TOOLCALL']._serialized_start=1084
+  _globals['_TOOLCALL']._serialized_end=1139
+  _globals['_TOOL']._serialized_start=1141
+  _globals['_TOOL']._serialized_end=1218
+  _globals['_TOOLCHOICE']._serialized_start=1220
+  _globals['_TOOLCHOICE']._serialized_end=1264
+  _globals['_RESPONSEFORMAT']._serialized_start=1266
+  _globals['_RESPONSEFORMAT']._serialized_end=1379
+  _globals['_DOCUMENT']._serialized_start=1382
+  _globals['_DOCUMENT']._serialized_end=1520
+  _globals['_DOCUMENT_METADATAENTRY']._serialized_start=1473
+  _globals['_DOCUMENT_METADATAENTRY']._serialized_end=1520
+  _globals['_SCOREDCHUNK']._serialized_start=1523
+  _globals['_SCOREDCHUNK']._serialized_end=1712
+  _globals['_SCOREDCHUNK_METADATAENTRY']._serialized_start=1473
+  _globals['_SCOREDCHUNK_METADATAENTRY']._serialized_end=1520
 # @@protoc_insertion_point(module_scope)

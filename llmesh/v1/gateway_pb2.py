@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from llmesh.v1 import common_pb2 as llmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17llmesh/v1/gateway.proto\x12\tllmesh.v1\x1a\x16llmesh/v1/common.proto\"\xbe\x03\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x15\n\rsystem_prompt\x18\x02 \x01(\t\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.llmesh.v1.SamplingParams\x12\x16\n\tuse_cache\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x1a\n\ruse_retrieval\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x12\n\ncollection\x18\x07 \x01(\t\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x0c\n\x04lane\x18\t \x01(\t\x12\r\n\x05model\x18\n \x01(\t\x12(\n\x08messages\x18\x0b \x03(\x0b\x32\x16.llmesh.v1.ChatMessage\x12\x32\n\x0fresponse_format\x18\x0c \x01(\x0b\x32\x19.llmesh.v1.ResponseFormat\x12\x1e\n\x05tools\x18\r \x03(\x0b\x32\x0f.llmesh.v1.Tool\x12*\n\x0btool_choice\x18\x0e \x01(\x0b\x32\x15.llmesh.v1.ToolChoice\x12\t\n\x01n\x18\x0f \x01(\rB\x0c\n\n_use_cacheB\x10\n\x0e_use_retrieval\"P\n\tCacheInfo\x12\x0b\n\x03hit\x18\x01 \x01(\x08\x12\"\n\x04tier\x18\x02 \x01(\x0e\x32\x14.llmesh.v1.CacheTier\x12\x12\n\nsimilarity\x18\x03 \x01(\x02\"\x83\x03\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.llmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.llmesh.v1.Usage\x12#\n\x05\x63\x61\x63he\x18\x04 \x01(\x0b\x32\x14.llmesh.v1.CacheInfo\x12\'\n\x07sources\x18\x05 \x03(\x0b\x32\x16.llmesh.v1.ScoredChunk\x12\x10\n\x08trace_id\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\x12\x14\n\x0c\x64\x65gradations\x18\x08 \x03(\t\x12\x13\n\x0b\x61nswered_by\x18\t \x01(\t\x12\'\n\ntool_calls\x18\n \x03(\x0b\x32\x13.llmesh.v1.ToolCall\x12)\n\x08logprobs\x18\x0b \x03(\x0b\x32\x17.llmesh.v1.TokenLogprob\x12\"\n\x07\x63hoices\x18\x0c \x03(\x0b\x32\x11.llmesh.v1.Choice\"\xa9\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.llmesh.v1.FinishReason\x12\'\n\ntool_calls\x18\x04 \x03(\x0b\x32\x13.llmesh.v1.ToolCall\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.llmesh.v1.TokenLogprob\"\x9a\x01\n\x16GenerateStreamResponse\x12\x0f\n\x05\x64\x65lta\x18\x01 \x01(\tH\x00\x12,\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1b.llmesh.v1.GenerateResponseH\x00\x12\r\n\x05index\x18\x03 \x01(\r\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.llmesh.v1.TokenLogprobB\x07\n\x05\x65vent\"\x89\x01\n\rIngestRequest\x12\x12\n\ncollection\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12&\n\tdocuments\x18\x03 \x03(\x0b\x32\x13.llmesh.v1.Document\x12\x14\n\x0c\x63hunk_tokens\x18\x04 \x01(\r\x12\x16\n\x0eoverlap_tokens\x18\x05 \x01(\r\"z\n\x0eIngestResponse\x12\x11\n\tdocuments\x18\x01 \x01(\r\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\r\x12\x1a\n\x12\x63ollection_version\x18\x03 \x01(\x04\x12\x10\n\x08trace_id\x18\x04 \x01(\t\x12\x17\n\x0f\x64ocument_tokens\x18\x05 \x01(\x04\"\xcf\x01\n\rSearchRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\x12\n\ncollection\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x17\n\x0fscore_threshold\x18\x05 \x01(\x02\x12\x34\n\x06\x66ilter\x18\x06 \x03(\x0b\x32$.llmesh.v1.SearchRequest.FilterEntry\x1a-\n\x0b\x46ilterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"K\n\x0eSearchResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.llmesh.v1.ScoredChunk\x12\x10\n\x08trace_id\x18\x02 \x01(\t\"\x13\n\x11ListModelsRequest\"]\n\nModelEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65\x66\x61ult\x18\x02 \x01(\x08\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\x11\n\tavailable\x18\x04 \x01(\x08\x12\x10\n\x08\x61lias_of\x18\x05 \x03(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.llmesh.v1.ModelEntry\"F\n\x11PurgeCacheRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\ncollection\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\"7\n\x12PurgeCacheResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x04\x12\x10\n\x08trace_id\x18\x02 \x01(\t\"=\n\x0c\x45mbedRequest\x12\x0e\n\x06inputs\x18\x01 \x03(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"*\n\tEmbedding\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06values\x18\x02 \x03(\x02\"{\n\rEmbedResponse\x12(\n\nembeddings\x18\x01 \x03(\x0b\x32\x14.llmesh.v1.Embedding\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.llmesh.v1.Usage\x12\x10\n\x08trace_id\x18\x04 \x01(\t2\xf1\x03\n\x07Gateway\x12\x43\n\x08Generate\x12\x1a.llmesh.v1.GenerateRequest\x1a\x1b.llmesh.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1a.llmesh.v1.GenerateRequest\x1a!.llmesh.v1.GenerateStreamResponse0\x01\x12=\n\x06Ingest\x12\x18.llmesh.v1.IngestRequest\x1a\x19.llmesh.v1.IngestResponse\x12=\n\x06Search\x12\x18.llmesh.v1.SearchRequest\x1a\x19.llmesh.v1.SearchResponse\x12I\n\nListModels\x12\x1c.llmesh.v1.ListModelsRequest\x1a\x1d.llmesh.v1.ListModelsResponse\x12I\n\nPurgeCache\x12\x1c.llmesh.v1.PurgeCacheRequest\x1a\x1d.llmesh.v1.PurgeCacheResponse\x12:\n\x05\x45mbed\x12\x17.llmesh.v1.EmbedRequest\x1a\x18.llmesh.v1.EmbedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17llmesh/v1/gateway.proto\x12\tllmesh.v1\x1a\x16llmesh/v1/common.proto\"\xe5\x03\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x15\n\rsystem_prompt\x18\x02 \x01(\t\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.llmesh.v1.SamplingParams\x12\x16\n\tuse_cache\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x1a\n\ruse_retrieval\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x12\n\ncollection\x18\x07 \x01(\t\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x0c\n\x04lane\x18\t \x01(\t\x12\r\n\x05model\x18\n \x01(\t\x12(\n\x08messages\x18\x0b \x03(\x0b\x32\x16.llmesh.v1.ChatMessage\x12\x32\n\x0fresponse_format\x18\x0c \x01(\x0b\x32\x19.llmesh.v1.ResponseFormat\x12\x1e\n\x05tools\x18\r \x03(\x0b\x32\x0f.llmesh.v1.Tool\x12*\n\x0btool_choice\x18\x0e \x01(\x0b\x32\x15.llmesh.v1.ToolChoice\x12\t\n\x01n\x18\x0f \x01(\r\x12\x0b\n\x03raw\x18\x10 \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\x11 \x03(\rB\x0c\n\n_use_cacheB\x10\n\x0e_use_retrieval\"P\n\tCacheInfo\x12\x0b\n\x03hit\x18\x01 \x01(\x08\x12\"\n\x04tier\x18\x02 \x01(\x0e\x32\x14.llmesh.v1.CacheTier\x12\x12\n\nsimilarity\x18\x03 \x01(\x02\"\xb5\x03\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.llmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.llmesh.v1.Usage\x12#\n\x05\x63\x61\x63he\x18\x04 \x01(\x0b\x32\x14.llmesh.v1.CacheInfo\x12\'\n\x07sources\x18\x05 \x03(\x0b\x32\x16.llmesh.v1.ScoredChunk\x12\x10\n\x08trace_id\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\x12\x14\n\x0c\x64\x65gradations\x18\x08 \x03(\t\x12\x13\n\x0b\x61nswered_by\x18\t \x01(\t\x12\'\n\ntool_calls\x18\n \x03(\x0b\x32\x13.llmesh.v1.ToolCall\x12)\n\x08logprobs\x18\x0b \x03(\x0b\x32\x17.llmesh.v1.TokenLogprob\x12\"\n\x07\x63hoices\x18\x0c \x03(\x0b\x32\x11.llmesh.v1.Choice\x12\x30\n\x0fprompt_logprobs\x18\r \x03(\x0b\x32\x17.llmesh.v1.TokenLogprob\"\xa9\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.llmesh.v1.FinishReason\x12\'\n\ntool_calls\x18\x04 \x03(\x0b\x32\x13.llmesh.v1.ToolCall\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.llmesh.v1.TokenLogprob\"\x9a\x01\n\x16GenerateStreamResponse\x12\x0f\n\x05\x64\x65lta\x18\x01 \x01(\tH\x00\x12,\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1b.llmesh.v1.GenerateResponseH\x00\x12\r\n\x05index\x18\x03 \x01(\r\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.llmesh.v1.TokenLogprobB\x07\n\x05\x65vent\"\x89\x01\n\rIngestRequest\x12\x12\n\ncollection\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12&\n\tdocuments\x18\x03 \x03(\x0b\x32\x13.llmesh.v1.Document\x12\x14\n\x0c\x63hunk_tokens\x18\x04 \x01(\r\x12\x16\n\x0eoverlap_tokens\x18\x05 \x01(\r\"z\n\x0eIngestResponse\x12\x11\n\tdocuments\x18\x01 \x01(\r\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\r\x12\x1a\n\x12\x63ollection_version\x18\x03 \x01(\x04\x12\x10\n\x08trace_id\x18\x04 \x01(\t\x12\x17\n\x0f\x64ocument_tokens\x18\x05 \x01(\x04\"\xcf\x01\n\rSearchRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\x12\n\ncollection\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x17\n\x0fscore_threshold\x18\x05 \x01(\x02\x12\x34\n\x06\x66ilter\x18\x06 \x03(\x0b\x32$.llmesh.v1.SearchRequest.FilterEntry\x1a-\n\x0b\x46ilterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"K\n\x0eSearchResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.llmesh.v1.ScoredChunk\x12\x10\n\x08trace_id\x18\x02 \x01(\t\"\x13\n\x11ListModelsRequest\"]\n\nModelEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65\x66\x61ult\x18\x02 \x01(\x08\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\x11\n\tavailable\x18\x04 \x01(\x08\x12\x10\n\x08\x61lias_of\x18\x05 \x03(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.llmesh.v1.ModelEntry\"F\n\x11PurgeCacheRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\ncollection\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\"7\n\x12PurgeCacheResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x04\x12\x10\n\x08trace_id\x18\x02 \x01(\t\"=\n\x0c\x45mbedRequest\x12\x0e\n\x06inputs\x18\x01 \x03(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"*\n\tEmbedding\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06values\x18\x02 \x03(\x02\"{\n\rEmbedResponse\x12(\n\nembeddings\x18\x01 \x03(\x0b\x32\x14.llmesh.v1.Embedding\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.llmesh.v1.Usage\x12\x10\n\x08trace_id\x18\x04 \x01(\t2\xf1\x03\n\x07Gateway\x12\x43\n\x08Generate\x12\x1a.llmesh.v1.GenerateRequest\x1a\x1b.llmesh.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1a.llmesh.v1.GenerateRequest\x1a!.llmesh.v1.GenerateStreamResponse0\x01\x12=\n\x06Ingest\x12\x18.llmesh.v1.IngestRequest\x1a\x19.llmesh.v1.IngestResponse\x12=\n\x06Search\x12\x18.llmesh.v1.SearchRequest\x1a\x19.llmesh.v1.SearchResponse\x12I\n\nListModels\x12\x1c.llmesh.v1.ListModelsRequest\x1a\x1d.llmesh.v1.ListModelsResponse\x12I\n\nPurgeCache\x12\x1c.llmesh.v1.PurgeCacheRequest\x1a\x1d.llmesh.v1.PurgeCacheResponse\x12:\n\x05\x45mbed\x12\x17.llmesh.v1.EmbedRequest\x1a\x18.llmesh.v1.EmbedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,41 +35,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SEARCHREQUEST_FILTERENTRY']._loaded_options = None
   _globals['_SEARCHREQUEST_FILTERENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=63
-  _globals['_GENERATEREQUEST']._serialized_end=509
-  _globals['_CACHEINFO']._serialized_start=511
-  _globals['_CACHEINFO']._serialized_end=591
-  _globals['_GENERATERESPONSE']._serialized_start=594
-  _globals['_GENERATERESPONSE']._serialized_end=981
-  _globals['_CHOICE']._serialized_start=984
-  _globals['_CHOICE']._serialized_end=1153
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1156
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1310
-  _globals['_INGESTREQUEST']._serialized_start=1313
-  _globals['_INGESTREQUEST']._serialized_end=1450
-  _globals['_INGESTRESPONSE']._serialized_start=1452
-  _globals['_INGESTRESPONSE']._serialized_end=1574
-  _globals['_SEARCHREQUEST']._serialized_start=1577
-  _globals['_SEARCHREQUEST']._serialized_end=1784
-  _globals['_SEARCHREQUEST_FILTERENTRY']._serialized_start=1739
-  _globals['_SEARCHREQUEST_FILTERENTRY']._serialized_end=1784
-  _globals['_SEARCHRESPONSE']._serialized_start=1786
-  _globals['_SEARCHRESPONSE']._serialized_end=1861
-  _globals['_LISTMODELSREQUEST']._serialized_start=1863
-  _globals['_LISTMODELSREQUEST']._serialized_end=1882
-  _globals['_MODELENTRY']._serialized_start=1884
-  _globals['_MODELENTRY']._serialized_end=1977
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1979
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2038
-  _globals['_PURGECACHEREQUEST']._serialized_start=2040
-  _globals['_PURGECACHEREQUEST']._serialized_end=2110
-  _globals['_PURGECACHERESPONSE']._serialized_start=2112
-  _globals['_PURGECACHERESPONSE']._serialized_end=2167
-  _globals['_EMBEDREQUEST']._serialized_start=2169
-  _globals['_EMBEDREQUEST']._serialized_end=2230
-  _globals['_EMBEDDING']._serialized_start=2232
-  _globals['_EMBEDDING']._serialized_end=2274
-  _globals['_EMBEDRESPONSE']._serialized_start=2276
-  _globals['_EMBEDRESPONSE']._serialized_end=2399
-  _globals['_GATEWAY']._serialized_start=2402
-  _globals['_GATEWAY']._serialized_end=2899
+  _globals['_GENERATEREQUEST']._serialized_end=548
+  _globals['_CACHEINFO']._serialized_start=550
+  _globals['_CACHEINFO']._serialized_end=630
+  _globals['_GENERATERESPONSE']._serialized_start=633
+  _globals['_GENERATERESPONSE']._serialized_end=1070
+  _globals['_CHOICE']._serialized_start=1073
+  _globals['_CHOICE']._serialized_end=1242
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1245
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1399
+  _globals['_INGESTREQUEST']._serialized_start=1402
+  _globals['_INGESTREQUEST']._serialized_end=1539
+  _globals['_INGESTRESPONSE']._serialized_start=1541
+  _globals['_INGESTRESPONSE']._serialized_end=1663
+  _globals['_SEARCHREQUEST']._serialized_start=1666
+  _globals['_SEARCHREQUEST']._serialized_end=1873
+  _globals['_SEARCHREQUEST_FILTERENTRY']._serialized_start=1828
+  _globals['_SEARCHREQUEST_FILTERENTRY']._serialized_end=1873
+  _globals['_SEARCHRESPONSE']._serialized_start=1875
+  _globals['_SEARCHRESPONSE']._serialized_end=1950
+  _globals['_LISTMODELSREQUEST']._serialized_start=1952
+  _globals['_LISTMODELSREQUEST']._serialized_end=1971
+  _globals['_MODELENTRY']._serialized_start=1973
+  _globals['_MODELENTRY']._serialized_end=2066
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2068
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2127
+  _globals['_PURGECACHEREQUEST']._serialized_start=2129
+  _globals['_PURGECACHEREQUEST']._serialized_end=2199
+  _globals['_PURGECACHERESPONSE']._serialized_start=2201
+  _globals['_PURGECACHERESPONSE']._serialized_end=2256
+  _globals['_EMBEDREQUEST']._serialized_start=2258
+  _globals['_EMBEDREQUEST']._serialized_end=2319
+  _globals['_EMBEDDING']._serialized_start=2321
+  _globals['_EMBEDDING']._serialized_end=2363
+  _globals['_EMBEDRESPONSE']._serialized_start=2365
+  _globals['_EMBEDRESPONSE']._serialized_end=2488
+  _globals['_GATEWAY']._serialized_start=2491
+  _globals['_GATEWAY']._serialized_end=2988
 # @@protoc_insertion_point(module_scope)

@@ -56,6 +56,15 @@ class SamplingParams:
     #: Return each generated token's log probability, and the `top_logprobs` likeliest (0-20).
     logprobs: bool = False
     top_logprobs: int = 0
+    #: EOS, stop token ids and stop strings are held off until this many tokens are generated.
+    min_new_tokens: int = 0
+    keep_special_tokens: bool = False
+    #: The stop string that matched stays in the text.
+    include_stop_str: bool = False
+    #: Score every prompt token, with this many alternatives (None: not asked).
+    prompt_logprobs: int | None = None
+    #: Generate nothing: the prompt is only prefilled (and scored).
+    prompt_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,11 @@ class ResolvedParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    min_new_tokens: int = 0
+    keep_special_tokens: bool = False
+    include_stop_str: bool = False
+    prompt_logprobs: int | None = None
+    prompt_only: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -127,7 +141,11 @@ def resolve_params(params: SamplingParams, prompt_ids: list[int], limits: Limits
 
     max_new = int(params.max_new_tokens)
     room = limits.max_context_tokens - n_prompt
-    if max_new < 0:
+    if params.prompt_only:
+        max_new = 0  # the prompt is read, nothing is generated
+        if n_prompt > limits.max_context_tokens:
+            bad.append(("input", f"the prompt is longer than the model context of {limits.max_context_tokens} tokens"))
+    elif max_new < 0:
         bad.append(("sampling.max_new_tokens", "must be >= 0"))
     elif max_new > limits.max_new_tokens:
         bad.append(("sampling.max_new_tokens", f"must be at most {limits.max_new_tokens} (LLMESH_MAX_NEW_TOKENS)"))
@@ -154,6 +172,10 @@ def resolve_params(params: SamplingParams, prompt_ids: list[int], limits: Limits
         elif len(s.encode("utf-8", "surrogatepass")) > MAX_STOP_BYTES:
             bad.append((f"sampling.stop[{i}]", f"longer than {MAX_STOP_BYTES} bytes"))
     _check_adjustments(params, limits, bad)
+    if params.min_new_tokens < 0 or (not params.prompt_only and params.min_new_tokens > max(max_new, 1)):
+        bad.append(("sampling.min_new_tokens", "must be in [0, max_new_tokens]"))
+    if params.prompt_logprobs is not None and not 0 <= params.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        bad.append(("sampling.prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]"))
     if bad:
         raise InvalidArgument(bad)
     return ResolvedParams(
@@ -172,6 +194,11 @@ def resolve_params(params: SamplingParams, prompt_ids: list[int], limits: Limits
         logit_bias=tuple(sorted(params.logit_bias)),
         logprobs=bool(params.logprobs),
         top_logprobs=int(params.top_logprobs),
+        min_new_tokens=0 if params.prompt_only else int(params.min_new_tokens),
+        keep_special_tokens=bool(params.keep_special_tokens),
+        include_stop_str=bool(params.include_stop_str),
+        prompt_logprobs=params.prompt_logprobs,
+        prompt_only=bool(params.prompt_only),
     )
 
 
@@ -302,21 +329,27 @@ class StopMatcher:
     """Finds stop strings in streamed text. Text that could be the start of a stop string is
     held back until it is known not to be one, so no text past a stop is ever returned."""
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], include_stop: bool = False) -> None:
         self._stops = stops
+        self._include = include_stop
         self._pending = ""
 
-    def push(self, delta: str) -> tuple[str, bool]:
-        """(text safe to emit, whether a stop string matched)."""
+    def push(self, delta: str, armed: bool = True) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string matched). Not `armed` (min_new_tokens not
+        reached yet): the text passes and no stop string is looked for."""
         if not self._stops:
             return delta, False
+        if not armed:
+            text, self._pending = self._pending + delta, ""
+            return text, False
         if not delta:
             return "", False
         buf = self._pending + delta
-        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((buf.find(s), s) for s in self._stops) if i >= 0]
         if hits:
             self._pending = ""
-            return buf[: min(hits)], True
+            at, size = min(hits)
+            return buf[: at + size] if self._include else buf[:at], True
         hold = 0
         for s in self._stops:
             for k in range(min(len(s) - 1, len(buf)), hold, -1):

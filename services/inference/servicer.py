@@ -80,6 +80,11 @@ def sampling_from_proto(
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         logprobs=msg.logprobs,
         top_logprobs=msg.top_logprobs,
+        min_new_tokens=msg.min_new_tokens,
+        keep_special_tokens=msg.keep_special_tokens,
+        include_stop_str=msg.include_stop_str,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        prompt_only=msg.prompt_only,
     )
 
 
@@ -107,10 +112,13 @@ def response_for(event: GenerationEvent) -> inference_pb2.InferenceResponse:
         reply.batch_id = event.batch_id
     if event.logprobs:
         reply.logprobs.extend([logprob_to_proto(entry) for entry in event.logprobs])
+    if event.prompt_logprobs:
+        reply.prompt_logprobs.extend([logprob_to_proto(entry) for entry in event.prompt_logprobs])
     if event.finish_reason is not None:
         reply.finish_reason = FINISH_REASONS[event.finish_reason]
         reply.usage.input_tokens = event.input_tokens
         reply.usage.output_tokens = event.output_tokens
+        reply.usage.prefix_cached_input_tokens = event.cached_input_tokens
     return reply
 
 

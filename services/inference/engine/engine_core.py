@@ -63,6 +63,7 @@ from services.inference.engine.sampling import (
     RowLogprobs,
     Scores,
     choose_scored,
+    prompt_scores,
 )
 from services.inference.engine.scheduler import Admission, Scheduler, Speeds
 from services.inference.engine.sequence import SequenceState
@@ -86,13 +87,17 @@ def device_lock(device: torch.device) -> contextlib.AbstractContextManager[Any]:
         return _DEVICE_LOCKS.setdefault(str(device), threading.RLock())
 
 
-def _adjustments(seqs: list[SequenceState], rows: list[int]) -> Adjustments | None:
-    """Penalties, biases and top_k / min_p of the rows that ask for them (None when none does)."""
+def _adjustments(
+    seqs: list[SequenceState], rows: list[int], eos: frozenset[int] | set[int] = frozenset()
+) -> Adjustments | None:
+    """Penalties, biases and top_k / min_p of the rows that ask for them, and EOS and the stop
+    token ids banned from rows short of their min_new_tokens (None when no row needs any)."""
     adjusted: list[RowAdjustment] = []
     filters: dict[int, tuple[int, float]] = {}
     for row, seq in zip(rows, seqs, strict=True):
         p = seq.params
-        if p.adjusts_logits:
+        early = len(seq.generated) < p.min_new_tokens
+        if p.adjusts_logits or early:
             adjusted.append(
                 RowAdjustment(
                     row=row,
@@ -102,6 +107,7 @@ def _adjustments(seqs: list[SequenceState], rows: list[int]) -> Adjustments | No
                     frequency=p.frequency_penalty,
                     seen=(*seq.prompt_ids, *seq.generated) if p.repetition_penalty != 1.0 else (),
                     generated=tuple(seq.generated) if p.presence_penalty or p.frequency_penalty else (),
+                    banned=tuple(sorted({*eos, *p.stop_token_ids})) if early else (),
                 )
             )
         if not p.greedy and (p.top_k or p.min_p):
@@ -363,7 +369,9 @@ class EngineCore:
                 scheduler.start_chunking(admission.chunked)
             if group:
                 self._prefill(group)
-            if scheduler.chunking is not None and scheduler.running and self.runner.can_mix:
+            # A prompt being scored is chunked on its own: its chunks' every logit is needed.
+            mix = scheduler.chunking is not None and scheduler.chunking.params.prompt_logprobs is None
+            if mix and scheduler.running and self.runner.can_mix:
                 self._mixed_step()
             else:
                 if scheduler.chunking is not None:
@@ -465,7 +473,7 @@ class EngineCore:
             [s.seed for _, s in picked],
             [len(s.generated) for _, s in picked],
             self._constraints(seqs),
-            _adjustments(seqs, list(range(len(seqs)))),
+            _adjustments(seqs, list(range(len(seqs))), self.model.eos_ids),
             _logprob_rows(seqs),
         )
 
@@ -494,7 +502,8 @@ class EngineCore:
                 if self.fault_hook is not None:
                     self.fault_hook("prefill", len(group))
                 rows = [self._prefill_row(s, len(s.prefill_ids)) for s in group]
-                logits = self.runner.prefill(rows)
+                every = [i for i, s in enumerate(group) if s.params.prompt_logprobs is not None]
+                logits, full = self.runner.prefill_scored(rows, every)
                 chosen, scores = choose_scored(logits, *self._sampling(group))
                 tokens = chosen.tolist()
                 break
@@ -506,6 +515,8 @@ class EngineCore:
         if sum(computed) >= 16:  # tiny prefills say little about the speed
             speed = sum(computed) / (time.perf_counter() - started)
             self.speeds.prefill_tok_s = _ewma(self.speeds.prefill_tok_s, speed)
+        for i, logits_of_row in full.items():
+            _score_prompt(group[i], group[i].prefilled, logits_of_row)
         for seq in group:
             seq.length = seq.prefilled = len(seq.prefill_ids)
             self._register(seq)
@@ -529,7 +540,8 @@ class EngineCore:
         try:
             if self.fault_hook is not None:
                 self.fault_hook("prefill", 1)
-            logits = self.runner.prefill([self._prefill_row(seq, start + n)])
+            every = [0] if seq.params.prompt_logprobs is not None else []
+            logits, full = self.runner.prefill_scored([self._prefill_row(seq, start + n)], every)
         except _OOM_ERRORS:
             metrics.OOM_RETRIES.inc()
             self._empty_device_cache()
@@ -540,6 +552,8 @@ class EngineCore:
             return
         if n >= 16:
             self.speeds.prefill_tok_s = _ewma(self.speeds.prefill_tok_s, n / (time.perf_counter() - started))
+        if full:
+            _score_prompt(seq, start, full[0])
         self._chunk_done(seq, start + n, logits)
 
     def _chunk_done(self, seq: SequenceState, end: int, logits: torch.Tensor) -> None:
@@ -670,6 +684,11 @@ class EngineCore:
         eos = self.model.eos_ids
         items: list[tuple[SequenceState, int, str | None, RowLogprobs | None]] = []
         for row, (seq, token) in enumerate(pairs):
+            if seq.params.prompt_only:  # the prompt is read: its chosen token is no one's
+                items.append((seq, -1, FINISH_LENGTH, None))
+                seq.released = True
+                self._release(seq)
+                continue
             if seq.grammar is not None:  # the grammar may put the row on its closing path
                 token = seq.grammar.take(token, seq.params.max_new_tokens - len(seq.generated) - 1)
             score = scores.get(row, token) if scores is not None else None
@@ -741,6 +760,18 @@ class EngineCore:
     def _empty_device_cache(self) -> None:
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _score_prompt(seq: SequenceState, start: int, logits: torch.Tensor) -> None:
+    """The prompt tokens that the logits of positions start.. (one row each) predict, scored
+    into `seq.prompt_scores` in order; positions scored before (a requeued prompt) are skipped."""
+    prompt = seq.prompt_ids
+    low = max(start, len(seq.prompt_scores))
+    high = min(start + logits.shape[0], len(prompt) - 1)
+    if low >= high:
+        return
+    top = seq.params.prompt_logprobs or 0
+    seq.prompt_scores += prompt_scores(logits[low - start : high - start], prompt[low + 1 : high + 1], top)
 
 
 def _oom_failure() -> errors.ResourceExhausted:

@@ -139,11 +139,12 @@ class BlockManager:
             hashes.append(parent)
         return blocks, hashes
 
-    def allocate(self, token_ids: Sequence[int], reserve: int = 0) -> BlockTable | None:
-        """A block table for a sequence about to prefill `token_ids`: the cached prefix reused,
-        fresh blocks for the rest. None (and nothing taken) when the pool cannot supply them
-        while keeping `reserve` blocks for the running rows to grow into."""
-        hit_blocks, hashes = self.match(token_ids)
+    def allocate(self, token_ids: Sequence[int], reserve: int = 0, reuse: bool = True) -> BlockTable | None:
+        """A block table for a sequence about to prefill `token_ids`: the cached prefix reused
+        (not with `reuse` False: every token is computed), fresh blocks for the rest. None (and
+        nothing taken) when the pool cannot supply them while keeping `reserve` blocks for the
+        running rows to grow into."""
+        hit_blocks, hashes = self.match(token_ids) if reuse else ([], [])
         # Reused blocks nobody holds yet are counted as free: taking them removes them from it.
         reclaimed = sum(1 for b in hit_blocks if self._refs[b] == 0)
         needed = self.blocks_for(len(token_ids)) - len(hit_blocks)

@@ -135,11 +135,34 @@ class Emitter:
         text, raw = piece(score.token_id)
         return [TokenLogprob(token_id=score.token_id, token=text, logprob=score.logprob, bytes=raw, top=tuple(top))]
 
+    def _prompt_logprobs(self, seq: SequenceState) -> list[TokenLogprob]:
+        """The prompt's scores (params.prompt_logprobs) in the wire-ready form, one per prompt
+        token: the first scores 0 (nothing predicts it)."""
+        if seq.params.prompt_logprobs is None or not seq.prompt_ids:
+            return []
+        if self._pieces is None:
+            self._pieces = TokenPieces(self._tokenizer)
+        piece = self._pieces.piece
+        first, raw = piece(seq.prompt_ids[0])
+        out = [TokenLogprob(token_id=seq.prompt_ids[0], token=first, logprob=0.0, bytes=raw)]
+        for token_id, logprob, ranked in seq.prompt_scores:
+            top = []
+            for other, value in ranked:
+                text, data = piece(other)
+                top.append(TopLogprob(token_id=other, token=text, logprob=value, bytes=data))
+            text, raw = piece(token_id)
+            out.append(TokenLogprob(token_id=token_id, token=text, logprob=logprob, bytes=raw, top=tuple(top)))
+        return out
+
     def _tokens(self, now: float, items: list[tuple[SequenceState, int, str | None, RowLogprobs | None]]) -> None:
         produced = 0
         for seq, token, reason, score in items:
             if seq.finished:
                 continue
+            if token < 0:  # prompt_only: the prompt was read, nothing is generated
+                self._finish(seq, FINISH_LENGTH, prompt_logprobs=self._prompt_logprobs(seq))
+                continue
+            first = seq.emitted == 0
             logprobs = self._logprobs(score)
             seq.emitted += 1
             if not seq.internal:
@@ -150,22 +173,32 @@ class Emitter:
                 else:
                     metrics.INTER_TOKEN_LATENCY.observe(now - seq.last_token_at)
             seq.last_token_at = now
+            scored = self._prompt_logprobs(seq) if first else []
             if reason == FINISH_STOP:
                 # The EOS token is counted in the usage, so it is sent too (no text of its own).
                 tail, _ = self._tail(seq)
-                self._finish(seq, FINISH_STOP, token_ids=[token], text=tail, logprobs=logprobs)
+                self._finish(
+                    seq, FINISH_STOP, token_ids=[token], text=tail, logprobs=logprobs, prompt_logprobs=scored
+                )
                 continue
-            text, stopped = seq.stopper.push(seq.decoder.push(token))
+            # Stop strings are looked for from min_new_tokens on.
+            armed = seq.emitted >= seq.params.min_new_tokens
+            text, stopped = seq.stopper.push(seq.decoder.push(token), armed)
             if stopped:
                 seq.stop_hit = True
-                self._finish(seq, FINISH_STOP_SEQUENCE, token_ids=[token], text=text, logprobs=logprobs)
+                self._finish(
+                    seq, FINISH_STOP_SEQUENCE, token_ids=[token], text=text, logprobs=logprobs, prompt_logprobs=scored
+                )
             elif reason == FINISH_LENGTH:
                 # A stop string completed only by the held-back tail still is a stop string.
                 tail, stopped = self._tail(seq)
                 finish = FINISH_STOP_SEQUENCE if stopped else FINISH_LENGTH
-                self._finish(seq, finish, token_ids=[token], text=text + tail, logprobs=logprobs)
+                self._finish(
+                    seq, finish, token_ids=[token], text=text + tail, logprobs=logprobs, prompt_logprobs=scored
+                )
             else:
-                self._outbox.append((seq, GenerationEvent([token], text, seq.batch_id, logprobs=logprobs)))
+                event = GenerationEvent([token], text, seq.batch_id, logprobs=logprobs, prompt_logprobs=scored)
+                self._outbox.append((seq, event))
         if produced:
             metrics.GENERATION_TOKENS.inc(produced)
 
@@ -186,6 +219,7 @@ class Emitter:
         failure: BaseException | None = None,
         outcome: str | None = None,
         logprobs: list[TokenLogprob] | None = None,
+        prompt_logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         if seq.finished:
             return
@@ -206,6 +240,8 @@ class Emitter:
                         len(seq.prompt_ids),
                         seq.emitted,
                         logprobs or [],
+                        prompt_logprobs=prompt_logprobs or [],
+                        cached_input_tokens=seq.cached_prompt_tokens or 0,
                     ),
                 )
             )

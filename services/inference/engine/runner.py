@@ -128,6 +128,13 @@ class ModelRunner:
     def prefill(self, rows: Sequence[PrefillRow]) -> torch.Tensor:
         """Prefills each row's new tokens after its first `start` cached ones; returns each
         row's last logits [rows, vocab]."""
+        return self.prefill_scored(rows, ())[0]
+
+    def prefill_scored(
+        self, rows: Sequence[PrefillRow], every: Sequence[int]
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`prefill`, and for the rows in `every` the float32 logits at each of their new
+        tokens [new tokens, vocab] (what scoring a prompt needs)."""
         dev = self.device
         bt = self.block_tokens
         count = len(rows)
@@ -161,7 +168,8 @@ class ModelRunner:
         )
         hidden = self._hidden(ids.to(dev), positions.to(dev), mask.to(dev))
         last = torch.tensor([len(new) - 1 for new, _, _ in rows], device=dev)
-        return self._head(hidden[torch.arange(count, device=dev), last])
+        full = {r: self._head(hidden[r, : len(rows[r][0])]).float() for r in every}
+        return self._head(hidden[torch.arange(count, device=dev), last]), full
 
     def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The final-normed hidden states of a prefill forward (the cache's plan set)."""

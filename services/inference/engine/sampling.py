@@ -162,6 +162,8 @@ class RowAdjustment:
     frequency: float = 0.0
     seen: tuple[int, ...] = ()
     generated: tuple[int, ...] = ()
+    #: Tokens the row may not choose now (EOS and stop token ids before min_new_tokens).
+    banned: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -190,7 +192,28 @@ def adjust(logits: torch.Tensor, adjustments: Adjustments | None) -> torch.Tenso
         if a.bias:
             ids, values = _bias_tensors(a.bias, logits.device)
             row.index_add_(0, ids, values)
+        if a.banned:
+            row.index_fill_(0, torch.tensor(a.banned, device=logits.device), float("-inf"))
     return logits
+
+
+#: One prompt token's score: (its id, its log probability, the likeliest (id, logprob) there).
+PromptScore = tuple[int, float, tuple[tuple[int, float], ...]]
+
+
+def prompt_scores(logits: torch.Tensor, targets: list[int], top: int) -> list[PromptScore]:
+    """The log probability of each of `targets` under the logits of the position before it
+    (row i of `logits` [len(targets), vocab] predicts targets[i]), in float32, with the `top`
+    likeliest tokens there: the model's own distribution (no temperature, penalties, biases)."""
+    dist = torch.log_softmax(logits.float(), dim=-1)
+    picked = dist.gather(1, torch.tensor(targets, device=dist.device)[:, None])[:, 0].tolist()
+    if not top:
+        return [(t, v, ()) for t, v in zip(targets, picked, strict=True)]
+    values, ids = dist.topk(top, dim=-1, sorted=True)
+    ranked = zip(ids.tolist(), values.tolist(), strict=True)
+    return [
+        (t, v, tuple(zip(i, w, strict=True))) for t, v, (i, w) in zip(targets, picked, ranked, strict=True)
+    ]
 
 
 #: A request's logit_bias as device tensors, kept across its steps (by the bias itself: a row's

@@ -200,20 +200,24 @@ class Scheduler:
                 self._end(seq, FINISH_CANCELLED, None, None)
                 continue
             ids = seq.prefill_ids
-            hit, _ = self.kv.match(ids)
+            # Scoring the prompt needs the logits of every prompt position: nothing is reused.
+            reuse = seq.params.prompt_logprobs is None
+            hit, _ = self.kv.match(ids) if reuse else ([], [])
             n = len(ids) - len(hit) * bt
             long = n > chunk
             if long and (chunking or admission.chunked is not None):
                 break
             if not long and admission.group and tokens + n > budget:
                 break
-            table = self.kv.allocate(ids, reserve=rows)
+            table = self.kv.allocate(ids, reserve=rows, reuse=reuse)
             if table is None:
                 break
             self.waiting.popleft()
             metrics.QUEUE_SIZE.dec()
             seq.blocks = table
             seq.prefilled = seq.length = table.cached_tokens
+            if seq.cached_prompt_tokens is None:  # the first admission's: a requeue's is no prompt reuse
+                seq.cached_prompt_tokens = min(table.cached_tokens, len(seq.prompt_ids))
             rows += 1
             if long:
                 admission.chunked = seq

@@ -57,6 +57,10 @@ class GenerationEvent:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     #: Without token_ids: how many tokens the text stands for (0: one per event with text).
     tokens: int = 0
+    #: The first event, when the request asked: one per prompt token (the first scores 0).
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: The last event: prompt tokens the prefix cache held (not computed).
+    cached_input_tokens: int = 0
 
 
 class Sink:
@@ -113,6 +117,11 @@ class SequenceState:
     emitted: int = 0
     #: Worker: the row's grammar when its answer has a response format (engine/grammar.py).
     grammar: RowGrammar | None = None
+    #: Worker: prompt tokens its first admission found in the prefix cache (usage reports them).
+    cached_prompt_tokens: int | None = None
+    #: Worker -> emitter: the prompt's scores (params.prompt_logprobs), gathered over its chunks:
+    #: (token id, log probability, likeliest alternatives) for every prompt token after the first.
+    prompt_scores: list[tuple[int, float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
 
     @property
     def reserved_tokens(self) -> int:
