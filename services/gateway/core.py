@@ -199,8 +199,8 @@ class Gateway:
             route = self.routes[""]
         if route is None:
             return "unknown"
-        # The unnamed model of a one-model deployment: a label that does not change once its id is learned.
-        return route.name or "default"
+        # The unnamed model of a one-model deployment: the id its inference reports, once learned.
+        return route.public_name() or "default"
 
     async def list_models(self, deadline: Deadline) -> gateway_pb2.ListModelsResponse:
         """Every model with its key and whether its inference answers now: each is asked for its
@@ -295,6 +295,8 @@ class Gateway:
             raise
         finally:
             elapsed = time.perf_counter() - started
+            if label == "default":  # asked before the unnamed model's id was learned: learned by now
+                label = self._label(request.model)
             metrics.REQUESTS.labels(outcome, tier, label).inc()
             if outcome == "ok":
                 metrics.REQUEST_DURATION.labels(tier, label).observe(elapsed, trace_exemplar())

@@ -382,12 +382,19 @@ class OpenAiApi:
         caller = self.api_keys.caller(request.headers.get("authorization"), body.llmesh.tenant)
         generate: gateway_pb2.GenerateRequest = translate(caller.tenant)
         await self.check_model(body.model, deadline)
+        echo = None
+        if isinstance(body, CompletionRequest) and body.echo:
+            prompt = body.prompt_value()
+            echo = prompt if isinstance(prompt, str) else ""  # token ids: the scored tokens' text
         answer = Answer(
             f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}",
             body.model,
             chat,
-            logprobs=generate.sampling.logprobs,
+            # The legacy `logprobs` asked for with max_tokens 0 scores no generated token: still a list.
+            logprobs=generate.sampling.logprobs or (isinstance(body, CompletionRequest) and body.logprobs is not None),
             n=generate.n,
+            echo=echo,
+            prompt_logprobs=body.prompt_logprobs is not None,
         )
         # An async generator: closed (the pipeline cancelled) when the caller goes away mid-stream.
         events = cast(AsyncGenerator[Delta | Final, None], self.gateway.generate(generate, deadline, caller))
@@ -450,14 +457,16 @@ def model_card(model: str) -> dict[str, Any]:
 
 def usage_of(response: gateway_pb2.GenerateResponse) -> dict[str, Any]:
     """OpenAI's usage: prompt tokens including those served from the cache (`cached_tokens`, as
-    OpenAI reports prompt caching), completion tokens generated (0 for a cached answer)."""
+    OpenAI reports prompt caching), completion tokens generated (0 for a cached answer).
+    `cached_tokens` also counts the prompt tokens the engine reused from its prefix cache."""
     u = response.usage
     prompt, completion = u.input_tokens + u.cached_input_tokens, u.output_tokens
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": u.cached_input_tokens},
+        # Served from a cache instead of computed: the answer cache's, or the engine's prefix cache's.
+        "prompt_tokens_details": {"cached_tokens": u.cached_input_tokens + u.prefix_cached_input_tokens},
     }
 
 
@@ -502,30 +511,70 @@ def chat_logprobs(entries: Sequence[common_pb2.TokenLogprob]) -> dict[str, Any]:
     }
 
 
-def completion_logprobs(entries: Sequence[common_pb2.TokenLogprob], offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(
+    entries: Sequence[common_pb2.TokenLogprob], offset: int = 0, unscored: int = 0
+) -> dict[str, Any]:
     """The legacy completions' `logprobs`: tokens, token_logprobs, top_logprobs (token -> logprob)
-    and text_offset (each token's character offset in the text, from `offset`)."""
+    and text_offset (each token's character offset in the text, from `offset`). The first
+    `unscored` entries have no log probability (an echoed prompt's first token): null."""
     offsets = []
     for e in entries:
         offsets.append(offset)
         offset += len(e.token)
     return {
         "tokens": [e.token for e in entries],
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+        "token_logprobs": [None if i < unscored else e.logprob for i, e in enumerate(entries)],
+        "top_logprobs": [None if i < unscored else {t.token: t.logprob for t in e.top} for i, e in enumerate(entries)],
         "text_offset": offsets,
     }
+
+
+def vllm_prompt_logprobs(entries: Sequence[common_pb2.TokenLogprob]) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs`: null for the first prompt token (nothing predicts it), then per
+    token {token id: {logprob, rank, decoded_token}} for it and its likeliest alternatives (rank:
+    1 for the likeliest; null for the prompt's own token when it is not among them)."""
+    if not entries:
+        return None
+    out: list[dict[str, Any] | None] = [None]
+    for e in entries[1:]:
+        scored: dict[str, Any] = {}
+        ranks = {t.token_id: i + 1 for i, t in enumerate(e.top)}
+        scored[str(e.token_id)] = {"logprob": e.logprob, "rank": ranks.get(e.token_id), "decoded_token": e.token}
+        for t in e.top:
+            scored.setdefault(
+                str(t.token_id), {"logprob": t.logprob, "rank": ranks[t.token_id], "decoded_token": t.token}
+            )
+        out.append(scored)
+    return out
+
+
+def prompt_text(entries: Sequence[common_pb2.TokenLogprob]) -> str:
+    """The text of scored prompt tokens (their exact bytes, joined, then decoded)."""
+    return b"".join(e.bytes for e in entries).decode("utf-8", "replace")
 
 
 class Answer:
     """One answer in the OpenAI shapes: a whole completion, or its chunks."""
 
-    def __init__(self, answer_id: str, model: str, chat: bool, logprobs: bool = False, n: int = 1) -> None:
+    def __init__(
+        self,
+        answer_id: str,
+        model: str,
+        chat: bool,
+        logprobs: bool = False,
+        n: int = 1,
+        echo: str | None = None,
+        prompt_logprobs: bool = False,
+    ) -> None:
         self.id = answer_id
         self.model = model
         self.chat = chat
         self.logprobs = logprobs  # the request asked for them: `logprobs` is then never null
         self.n = max(1, n)
+        # Completions' echo: the prompt's text ("" for a token-id prompt: its scored tokens' text).
+        self.echo = echo
+        # vLLM's `prompt_logprobs` was asked for: returned in its shape.
+        self.prompt_logprobs = prompt_logprobs
         self.offsets: dict[int, int] = {}  # completions streamed: each answer's text length so far
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -558,11 +607,22 @@ class Answer:
         finish_reason: int,
         tool_calls: Sequence[common_pb2.ToolCall],
         logprobs: Sequence[common_pb2.TokenLogprob],
+        prompt: Sequence[common_pb2.TokenLogprob] = (),
     ) -> dict[str, Any]:
         finish = FINISH_REASONS.get(finish_reason, "stop")  # type: ignore[call-overload]
         if not self.chat:
-            found = completion_logprobs(logprobs) if self.logprobs else None
-            return {"index": index, "text": text, "logprobs": found, "finish_reason": finish}
+            found = None
+            if self.echo is not None:
+                echoed = self.echo or prompt_text(prompt)
+                if self.logprobs:
+                    found = completion_logprobs([*prompt, *logprobs], unscored=1 if prompt else 0)
+                text = echoed + text
+            elif self.logprobs:
+                found = completion_logprobs(logprobs)
+            choice = {"index": index, "text": text, "logprobs": found, "finish_reason": finish}
+            if self.prompt_logprobs:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt)
+            return choice
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         if tool_calls:
             message["content"] = None
@@ -574,15 +634,21 @@ class Answer:
         return {"index": index, "message": message, "logprobs": found, "finish_reason": finish}
 
     def whole(self, response: gateway_pb2.GenerateResponse) -> dict[str, Any]:
+        prompt = response.prompt_logprobs
         if response.choices:  # n > 1: every answer by index
             choices = [
-                self._whole_choice(c.index, c.text, c.finish_reason, c.tool_calls, c.logprobs) for c in response.choices
+                self._whole_choice(c.index, c.text, c.finish_reason, c.tool_calls, c.logprobs, prompt)
+                for c in response.choices
             ]
         else:
             choices = [
-                self._whole_choice(0, response.text, response.finish_reason, response.tool_calls, response.logprobs)
+                self._whole_choice(
+                    0, response.text, response.finish_reason, response.tool_calls, response.logprobs, prompt
+                )
             ]
         body = {**self._envelope(self.object, choices), "usage": usage_of(response), "llmesh": extension_of(response)}
+        if self.chat and self.prompt_logprobs:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(prompt)  # vLLM's place for chat
         if response.answered_by:
             body["model"] = response.answered_by  # for an alias: the model that answered
         return body
@@ -606,6 +672,9 @@ class Answer:
             if self.chat:
                 for index in range(self.n):
                     yield self._chunk([self._choice("", None, first=True, index=index)], **usage)
+            elif self.echo:  # a text prompt (CompletionRequest refuses the others streamed)
+                for index in range(self.n):
+                    yield self._chunk([self._choice(self.echo, None, index=index)], **usage)
             event: Delta | Final | None = first
             while event is not None:
                 if isinstance(event, Delta):

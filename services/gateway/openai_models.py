@@ -9,7 +9,7 @@ Parameters llmesh does not implement are refused with a 400 naming them, never i
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -154,6 +154,19 @@ class ResponseFormat(Strict):
         return form
 
 
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs`: one constraint, mapped onto llmesh's response formats."""
+
+    # `json` in the body; `json_` here because pydantic's BaseModel has a `json`.
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, max_length=MAX_TOOLS)
+    json_object: bool | None = None
+    grammar: str | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
 class Sampling(Strict):
     """Parameters chat and plain completions share."""
 
@@ -177,6 +190,19 @@ class Sampling(Strict):
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     # Independent answers (GenerateRequest.n; at most 16, checked by the gateway).
     n: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    # vLLM's (and SGLang's) generation fields, implemented as vLLM defines them.
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(default=None, ge=0, le=UINT32_MAX)
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=-1, le=UINT32_MAX)
+    # vLLM's structured outputs, as the response formats llmesh has: the current field and the
+    # older guided_* ones.
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, max_length=MAX_TOOLS)
+    guided_grammar: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = []
@@ -190,7 +216,43 @@ class Sampling(Strict):
                 break
         if self.stream_options is not None and not self.stream:
             bad.append(("stream_options", "only allowed with stream=true"))
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad.append(("prompt_logprobs", "-1 (the whole vocabulary) is not supported: at most 20"))
+        for name in ("guided_grammar",):
+            if getattr(self, name) is not None:
+                bad.append((name, "is not supported: use guided_json, guided_regex or guided_choice"))
+        if self.structured_outputs is not None and self.structured_outputs.grammar is not None:
+            bad.append(("structured_outputs.grammar", "is not supported: use json, regex or choice"))
         return bad
+
+    def structured_format(self) -> tuple[str, common_pb2.ResponseFormat] | None:
+        """vLLM's structured-output fields as a response format, with the field it came from
+        (None when none is set); more than one constraint is an error naming the second."""
+        found: list[tuple[str, common_pb2.ResponseFormat]] = []
+
+        def schema_of(name: str, value: dict[str, Any] | bool | str) -> None:
+            text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, separators=(",", ":"))
+            found.append((name, common_pb2.ResponseFormat(type="json_schema", json_schema=text)))
+
+        so = self.structured_outputs
+        if so is not None:
+            if so.json_ is not None:
+                schema_of("structured_outputs.json", so.json_)
+            if so.regex is not None:
+                found.append(("structured_outputs.regex", common_pb2.ResponseFormat(type="regex", regex=so.regex)))
+            if so.choice is not None:
+                found.append(("structured_outputs.choice", common_pb2.ResponseFormat(type="choice", choices=so.choice)))
+            if so.json_object:
+                found.append(("structured_outputs.json_object", common_pb2.ResponseFormat(type="json_object")))
+        if self.guided_json is not None:
+            schema_of("guided_json", self.guided_json)
+        if self.guided_regex is not None:
+            found.append(("guided_regex", common_pb2.ResponseFormat(type="regex", regex=self.guided_regex)))
+        if self.guided_choice is not None:
+            found.append(("guided_choice", common_pb2.ResponseFormat(type="choice", choices=self.guided_choice)))
+        if len(found) > 1:
+            raise InvalidArgument([(found[1][0], f"one constraint per request; {found[0][0]} is set too")])
+        return found[0] if found else None
 
     def generate_request(
         self,
@@ -217,6 +279,13 @@ class Sampling(Strict):
         for token, bias in (self.logit_bias or {}).items():
             if token.isdigit() and int(token) <= UINT32_MAX:
                 sampling.logit_bias[int(token)] = bias
+        sampling.ignore_eos = bool(self.ignore_eos)
+        sampling.min_new_tokens = self.min_tokens or 0
+        sampling.keep_special_tokens = self.skip_special_tokens is False
+        sampling.include_stop_str = bool(self.include_stop_str_in_output)
+        if self.prompt_logprobs is not None and self.prompt_logprobs >= 0:
+            sampling.prompt_logprobs = self.prompt_logprobs  # vLLM's -1 (the whole vocabulary) is refused below
+        structured = self.structured_format()
         request = gateway_pb2.GenerateRequest(
             prompt=prompt,
             system_prompt=system_prompt,
@@ -234,6 +303,8 @@ class Sampling(Strict):
             request.use_cache = self.llmesh.use_cache
         if self.llmesh.use_retrieval is not None:
             request.use_retrieval = self.llmesh.use_retrieval
+        if structured is not None:
+            request.response_format.CopyFrom(structured[1])
         return request
 
     @property
@@ -282,6 +353,10 @@ class ChatCompletionRequest(Sampling):
         request.sampling.logprobs = bool(self.logprobs)
         request.sampling.top_logprobs = self.top_logprobs or 0
         if self.response_format is not None and self.response_format.type != "text":
+            if request.HasField("response_format"):
+                raise InvalidArgument(
+                    [("response_format", "set response_format or a structured-output field, not both")]
+                )
             request.response_format.CopyFrom(self.response_format.proto())
         request.tools.extend(t.proto() for t in self.tools or ())
         if isinstance(self.tool_choice, NamedToolChoice):
@@ -293,37 +368,71 @@ class ChatCompletionRequest(Sampling):
         return request
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=UINT32_MAX)]], Field(min_length=1, max_length=MAX_LIST * 64)]
+
+
 class CompletionRequest(Sampling):
-    prompt: str | Annotated[list[str], Field(max_length=MAX_LIST)]
+    """OpenAI's legacy completions: a raw completion of the prompt as it is (no chat template),
+    given as text, as token ids, or as a one-element list of either."""
+
+    prompt: (
+        str
+        | TokenIds
+        | Annotated[list[str], Field(max_length=MAX_LIST)]
+        | Annotated[list[TokenIds], Field(max_length=MAX_LIST)]
+    )
+    # 0 with echo: the prompt is only scored (lm-evaluation-harness's log-likelihood requests).
+    max_tokens: int | None = Field(default=None, ge=0, le=UINT32_MAX)
     # The legacy form: the k likeliest alternatives at each position (0: the tokens' own only).
     logprobs: int | None = Field(default=None, ge=0, le=UINT32_MAX)
-    # Refused unless unset or off.
+    # The answer starts with the prompt (and with logprobs, the prompt's tokens are scored too).
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
 
+    def prompt_value(self) -> str | list[int]:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            return cast("str | list[int]", self.prompt[0])
+        return cast("str | list[int]", self.prompt)
+
     def unsupported(self) -> list[tuple[str, str]]:
         bad = super().unsupported()
-        if isinstance(self.prompt, list) and len(self.prompt) != 1:
-            bad.append(("prompt", "exactly one prompt per request"))
-        if self.echo:
-            bad.append(("echo", "is not supported"))
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            if len(self.prompt) != 1:
+                bad.append(("prompt", "exactly one prompt per request"))
+        elif isinstance(self.prompt, list) and not self.prompt:
+            bad.append(("prompt", "must not be empty"))
         if self.best_of not in (None, 1):
             bad.append(("best_of", "only best_of=1 is supported"))
         if self.suffix:
-            bad.append(("suffix", "is not supported"))
+            bad.append(("suffix", "the served model has no fill-in-the-middle tokens"))
+        if self.echo and self.stream and self.logprobs is not None:
+            bad.append(("echo", "with logprobs, echo is answered whole: stream=false"))
+        if self.echo and self.stream and not isinstance(self.prompt_value(), str):
+            bad.append(("echo", "of a token-id prompt, echo is answered whole: stream=false"))
         return bad
 
     def to_generate(self, tenant: str) -> gateway_pb2.GenerateRequest:
-        """The prompt is answered as one user message (the served models are chat models)."""
+        """A raw completion: the prompt as it is, no chat template (GenerateRequest.raw)."""
         bad = self.unsupported()
         if bad:
             raise InvalidArgument(bad)
-        prompt = self.prompt[0] if isinstance(self.prompt, list) else self.prompt
-        request = self.generate_request(prompt, "", tenant, self.max_tokens)
+        prompt = self.prompt_value()
+        text = prompt if isinstance(prompt, str) else ""
+        request = self.generate_request(text, "", tenant, self.max_tokens)
+        request.raw = True
+        if not isinstance(prompt, str):
+            request.prompt_token_ids.extend(prompt)
+        if self.max_tokens == 0:
+            request.sampling.prompt_only = True
         if self.logprobs is not None:
-            request.sampling.logprobs = True
-            request.sampling.top_logprobs = self.logprobs
+            request.sampling.logprobs = not request.sampling.prompt_only
+            request.sampling.top_logprobs = 0 if request.sampling.prompt_only else self.logprobs
+        if self.echo and (self.logprobs is not None or not isinstance(prompt, str)):
+            # The prompt's own tokens: their scores, and the text of a token-id prompt.
+            wanted = self.logprobs or 0
+            if not request.sampling.HasField("prompt_logprobs") or request.sampling.prompt_logprobs < wanted:
+                request.sampling.prompt_logprobs = wanted
         return request
 
 
@@ -379,6 +488,10 @@ PARAMS = {
     "sampling.logit_bias": "logit_bias",
     "sampling.logprobs": "logprobs",
     "sampling.top_logprobs": "top_logprobs",
+    "sampling.min_new_tokens": "min_tokens",
+    "sampling.prompt_logprobs": "prompt_logprobs",
+    "sampling.ignore_eos": "ignore_eos",
+    "prompt_token_ids": "prompt",
     "system_prompt": "messages",
     "inputs": "input",
     "tool_choice.mode": "tool_choice",

@@ -329,6 +329,17 @@ class Peers:
             self.budgets.tokenizer,
         )
 
+    async def encode(self, text: str, deadline: Deadline, model: str = "") -> tokenizer_pb2.EncodeResponse:
+        """A raw prompt's token ids, with the special tokens the model's tokenizer adds to a
+        text (its BOS, if it has one). `model`: whose tokenizer ("" = the default)."""
+        request = tokenizer_pb2.EncodeRequest(text=text, add_special_tokens=True, model=model)
+        return await _unary(
+            self.breakers["tokenizer"],
+            lambda timeout: self.tokenizer.Encode(request, timeout=timeout),
+            deadline,
+            self.budgets.tokenizer,
+        )
+
     async def get_chat_template(self, deadline: Deadline, model: str = "") -> tokenizer_pb2.GetChatTemplateResponse:
         """The model's chat template itself (`model`: whose tokenizer, "" = the default)."""
         request = tokenizer_pb2.GetChatTemplateRequest(model=model)

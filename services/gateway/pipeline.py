@@ -32,7 +32,7 @@ from services.gateway import metrics
 from services.gateway.admission import REASON_DEADLINE, Admission, Ask, Hold, RequestTooHeavy, Ticket
 from services.gateway.deadline import CallerDeadline, Deadline
 from services.gateway.hop_errors import BREAKER_FAILURE_CODES, DOWNSTREAM_ERRORS, PeerCallError
-from services.gateway.plan import InputTokenPredictor, Plan, as_tool_calls, build_messages, context_bytes
+from services.gateway.plan import InputTokenPredictor, Plan, as_tool_calls, build_messages, context_bytes, raw_prompt
 from services.gateway.recent_hits import request_key
 from services.gateway.request_gateway import ModelRoute, RequestGateway
 
@@ -108,6 +108,8 @@ class Answer:
     index: int
     pieces: list[str] = field(default_factory=list)
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: the prompt's tokens scored (from the first message).
+    prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     finish: common_pb2.FinishReason = common_pb2.FINISH_REASON_UNSPECIFIED
     usage: common_pb2.Usage = field(default_factory=common_pb2.Usage)
     generated: int = 0
@@ -127,6 +129,7 @@ def total_usage(answers: Sequence[Answer], input_tokens: int) -> common_pb2.Usag
         usage.output_tokens += answer.usage.output_tokens
         usage.cached_input_tokens += answer.usage.cached_input_tokens
         usage.cached_output_tokens += answer.usage.cached_output_tokens
+        usage.prefix_cached_input_tokens += answer.usage.prefix_cached_input_tokens
     return usage
 
 
@@ -335,7 +338,8 @@ class RequestPath:
                 self.sources = self.sources[:-1]
                 state.degrade("context_trimmed")
                 self.prompt, self.input_tokens = await self._render(self.sources, tokenizer)
-        if "tokenizer_estimate" not in state.degradations:
+        if "tokenizer_estimate" not in state.degradations and not self.plan.raw:
+            # Learned from templated prompts only: a raw one has no template's overhead.
             (state.predictor or self.gateway.predictor).observe(
                 self.plan, self.input_tokens, context_bytes(self.sources)
             )
@@ -416,6 +420,7 @@ class RequestPath:
             if message.text:
                 answer.pieces.append(message.text)
             answer.logprobs.extend(message.logprobs)
+            answer.prompt_logprobs.extend(message.prompt_logprobs)
             if message.finish_reason:
                 answer.finish = message.finish_reason
                 answer.usage = message.usage
@@ -492,6 +497,7 @@ class RequestPath:
             degradations=self.state.degradations,
             answered_by=self.answered_by,
             logprobs=first.logprobs,
+            prompt_logprobs=first.prompt_logprobs,
         )
         if self.state.ticket is not None:
             self.state.ticket.finish()
@@ -700,6 +706,8 @@ class RequestPath:
         model's own template (learned from the tokenizer while it answered, else read from the
         model's folder at start), and a local estimate (inference tokenizes the text itself)."""
         plan, state, gateway = self.plan, self.state, self.gateway
+        if plan.raw:
+            return await self._render_raw(sources, tokenizer)
         messages = build_messages(plan, sources)
         try:
             rendered = await gateway.peers.chat_template(messages, self.deadline, tokenizer)
@@ -712,6 +720,24 @@ class RequestPath:
             return text, (state.predictor or gateway.predictor).estimate(plan, context_bytes(sources), text)
         gateway.learn_template(tokenizer)
         return list(rendered.ids), len(rendered.ids)
+
+    async def _render_raw(self, sources: list[common_pb2.ScoredChunk], tokenizer: str) -> tuple[list[int] | str, int]:
+        """A raw completion's input: its token ids as given, or its text tokenized as it is
+        (with the tokens the tokenizer adds to a text); while the tokenizer is down, the text
+        (inference tokenizes it) and a local estimate."""
+        plan, state, gateway = self.plan, self.state, self.gateway
+        if plan.prompt_token_ids:
+            return list(plan.prompt_token_ids), len(plan.prompt_token_ids)
+        text = raw_prompt(plan, sources)
+        try:
+            encoded = await gateway.peers.encode(text, self.deadline, tokenizer)
+        except DOWNSTREAM_ERRORS as exc:
+            if isinstance(exc, PeerCallError) and exc.code not in BREAKER_FAILURE_CODES:
+                raise
+            log.warning("tokenizer unavailable, estimating a raw prompt's tokens locally: %s", exc.message)
+            state.degrade("tokenizer_estimate")
+            return text, (state.predictor or gateway.predictor).estimate(plan, context_bytes(sources), text)
+        return list(encoded.ids), len(encoded.ids)
 
     def _render_locally(self, messages: list[common_pb2.ChatMessage], tokenizer: str) -> str:
         template = self.gateway.templates.get(tokenizer) or self.gateway.local_templates.get(tokenizer)

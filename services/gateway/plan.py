@@ -94,10 +94,16 @@ class Plan:
     tool_function: str = ""
     # Independent answers to generate (GenerateRequest.n; 1 when unset). n > 1 is never cached.
     n: int = 1
+    # A raw completion (GenerateRequest.raw): the prompt, or its token ids, is the model's whole
+    # input (no template, no system prompt).
+    raw: bool = False
+    prompt_token_ids: tuple[int, ...] = ()
 
     def text_bytes(self) -> int:
         """Bytes of the text the model is given before retrieval (every turn, or the question and
         the effective system prompt)."""
+        if self.raw:  # no system prompt; token ids weigh about four bytes each
+            return len(self.prompt.encode()) + 4 * len(self.prompt_token_ids)
         if self.turns:
             return sum(turn_bytes(t) for t in self.turns) + (
                 0 if self.turns[0].role == "system" else len(DEFAULT_SYSTEM_PROMPT)
@@ -286,7 +292,7 @@ def one_turn_form(request: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateR
     `system_prompt`): both spellings of one question are one request (one cache entry, one
     rendering). Anything else is returned as it is."""
     turns = request.messages
-    if not turns or not all(_plain_turn(t) for t in turns):
+    if not turns or request.raw or not all(_plain_turn(t) for t in turns):
         return request
     roles = [t.role for t in turns]
     if roles not in (["user"], ["system", "user"]) or request.prompt or request.system_prompt:
@@ -344,6 +350,27 @@ def _check_turns(request: gateway_pb2.GenerateRequest, config: GatewayConfig, ba
     return users[-1].content if users else ""
 
 
+def _check_raw(request: gateway_pb2.GenerateRequest, config: GatewayConfig, bad: list[tuple[str, str]]) -> None:
+    """A raw completion: the prompt or its token ids, and nothing a template would render."""
+    if not request.raw:
+        if request.prompt_token_ids:
+            bad.append(("prompt_token_ids", "only for a raw completion (raw: true)"))
+        return
+    for name in ("messages", "tools"):
+        if len(getattr(request, name)):
+            bad.append((name, "a raw completion has no template to render it: give the prompt as it is"))
+    if request.system_prompt:
+        bad.append(("system_prompt", "a raw completion has no system prompt: put it in the prompt"))
+    if request.prompt and request.prompt_token_ids:
+        bad.append(("prompt_token_ids", "set prompt or prompt_token_ids, not both"))
+    elif not request.prompt and not request.prompt_token_ids:
+        bad.append(("prompt", "must not be empty"))
+    if len(request.prompt_token_ids) > config.max_prompt_tokens:
+        bad.append(("prompt_token_ids", f"at most {config.max_prompt_tokens} tokens"))
+    if request.prompt_token_ids and request.use_retrieval:
+        bad.append(("use_retrieval", "retrieval searches with text: give the prompt as text"))
+
+
 def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Plan:
     """Checks every field and fills defaults; all problems are reported at once."""
     bad: list[tuple[str, str]] = []
@@ -351,7 +378,12 @@ def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Pla
     if request.HasField("response_format"):
         _check_response_format(request.response_format, bad)
     tool_mode = _check_tools(request, bad)
-    if request.messages:
+    _check_raw(request, config, bad)
+    if request.raw:
+        prompt = request.prompt
+        if len(prompt.encode("utf-8", "surrogatepass")) > config.max_prompt_bytes:
+            bad.append(("prompt", f"longer than {config.max_prompt_bytes} bytes"))
+    elif request.messages:
         prompt = _check_turns(request, config, bad)
     else:
         prompt = request.prompt
@@ -382,6 +414,10 @@ def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Pla
         bad.append(("sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS}"))
     if len(s.logit_bias) > MAX_LOGIT_BIAS or any(not (-100.0 <= b <= 100.0) for b in s.logit_bias.values()):
         bad.append(("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, each bias in [-100, 100]"))
+    if s.HasField("prompt_logprobs") and s.prompt_logprobs > MAX_TOP_LOGPROBS:
+        bad.append(("sampling.prompt_logprobs", f"at most {MAX_TOP_LOGPROBS}"))
+    if s.min_new_tokens > (s.max_new_tokens or config.default_max_new_tokens) and not s.prompt_only:
+        bad.append(("sampling.min_new_tokens", "at most max_new_tokens"))
     if s.top_logprobs > MAX_TOP_LOGPROBS:
         bad.append(("sampling.top_logprobs", f"at most {MAX_TOP_LOGPROBS}"))
     elif s.top_logprobs and not s.logprobs:
@@ -414,6 +450,10 @@ def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Pla
         sampling.top_k = 0
         sampling.min_p = 0.0
         sampling.ClearField("seed")
+    if sampling.prompt_only:
+        # Nothing is generated: one token's weight in admission, and no generation settings.
+        sampling.max_new_tokens = 1
+        sampling.min_new_tokens = 0
     if sampling.repetition_penalty == 1.0:
         sampling.repetition_penalty = 0.0  # 1 and 0 both mean off
     if len(sampling.stop_token_ids) > 1:
@@ -425,7 +465,12 @@ def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Pla
     n = max(1, request.n)
     # n > 1 or log probabilities: the answer cache is not used. A cached answer holds one text and
     # no log probabilities, so a hit could only return less than was asked for.
-    use_cache = (request.use_cache if request.HasField("use_cache") else True) and n == 1 and not sampling.logprobs
+    scored = sampling.logprobs or sampling.HasField("prompt_logprobs") or sampling.prompt_only
+    use_cache = (request.use_cache if request.HasField("use_cache") else True) and n == 1 and not scored
+    # A raw prompt given as token ids has no text to key or store an answer under.
+    use_cache = use_cache and not request.prompt_token_ids
+    # A raw completion is the model's whole input: context only when the caller asks for it.
+    use_retrieval = request.use_retrieval if request.HasField("use_retrieval") else not request.raw
     return Plan(
         prompt=prompt,
         system_prompt=request.system_prompt,
@@ -433,7 +478,7 @@ def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Pla
         semantic=semantic_allowed(request),
         sampling=sampling,
         use_cache=use_cache,
-        use_retrieval=request.use_retrieval if request.HasField("use_retrieval") else True,
+        use_retrieval=use_retrieval,
         top_k=request.top_k or config.default_top_k,
         collection=request.collection or config.default_collection,
         tenant=request.tenant or "default",
@@ -444,6 +489,8 @@ def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Pla
         tool_mode=tool_mode,
         tool_function=request.tool_choice.function if tool_mode == "function" else "",
         n=n,
+        raw=request.raw,
+        prompt_token_ids=tuple(request.prompt_token_ids),
     )
 
 
@@ -473,6 +520,15 @@ def build_messages(plan: Plan, sources: list[common_pb2.ScoredChunk]) -> list[co
         context = "\n\n".join(f"[{i + 1}] {chunk.text.strip()}" for i, chunk in enumerate(sources))
         turns[0].content = f"{turns[0].content}\n\n{CONTEXT_INSTRUCTION}{context}"
     return turns
+
+
+def raw_prompt(plan: Plan, sources: Sequence[common_pb2.ScoredChunk]) -> str:
+    """A raw completion's text as the model reads it: the prompt as it is, after the retrieved
+    context when the caller asked for retrieval."""
+    if not sources:
+        return plan.prompt
+    context = "\n\n".join(f"[{i + 1}] {chunk.text.strip()}" for i, chunk in enumerate(sources))
+    return f"{CONTEXT_INSTRUCTION}{context}\n\n{plan.prompt}"
 
 
 def copy_turn(turn: common_pb2.ChatMessage) -> common_pb2.ChatMessage:

@@ -60,7 +60,8 @@ def answer_shape(request: gateway_pb2.GenerateRequest, system_prompt: str) -> by
 def semantic_allowed(request: gateway_pb2.GenerateRequest) -> bool:
     """Whether a similar earlier question may answer this request (the semantic tier): only a
     single question, never a turn of a conversation (see MULTI_TURN_FIELDS)."""
-    return not any(len(getattr(request, name)) for name in MULTI_TURN_FIELDS)
+    # A raw completion continues its exact text: a similar text is another continuation.
+    return not request.raw and not any(len(getattr(request, name)) for name in MULTI_TURN_FIELDS)
 
 
 def cache_scope(

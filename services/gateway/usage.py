@@ -1,7 +1,8 @@
 """Usage per tenant and model, per-key limits and the access log (no gRPC here).
 
-Counters on the gateway's /metrics, by tenant and by the model that answered: requests, prompt
-tokens processed, tokens generated, tokens served from the cache instead (saved), sheds, refusals
+Counters on the gateway's /metrics, by tenant and by the model that answered (its real name):
+requests, prompt tokens processed, and of those apart the ones the engine reused from its prefix
+cache and the ones it computed, tokens generated, tokens served from the cache instead (saved), sheds, refusals
 by a key's own limit, errors. The tenant label set is bounded: tenants named by a key, then the
 first LLMESH_USAGE_MAX_TENANTS others seen; later ones fold into `_other`.
 
@@ -59,6 +60,17 @@ REQUESTS = Counter(
 )
 INPUT_TOKENS = Counter(
     "llmesh_gateway_tenant_input_tokens", "Prompt tokens the models processed, by tenant and model.", LABELS
+)
+CACHED_INPUT_TOKENS = Counter(
+    "llmesh_gateway_tenant_cached_input_tokens",
+    "Prompt tokens the models processed that the engine reused from its prefix cache (OpenAI's "
+    "cached_tokens; part of input_tokens), by tenant and model.",
+    LABELS,
+)
+UNCACHED_INPUT_TOKENS = Counter(
+    "llmesh_gateway_tenant_uncached_input_tokens",
+    "Prompt tokens the models processed and computed (input_tokens less cached_input_tokens), by tenant and model.",
+    LABELS,
 )
 OUTPUT_TOKENS = Counter("llmesh_gateway_tenant_output_tokens", "Tokens generated, by tenant and model.", LABELS)
 SAVED_TOKENS = Counter(
@@ -139,6 +151,11 @@ class UsageMeter:
         if usage is not None:
             if usage.input_tokens:
                 INPUT_TOKENS.labels(*labels).inc(usage.input_tokens)
+                reused = min(usage.prefix_cached_input_tokens, usage.input_tokens)
+                if reused:
+                    CACHED_INPUT_TOKENS.labels(*labels).inc(reused)
+                if usage.input_tokens > reused:
+                    UNCACHED_INPUT_TOKENS.labels(*labels).inc(usage.input_tokens - reused)
             if usage.output_tokens:
                 OUTPUT_TOKENS.labels(*labels).inc(usage.output_tokens)
             saved = usage.cached_input_tokens + usage.cached_output_tokens
@@ -175,6 +192,7 @@ class UsageMeter:
         if response is not None:
             fields.update(
                 input_tokens=response.usage.input_tokens,
+                cached_input_tokens=response.usage.prefix_cached_input_tokens,
                 output_tokens=response.usage.output_tokens,
                 saved_tokens=response.usage.cached_input_tokens + response.usage.cached_output_tokens,
                 degradations=list(response.degradations),

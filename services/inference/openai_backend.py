@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import math
@@ -57,10 +58,11 @@ from llmesh.settings import BackendSettings, GenerationLimits, redact_url
 from services.inference import metrics
 from services.inference.backend_load import SCRAPED, ReplicaLoad, combine, parse_metrics
 from services.inference.decoding import Limits, ResolvedParams, SamplingParams, TokenPieces, resolve_params
-from services.inference.engine import FINISH_STOP, GenerationEvent, ModelDescription
+from services.inference.engine import FINISH_STOP, GenerationEvent, ModelDescription, TokenLogprob
 from services.inference.engine.load import EngineLoad
 from services.inference.openai_protocol import (
     Chunk,
+    EchoSplitter,
     SSEReader,
     completion_body,
     error_for_status,
@@ -524,7 +526,10 @@ class OpenAIBackend:
         self.budget.earn()
         prompt: list[int] | str = prompt_ids if self.config.prompt_as == "tokens" else self.tokenizer.decode(prompt_ids)
         body = completion_body(self.config.model, prompt, resolved, response_format=params.response_format)
-        return OpenAIStream(self._stream(replica, body, resolved, len(prompt_ids), request_id))
+        echo = None
+        if body.get("echo"):
+            echo = EchoSplitter(len(prompt_ids), self.tokenizer.decode(prompt_ids))
+        return OpenAIStream(self._stream(replica, body, resolved, len(prompt_ids), request_id, echo))
 
     def _start_span(
         self, resolved: ResolvedParams, prompt_tokens: int, request_id: str, replica: Replica
@@ -563,8 +568,22 @@ class OpenAIBackend:
         entries = token_logprobs(chunk.logprobs, resolved.top_logprobs, self.tokenizer.piece_of)
         return GenerationEvent([e.token_id for e in entries], chunk.text, logprobs=entries)
 
+    def _prompt_logprobs(self, echo: EchoSplitter | None, resolved: ResolvedParams) -> list[TokenLogprob]:
+        """The echoed prompt's scores as the engine's prompt_logprobs (the first scores 0)."""
+        if echo is None or resolved.prompt_logprobs is None or not echo.prompt:
+            return []
+        entries = token_logprobs(tuple(echo.prompt), resolved.prompt_logprobs, self.tokenizer.piece_of)
+        entries[0] = dataclasses.replace(entries[0], logprob=0.0, top=())
+        return entries
+
     async def _stream(
-        self, replica: Replica, body: dict[str, Any], resolved: ResolvedParams, prompt_tokens: int, request_id: str
+        self,
+        replica: Replica,
+        body: dict[str, Any],
+        resolved: ResolvedParams,
+        prompt_tokens: int,
+        request_id: str,
+        echo: EchoSplitter | None = None,
     ) -> AsyncGenerator[GenerationEvent, None]:
         span = self._start_span(resolved, prompt_tokens, request_id, replica)
         headers: dict[str, str] = {"x-request-id": request_id} if request_id else {}
@@ -577,15 +596,20 @@ class OpenAIBackend:
         try:
             head, rest = await self._open(replica, body, headers, span)
             async with contextlib.aclosing(rest):
-                async for chunk in _resumed(head, rest):
+                async for raw in _resumed(head, rest):
+                    chunk = echo.split(raw) if echo is not None else raw
                     if chunk.prompt_tokens is not None:
                         usage = chunk
                     finish = chunk.finish_reason or finish
-                    if chunk.generated:
+                    if chunk.generated and not resolved.prompt_only:
                         if first_token:
                             first_token = False
                             metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - started)
-                        yield self._event(chunk, resolved)
+                            event = self._event(chunk, resolved)
+                            event.prompt_logprobs = self._prompt_logprobs(echo, resolved)
+                            yield event
+                        else:
+                            yield self._event(chunk, resolved)
             assert finish is not None  # `_chunks` raised on a stream without one
             input_tokens = usage.prompt_tokens if usage.prompt_tokens is not None else prompt_tokens
             output_tokens = usage.completion_tokens or 0
@@ -600,7 +624,11 @@ class OpenAIBackend:
                 span.set_attribute("gen_ai.response.model", usage.model)
             if usage.response_id:
                 span.set_attribute("gen_ai.response.id", usage.response_id)
-            yield GenerationEvent([], "", "", finish, input_tokens, output_tokens)
+            last = GenerationEvent([], "", "", finish, input_tokens, output_tokens)
+            last.cached_input_tokens = usage.cached_tokens or 0
+            if first_token:  # nothing generated (prompt_only): the prompt's scores come last
+                last.prompt_logprobs = self._prompt_logprobs(echo, resolved)
+            yield last
         except (asyncio.CancelledError, GeneratorExit):
             if outcome == "error":  # not yet answered in full
                 outcome = "cancelled"

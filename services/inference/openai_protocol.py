@@ -6,6 +6,7 @@ Pure functions (no I/O), so each mapping is tested on its own; `openai_backend` 
 
 from __future__ import annotations
 
+import dataclasses
 import email.utils
 import json
 import time
@@ -39,6 +40,8 @@ FIELD_OF_PARAM = {
     "logprobs": "sampling.top_logprobs",
     "top_logprobs": "sampling.top_logprobs",
     "ignore_eos": "sampling.ignore_eos",
+    "min_tokens": "sampling.min_new_tokens",
+    "prompt_logprobs": "sampling.prompt_logprobs",
     "prompt": "input",
 }
 DEFAULT_RETRY_AFTER_S = 1.0
@@ -103,6 +106,21 @@ def completion_body(
         # only); vLLM names each token by its id, so text and bytes come from our tokenizer.
         body["logprobs"] = params.top_logprobs
         body["return_tokens_as_token_ids"] = True
+    if params.min_new_tokens:
+        body["min_tokens"] = params.min_new_tokens
+    if params.keep_special_tokens:
+        body["skip_special_tokens"] = False
+    if params.include_stop_str:
+        body["include_stop_str_in_output"] = True
+    if params.prompt_logprobs is not None or params.prompt_only:
+        # vLLM refuses prompt_logprobs on a stream; `echo` with `logprobs` streams the prompt's
+        # tokens scored ahead of the answer (split off by `EchoSplitter`), and with max_tokens 0
+        # only them.
+        body["echo"] = True
+        body["logprobs"] = max(params.prompt_logprobs or 0, params.top_logprobs if params.logprobs else 0)
+        body["return_tokens_as_token_ids"] = True
+        if params.prompt_only:
+            body["max_tokens"] = 0
     if response_format is not None:
         body.update(format_fields(response_format))
     return body
@@ -191,6 +209,8 @@ class Chunk:
     completion_tokens: int | None = None
     logprobs: tuple[RawLogprob, ...] = ()
     token_ids: tuple[int, ...] = ()  # where the server sends them (vLLM's `return_token_ids`)
+    #: usage.prompt_tokens_details.cached_tokens, where the server reports it.
+    cached_tokens: int | None = None
     #: Tokens the chunk stands for: a server streams one chunk per token it samples, so merged
     #: chunks without ids stand for one each (0: a single chunk, as parsed).
     tokens: int = 0
@@ -210,9 +230,12 @@ def merge_chunks(chunks: list[Chunk]) -> Chunk:
     model = response_id = ""
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cached_tokens: int | None = None
     logprobs: list[RawLogprob] = []
     token_ids: list[int] = []
     for chunk in chunks:
+        if chunk.cached_tokens is not None:
+            cached_tokens = chunk.cached_tokens
         finish = chunk.finish_reason or finish
         model = chunk.model or model
         response_id = chunk.response_id or response_id
@@ -232,6 +255,7 @@ def merge_chunks(chunks: list[Chunk]) -> Chunk:
         completion_tokens=completion_tokens,
         logprobs=tuple(logprobs),
         token_ids=tuple(token_ids),
+        cached_tokens=cached_tokens,
     )
 
 
@@ -268,7 +292,10 @@ def parse_chunk(data: str | bytes) -> Chunk:
         if reason:
             finish = finish_reason(reason, choice.get("stop_reason"))
     usage = payload.get("usage") or {}
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return Chunk(
+        cached_tokens=cached if isinstance(cached, int) else None,
         text=text,
         finish_reason=finish,
         model=str(payload.get("model") or ""),
@@ -278,6 +305,33 @@ def parse_chunk(data: str | bytes) -> Chunk:
         logprobs=tuple(logprobs),
         token_ids=tuple(token_ids),
     )
+
+
+class EchoSplitter:
+    """Splits an echoed prompt off the head of a stream (what `completion_body` asks for to score
+    a prompt): its first `tokens` logprob entries are the prompt's, and its text starts with the
+    prompt's text, which is dropped."""
+
+    def __init__(self, tokens: int, text: str) -> None:
+        self.left = tokens
+        self.text = text
+        self.prompt: list[RawLogprob] = []
+
+    def split(self, chunk: Chunk) -> Chunk:
+        """The chunk less what of the prompt it still carries (kept in `prompt`)."""
+        if self.left <= 0 and not self.text:
+            return chunk
+        taken = chunk.logprobs[: self.left]
+        self.prompt += taken
+        self.left -= len(taken)
+        text = chunk.text
+        cut = min(len(self.text), len(text))
+        if text[:cut] == self.text[:cut]:
+            text, self.text = text[cut:], self.text[cut:]
+        else:  # the server decoded the prompt otherwise: nothing more of it is looked for
+            self.text = ""
+        ids = chunk.token_ids[len(taken) :] if chunk.token_ids else ()
+        return dataclasses.replace(chunk, text=text, logprobs=chunk.logprobs[len(taken) :], token_ids=tuple(ids))
 
 
 def finish_reason(reason: str, stop_reason: object) -> str:

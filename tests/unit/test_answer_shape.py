@@ -282,7 +282,21 @@ CHANGES: dict[str, Change] = {
         ),
     ),
     "sampling.ignore_eos": (always, lambda r, rng: setattr(r.sampling, "ignore_eos", not r.sampling.ignore_eos)),
+    "sampling.min_new_tokens": (always, lambda r, rng: setattr(r.sampling, "min_new_tokens", 1)),
+    # The same text as a raw completion (no template, no system prompt) and as token ids.
+    "raw": (always, lambda r, rng: _make_raw(r)),
+    "prompt_token_ids": (always, lambda r, rng: _make_raw(r, [rng.randint(0, 999) for _ in range(4)])),
 }
+
+
+def _make_raw(request: Request, ids: list[int] | None = None) -> None:
+    request.raw = True
+    for name in ("system_prompt", "messages", "tools", "tool_choice"):
+        request.ClearField(name)
+    if ids:
+        request.ClearField("prompt")
+        request.use_retrieval = False
+        request.prompt_token_ids.extend(ids)
 
 # ----- changes that must keep the entry: name -> (applies?, change)
 

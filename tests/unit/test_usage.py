@@ -29,9 +29,19 @@ def test_what_each_outcome_counts_and_the_access_line(caplog: pytest.LogCaptureF
     key = ApiKey(id="k123", tenants=frozenset({"usage-unit"}), limits=KeyLimits(tpm=1000))
     caller = Caller(key, "usage-unit")
     t = {"tenant": "usage-unit", "model": "m"}
-    names = ("requests", "input_tokens", "output_tokens", "saved_tokens", "shed", "errors")
+    names = (
+        "requests",
+        "input_tokens",
+        "cached_input_tokens",
+        "uncached_input_tokens",
+        "output_tokens",
+        "saved_tokens",
+        "shed",
+        "errors",
+    )
     before = {n: sample(n, **t) for n in names}
-    generated = gateway_pb2.GenerateResponse(usage=common_pb2.Usage(input_tokens=30, output_tokens=7), model="m@x")
+    usage = common_pb2.Usage(input_tokens=30, output_tokens=7, prefix_cached_input_tokens=16)
+    generated = gateway_pb2.GenerateResponse(usage=usage, model="m@x")
     cached = gateway_pb2.GenerateResponse(usage=common_pb2.Usage(cached_input_tokens=30, cached_output_tokens=7))
     caplog.set_level(logging.INFO, logger="llmesh.gateway")
     meter.finish(caller, "usage-unit", "m", "ok", "none", generated, None, 0.5)
@@ -42,7 +52,17 @@ def test_what_each_outcome_counts_and_the_access_line(caplog: pytest.LogCaptureF
     meter.finish(caller, "usage-unit", "m", "resource_exhausted", "none", None, limited, 0.0)
     meter.finish(caller, "usage-unit", "m", "unavailable", "none", None, Unavailable("down"), 0.0)
     delta = {n: sample(n, **t) - v for n, v in before.items()}
-    assert delta == {"requests": 5, "input_tokens": 30, "output_tokens": 7, "saved_tokens": 37, "shed": 1, "errors": 1}
+    assert delta == {
+        "requests": 5,
+        "input_tokens": 30,
+        # Of the prompt tokens processed, those the engine's prefix cache held and the rest apart.
+        "cached_input_tokens": 16,
+        "uncached_input_tokens": 14,
+        "output_tokens": 7,
+        "saved_tokens": 37,
+        "shed": 1,
+        "errors": 1,
+    }
     assert sample("key_limited", **t, limit="tpd") >= 1  # a key's own limit is not a shed
     assert meter.limiter.keys["k123"].local.tokens  # the generated tokens count against its tpm
     lines = [r.fields for r in caplog.records if getattr(r, "fields", {}).get("event") == "generate"]  # type: ignore[attr-defined]
@@ -57,6 +77,7 @@ def test_what_each_outcome_counts_and_the_access_line(caplog: pytest.LogCaptureF
         "cache_tier": "none",
         "duration_ms": 500.0,
         "input_tokens": 30,
+        "cached_input_tokens": 16,
         "output_tokens": 7,
         "saved_tokens": 0,
         "degradations": [],

@@ -177,9 +177,7 @@ class Emitter:
             if reason == FINISH_STOP:
                 # The EOS token is counted in the usage, so it is sent too (no text of its own).
                 tail, _ = self._tail(seq)
-                self._finish(
-                    seq, FINISH_STOP, token_ids=[token], text=tail, logprobs=logprobs, prompt_logprobs=scored
-                )
+                self._finish(seq, FINISH_STOP, token_ids=[token], text=tail, logprobs=logprobs, prompt_logprobs=scored)
                 continue
             # Stop strings are looked for from min_new_tokens on.
             armed = seq.emitted >= seq.params.min_new_tokens

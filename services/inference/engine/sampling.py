@@ -211,9 +211,7 @@ def prompt_scores(logits: torch.Tensor, targets: list[int], top: int) -> list[Pr
         return [(t, v, ()) for t, v in zip(targets, picked, strict=True)]
     values, ids = dist.topk(top, dim=-1, sorted=True)
     ranked = zip(ids.tolist(), values.tolist(), strict=True)
-    return [
-        (t, v, tuple(zip(i, w, strict=True))) for t, v, (i, w) in zip(targets, picked, ranked, strict=True)
-    ]
+    return [(t, v, tuple(zip(i, w, strict=True))) for t, v, (i, w) in zip(targets, picked, ranked, strict=True)]
 
 
 #: A request's logit_bias as device tensors, kept across its steps (by the bias itself: a row's
