@@ -298,6 +298,7 @@ def _make_raw(request: Request, ids: list[int] | None = None) -> None:
         request.use_retrieval = False
         request.prompt_token_ids.extend(ids)
 
+
 # ----- changes that must keep the entry: name -> (applies?, change)
 
 SAME: dict[str, Change] = {
