@@ -221,3 +221,48 @@ def test_n_and_logprobs_are_checked_and_never_use_the_cache() -> None:
             CONFIG,
         )
     assert [f for f, _ in bad.value.violations] == ["sampling.top_logprobs"]
+
+
+def test_a_raw_completion_has_no_template_parts_and_no_context_unless_asked() -> None:
+    plan = validate(gateway_pb2.GenerateRequest(prompt="Once upon a time", raw=True), CONFIG)
+    assert plan.raw and not plan.use_retrieval and not plan.semantic and plan.use_cache
+    assert plan.text_bytes() == len("Once upon a time")  # no default system prompt weighed
+    asked = validate(gateway_pb2.GenerateRequest(prompt="Once", raw=True, use_retrieval=True), CONFIG)
+    assert asked.use_retrieval
+    ids = validate(gateway_pb2.GenerateRequest(prompt_token_ids=[5, 6, 7], raw=True), CONFIG)
+    assert ids.prompt_token_ids == (5, 6, 7) and not ids.use_cache  # no text to key an answer on
+    templated = validate(gateway_pb2.GenerateRequest(prompt="Once upon a time"), CONFIG)
+    assert templated.shape != plan.shape  # the raw and the templated answer never share an entry
+    bad = [
+        (gateway_pb2.GenerateRequest(prompt_token_ids=[5]), {"prompt_token_ids", "prompt"}),
+        (gateway_pb2.GenerateRequest(prompt="a", system_prompt="b", raw=True), {"system_prompt"}),
+        (
+            gateway_pb2.GenerateRequest(raw=True, messages=[common_pb2.ChatMessage(role="user", content="a")]),
+            {"messages", "prompt"},
+        ),
+        (gateway_pb2.GenerateRequest(raw=True, prompt="a", prompt_token_ids=[5]), {"prompt_token_ids"}),
+        (gateway_pb2.GenerateRequest(raw=True, prompt_token_ids=[5], use_retrieval=True), {"use_retrieval"}),
+        (gateway_pb2.GenerateRequest(raw=True), {"prompt"}),
+    ]
+    for request, fields in bad:
+        with pytest.raises(InvalidArgument) as info:
+            validate(request, CONFIG)
+        assert {f for f, _ in info.value.violations} == fields, request
+
+
+def test_prompt_scoring_and_min_tokens_are_checked_and_never_cached() -> None:
+    scored = validate(
+        gateway_pb2.GenerateRequest(prompt="a", raw=True, sampling=common_pb2.SamplingParams(prompt_logprobs=0)), CONFIG
+    )
+    assert not scored.use_cache
+    read = validate(
+        gateway_pb2.GenerateRequest(prompt="a", raw=True, sampling=common_pb2.SamplingParams(prompt_only=True)), CONFIG
+    )
+    assert not read.use_cache and read.sampling.max_new_tokens == 1  # one token's weight in admission
+    for sampling, field in (
+        (common_pb2.SamplingParams(prompt_logprobs=21), "sampling.prompt_logprobs"),
+        (common_pb2.SamplingParams(max_new_tokens=4, min_new_tokens=5), "sampling.min_new_tokens"),
+    ):
+        with pytest.raises(InvalidArgument) as info:
+            validate(gateway_pb2.GenerateRequest(prompt="a", sampling=sampling), CONFIG)
+        assert [f for f, _ in info.value.violations] == [field]

@@ -8,6 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from llmesh.errors import InvalidArgument
+from llmesh.v1 import common_pb2, gateway_pb2
 from services.gateway.core import one_turn_form
 from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, param_name
 
@@ -225,3 +226,85 @@ def test_embedding_inputs_as_text_only() -> None:
     assert param_name("inputs[3]", "input") == "input"
     assert param_name("sampling.top_logprobs", "prompt") == "logprobs"
     assert param_name("sampling.top_logprobs", "messages") == "top_logprobs"
+
+
+def test_a_completion_is_raw_text_or_token_ids_and_echo_scores_the_prompt() -> None:
+    def completion(**body: object) -> gateway_pb2.GenerateRequest:
+        return CompletionRequest.model_validate({"model": "m", **body}).to_generate("t")
+
+    text = completion(prompt="Once upon a time")
+    assert text.raw and text.prompt == "Once upon a time" and not text.messages and not text.system_prompt
+    for prompt in ([5, 6, 7], [[5, 6, 7]]):
+        ids = completion(prompt=prompt)
+        assert ids.raw and ids.prompt == "" and list(ids.prompt_token_ids) == [5, 6, 7]
+    scoring = completion(prompt="a b c", echo=True, logprobs=3, max_tokens=0)
+    s = scoring.sampling
+    assert s.prompt_only and s.HasField("prompt_logprobs") and s.prompt_logprobs == 3 and not s.logprobs
+    echoed_ids = completion(prompt=[5, 6], echo=True, max_tokens=4)  # the prompt's text comes from its scores
+    assert echoed_ids.sampling.HasField("prompt_logprobs") and not echoed_ids.sampling.prompt_only
+    assert not completion(prompt="a", echo=True).sampling.HasField("prompt_logprobs")
+    with pytest.raises(InvalidArgument) as info:
+        completion(prompt="def f(", suffix="return x")
+    assert [f for f, _ in info.value.violations] == ["suffix"]
+    with pytest.raises(InvalidArgument) as info:
+        completion(prompt="a", echo=True, logprobs=1, stream=True)
+    assert [f for f, _ in info.value.violations] == ["echo"]
+
+
+def test_vllms_fields_map_onto_the_contract_for_chat_and_completions() -> None:
+    fields = {
+        "ignore_eos": True,
+        "min_tokens": 3,
+        "skip_special_tokens": False,
+        "include_stop_str_in_output": True,
+        "prompt_logprobs": 2,
+    }
+    for request in (
+        chat(messages=[{"role": "user", "content": "a"}], **fields).to_generate("t"),
+        CompletionRequest.model_validate({"model": "m", "prompt": "a", **fields}).to_generate("t"),
+    ):
+        s = request.sampling
+        assert (s.ignore_eos, s.min_new_tokens, s.keep_special_tokens, s.include_stop_str) == (True, 3, True, True)
+        assert s.prompt_logprobs == 2
+    plain = chat(messages=[{"role": "user", "content": "a"}]).to_generate("t").sampling
+    assert not plain.keep_special_tokens and not plain.HasField("prompt_logprobs")
+
+
+@pytest.mark.parametrize(
+    ("fields", "form"),
+    [
+        (
+            {"guided_json": {"type": "object"}},
+            common_pb2.ResponseFormat(type="json_schema", json_schema='{"type":"object"}'),
+        ),
+        (
+            {"structured_outputs": {"json": '{"type":"object"}'}},
+            common_pb2.ResponseFormat(type="json_schema", json_schema='{"type":"object"}'),
+        ),
+        ({"guided_regex": "[0-9]+"}, common_pb2.ResponseFormat(type="regex", regex="[0-9]+")),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, common_pb2.ResponseFormat(type="regex", regex="[0-9]+")),
+        ({"guided_choice": ["a", "b"]}, common_pb2.ResponseFormat(type="choice", choices=["a", "b"])),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, common_pb2.ResponseFormat(type="choice", choices=["a", "b"])),
+        ({"structured_outputs": {"json_object": True}}, common_pb2.ResponseFormat(type="json_object")),
+    ],
+)
+def test_vllms_structured_output_fields_are_llmesh_response_formats(
+    fields: dict, form: common_pb2.ResponseFormat
+) -> None:
+    assert chat(messages=[{"role": "user", "content": "a"}], **fields).to_generate("t").response_format == form
+    completion = CompletionRequest.model_validate({"model": "m", "prompt": "a", **fields}).to_generate("t")
+    assert completion.response_format == form
+
+
+def test_two_constraints_or_an_unsupported_one_are_refused_naming_the_field() -> None:
+    with pytest.raises(InvalidArgument) as info:
+        chat(messages=[{"role": "user", "content": "a"}], guided_regex="x", guided_choice=["y"]).to_generate("t")
+    assert [f for f, _ in info.value.violations] == ["guided_choice"]
+    with pytest.raises(InvalidArgument) as info:
+        chat(messages=[{"role": "user", "content": "a"}], guided_grammar="root ::= x").to_generate("t")
+    assert [f for f, _ in info.value.violations] == ["guided_grammar"]
+    with pytest.raises(InvalidArgument) as info:
+        chat(
+            messages=[{"role": "user", "content": "a"}], guided_regex="x", response_format={"type": "json_object"}
+        ).to_generate("t")
+    assert [f for f, _ in info.value.violations] == ["response_format"]

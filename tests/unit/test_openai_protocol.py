@@ -13,6 +13,7 @@ from llmesh import errors
 from services.inference.decoding import ResolvedParams
 from services.inference.engine import FINISH_LENGTH, FINISH_STOP, FINISH_STOP_SEQUENCE
 from services.inference.openai_protocol import (
+    EchoSplitter,
     completion_body,
     error_for_status,
     parse_chunk,
@@ -181,3 +182,65 @@ def test_logprobs_are_asked_by_token_id_and_mapped_back_likeliest_first() -> Non
     assert [(t.token_id, t.logprob, t.bytes) for t in entry.top] == [(3, -0.1, b"\xf0"), (9, -1.0, b" Rome")]
     (only,) = token_logprobs(chunk.logprobs, 0, piece_of)
     assert only.top == ()
+
+
+def test_vllms_fields_are_forwarded_as_vllm_names_them() -> None:
+    body = completion_body(
+        "m",
+        [1, 2],
+        params(min_new_tokens=4, keep_special_tokens=True, include_stop_str=True, ignore_eos=True),
+    )
+    assert body["min_tokens"] == 4 and body["skip_special_tokens"] is False
+    assert body["include_stop_str_in_output"] is True and body["ignore_eos"] is True
+    plain = completion_body("m", [1, 2], params())
+    assert not {"min_tokens", "skip_special_tokens", "include_stop_str_in_output", "echo"} & plain.keys()
+
+
+def test_prompt_scores_are_asked_as_an_echo_with_logprobs_and_split_off_the_stream() -> None:
+    scored = completion_body("m", [1, 2, 3], params(prompt_logprobs=2, logprobs=True, top_logprobs=1))
+    # vLLM refuses prompt_logprobs on a stream: echo with logprobs scores the prompt there.
+    assert scored["echo"] is True and scored["logprobs"] == 2 and scored["return_tokens_as_token_ids"] is True
+    assert "prompt_logprobs" not in scored and scored["max_tokens"] == 16
+    read_only = completion_body("m", [1, 2, 3], params(prompt_only=True, prompt_logprobs=0))
+    assert read_only["max_tokens"] == 0 and read_only["echo"] is True
+
+    splitter = EchoSplitter(3, "Hello world")
+    first = parse_chunk(
+        json.dumps(
+            {
+                "choices": [
+                    {
+                        "text": "Hello world!",
+                        "logprobs": {
+                            "tokens": ["token_id:1", "token_id:2", "token_id:3", "token_id:4"],
+                            "token_logprobs": [None, -1.5, -0.5, -2.0],
+                            "top_logprobs": [None, {"token_id:2": -1.5}, {"token_id:3": -0.5}, {"token_id:4": -2.0}],
+                        },
+                        "finish_reason": None,
+                    }
+                ]
+            }
+        )
+    )
+    rest = splitter.split(first)
+    assert rest.text == "!" and [t for t, _, _ in rest.logprobs] == ["token_id:4"]
+    assert [v for _, v, _ in splitter.prompt] == [None, -1.5, -0.5]
+    later = parse_chunk(json.dumps({"choices": [{"text": " Bye", "finish_reason": None}]}))
+    assert splitter.split(later).text == " Bye"
+
+
+def test_the_servers_cached_tokens_are_read_from_the_usage() -> None:
+    usage = parse_chunk(
+        json.dumps(
+            {
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": 700,
+                    "completion_tokens": 2,
+                    "prompt_tokens_details": {"cached_tokens": 640},
+                },
+            }
+        )
+    )
+    assert usage.cached_tokens == 640
+    assert parse_chunk(json.dumps({"choices": [], "usage": {"prompt_tokens": 7}})).cached_tokens is None
