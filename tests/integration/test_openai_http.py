@@ -224,7 +224,8 @@ async def test_unknown_parameter_and_bad_json_are_400(gateway: ServiceHost) -> N
         garbage = await http.post(
             "/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
         )
-        wrong_type = await http.post("/completions", json={"model": MODEL, "prompt": [1, 2, 3]})
+        # A list of token ids is a prompt (a raw completion); an object is not.
+        wrong_type = await http.post("/completions", json={"model": MODEL, "prompt": {"text": "hi"}})
         huge = await http.post("/completions", content=b"x" * (9 * 1024 * 1024))
         no_route = await http.get("/engines")
     assert unknown.status_code == 400 and "frobnicate" in assert_openai_error(unknown.json(), "frobnicate")["message"]
