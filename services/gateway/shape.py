@@ -53,6 +53,10 @@ def answer_shape(request: gateway_pb2.GenerateRequest, system_prompt: str) -> by
     shape.CopyFrom(request)
     for name in OUTSIDE_SHAPE:
         shape.ClearField(name)
+    if request.raw:
+        # A raw completion continues its exact text: the surrounding whitespace and the final
+        # mark the exact key's normalization drops change the continuation.
+        shape.prompt = request.prompt
     shape.system_prompt = system_prompt
     return shape.SerializeToString(deterministic=True)
 

@@ -269,6 +269,30 @@ async def test_logprobs_come_back_per_token_from_vllm(
     assert rejected.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+async def test_vllms_fields_and_prompt_scores_come_through_the_backend(
+    stub: inference_pb2_grpc.InferenceStub, inference: ServiceHost, vllm: VllmServer
+) -> None:
+    # The prompt read and scored, nothing generated: vLLM's own prompt_logprobs, token for token.
+    scored = [m async for m in stub.Generate(request(1, prompt_only=True, prompt_logprobs=1), timeout=120)]
+    entries = [e for m in scored for e in m.prompt_logprobs]
+    ids = backend_of(inference).tokenizer.encode(PROMPT)
+    assert [e.token_id for e in entries] == ids and entries[0].logprob == 0.0
+    assert scored[-1].usage.output_tokens == 0 and not any(m.token_ids for m in scored)
+    async with httpx.AsyncClient() as client:
+        direct = await client.post(
+            f"{vllm.base_url}/completions",
+            json={"model": VLLM_MODEL_NAME, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 1},
+            timeout=120,
+        )
+    theirs = direct.json()["choices"][0]["prompt_logprobs"]
+    assert [e.logprob for e in entries[1:]] == pytest.approx(
+        [entry[str(token)]["logprob"] for token, entry in zip(ids[1:], theirs[1:], strict=True)], abs=1e-3
+    )
+    # ignore_eos and min_tokens reach vLLM: the answer runs to max_new_tokens past its EOS.
+    held = [m async for m in stub.Generate(request(24, min_new_tokens=24), timeout=120)]
+    assert held[-1].usage.output_tokens == 24
+
+
 async def test_a_mismatched_tokenizer_is_refused_at_start(vllm: VllmServer, models_dir: Path) -> None:
     env = backend_env(vllm, models_dir, LLMESH_INFERENCE_MODEL="minilm")  # a BERT WordPiece tokenizer
     app = InferenceApp(service_settings("inference", env))

@@ -233,6 +233,10 @@ def test_a_raw_completion_has_no_template_parts_and_no_context_unless_asked() ->
     assert ids.prompt_token_ids == (5, 6, 7) and not ids.use_cache  # no text to key an answer on
     templated = validate(gateway_pb2.GenerateRequest(prompt="Once upon a time"), CONFIG)
     assert templated.shape != plan.shape  # the raw and the templated answer never share an entry
+    # The exact key normalizes a question's surrounding whitespace and final mark; a raw text's
+    # continuation depends on them, so its shape holds the exact text.
+    spaced = validate(gateway_pb2.GenerateRequest(prompt="Once upon a time. ", raw=True), CONFIG)
+    assert spaced.shape != plan.shape
     bad = [
         (gateway_pb2.GenerateRequest(prompt_token_ids=[5]), {"prompt_token_ids", "prompt"}),
         (gateway_pb2.GenerateRequest(prompt="a", system_prompt="b", raw=True), {"system_prompt"}),
