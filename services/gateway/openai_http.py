@@ -322,6 +322,8 @@ class OpenAiApi:
     async def completions(self, request: Request) -> Response:
         self._authenticated(request)
         body = CompletionRequest.model_validate_json(await request.body())
+        if len(body.prompts()) > 1:
+            return await self.complete_batch(request, body)
         return await self.complete(request, body, body.to_generate, chat=False)
 
     async def embeddings(self, request: Request) -> Response:
@@ -377,16 +379,48 @@ class OpenAiApi:
                 reason="MODEL_NOT_FOUND",
             )
 
-    async def complete(self, request: Request, body: Sampling, translate: Any, chat: bool) -> Response:
+    async def complete_batch(self, request: Request, body: CompletionRequest) -> Response:
+        """Several prompts in one completions request, answered whole: each is its own request
+        through the gateway (all at once), and the answer lists every prompt's choices in order
+        (prompt i's choice j at index i * n + j, as OpenAI numbers them), usage summed."""
+        bad = body.unsupported()
+        if bad:
+            raise InvalidArgument(bad)
         deadline = Deadline.after(self.default_deadline)
         caller = self.api_keys.caller(request.headers.get("authorization"), body.llmesh.tenant)
-        generate: gateway_pb2.GenerateRequest = translate(caller.tenant)
+        parts = [body.model_copy(update={"prompt": prompt}) for prompt in body.prompts()]
+        generates = [part.to_generate(caller.tenant) for part in parts]
         await self.check_model(body.model, deadline)
+        streams = [
+            cast(AsyncGenerator[Delta | Final, None], self.gateway.generate(g, deadline, caller)) for g in generates
+        ]
+        finals = await self._whole_all(request, streams)
+        n = max(1, body.n or 1)
+        choices: list[dict[str, Any]] = []
+        totals = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        cached = 0
+        answers = []
+        for i, (part, generate, final) in enumerate(zip(parts, generates, finals, strict=True)):
+            whole = self._answer(request, part, generate, chat=False).whole(final.response)
+            for choice in whole["choices"]:
+                choices.append({**choice, "index": i * n + choice["index"]})
+            for name in totals:
+                totals[name] += whole["usage"][name]
+            cached += whole["usage"]["prompt_tokens_details"]["cached_tokens"]
+            answers.append(whole)
+        usage = {**totals, "prompt_tokens_details": {"cached_tokens": cached}}
+        merged = {**answers[0], "choices": choices, "usage": usage}
+        merged["llmesh"] = {**answers[0]["llmesh"], "batch": [a["llmesh"] for a in answers]}
+        timings = server_timing({k: max(f.timings.get(k, 0.0) for f in finals) for k in finals[0].timings})
+        return Response(_json(merged), 200, {"server-timing": timings}, "application/json")
+
+    def _answer(self, request: Request, body: Sampling, generate: gateway_pb2.GenerateRequest, chat: bool) -> Answer:
+        """The shape the answer to `body` is written in."""
         echo = None
         if isinstance(body, CompletionRequest) and body.echo:
             prompt = body.prompt_value()
             echo = prompt if isinstance(prompt, str) else ""  # token ids: the scored tokens' text
-        answer = Answer(
+        return Answer(
             f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}",
             body.model,
             chat,
@@ -396,6 +430,13 @@ class OpenAiApi:
             echo=echo,
             prompt_logprobs=body.prompt_logprobs is not None,
         )
+
+    async def complete(self, request: Request, body: Sampling, translate: Any, chat: bool) -> Response:
+        deadline = Deadline.after(self.default_deadline)
+        caller = self.api_keys.caller(request.headers.get("authorization"), body.llmesh.tenant)
+        generate: gateway_pb2.GenerateRequest = translate(caller.tenant)
+        await self.check_model(body.model, deadline)
+        answer = self._answer(request, body, generate, chat)
         # An async generator: closed (the pipeline cancelled) when the caller goes away mid-stream.
         events = cast(AsyncGenerator[Delta | Final, None], self.gateway.generate(generate, deadline, caller))
         if not body.stream:
@@ -414,8 +455,13 @@ class OpenAiApi:
         """The final event of a non-streaming answer; a client that disconnects meanwhile cancels
         the generation (its engine row and its admission weight are freed at once, as a stream's
         are), instead of the answer being made for no one."""
+        return (await self._whole_all(request, [events]))[0]
 
-        async def last() -> Final:
+    async def _whole_all(self, request: Request, streams: Sequence[AsyncGenerator[Delta | Final, None]]) -> list[Final]:
+        """`_whole` of several answers at once (a batch of prompts): the first failure fails the
+        request, and a disconnect cancels every one of them."""
+
+        async def last(events: AsyncGenerator[Delta | Final, None]) -> Final:
             final = None
             async for event in events:
                 if isinstance(event, Final):
@@ -424,7 +470,16 @@ class OpenAiApi:
                 raise LlmeshError("the pipeline ended without an answer")
             return final
 
-        answer = asyncio.ensure_future(last())
+        async def every() -> list[Final]:
+            tasks = [asyncio.ensure_future(last(events)) for events in streams]
+            try:
+                return list(await asyncio.gather(*tasks))
+            finally:  # one failed, or all are cancelled: none goes on for no one
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+        answer = asyncio.ensure_future(every())
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -434,7 +489,8 @@ class OpenAiApi:
                 answer.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await answer
-                await events.aclose()
+                for events in streams:
+                    await events.aclose()
         if answer.cancelled():
             metrics.HTTP_DISCONNECTS.inc()
             raise ClientGone

@@ -28,6 +28,8 @@ MAX_LOGIT_BIAS = 300
 MAX_STOP_TOKEN_IDS = 16
 MAX_METADATA = 16
 MAX_EMBED_INPUTS = 256
+# Prompts of one completions request (each is its own request through the gateway).
+MAX_PROMPTS = 16
 # OpenAI's "developer" turn is the system turn of models that know no such role.
 ROLE_OF = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
@@ -390,17 +392,24 @@ class CompletionRequest(Sampling):
     best_of: int | None = None
     suffix: str | None = None
 
-    def prompt_value(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one, or a batch (a list of texts or of token-id lists)."""
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
-            return cast("str | list[int]", self.prompt[0])
-        return cast("str | list[int]", self.prompt)
+            return cast("list[str | list[int]]", list(self.prompt))
+        return [cast("str | list[int]", self.prompt)]
+
+    def prompt_value(self) -> str | list[int]:
+        """The (first) prompt."""
+        return self.prompts()[0]
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = super().unsupported()
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
-            if len(self.prompt) != 1:
-                bad.append(("prompt", "exactly one prompt per request"))
-        elif isinstance(self.prompt, list) and not self.prompt:
+        batch = len(self.prompts())
+        if batch > MAX_PROMPTS:
+            bad.append(("prompt", f"at most {MAX_PROMPTS} prompts per request"))
+        elif batch > 1 and self.stream:
+            bad.append(("prompt", "a batch of prompts is answered whole: stream=false (or one prompt per request)"))
+        if isinstance(self.prompt, list) and not self.prompt:
             bad.append(("prompt", "must not be empty"))
         if self.best_of not in (None, 1):
             bad.append(("best_of", "only best_of=1 is supported"))

@@ -106,8 +106,10 @@ def test_defaults_of_unsupported_parameters_are_accepted() -> None:
         user="someone",
     )
     assert request.include_usage and request.to_generate("default").messages[0].content == "a"
-    with pytest.raises(InvalidArgument):
-        CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"]}).to_generate("default")
+    batch = CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"], "stream": True})
+    assert batch.prompts() == ["a", "b"]
+    with pytest.raises(InvalidArgument):  # a batch is answered whole
+        batch.to_generate("default")
 
 
 @pytest.mark.parametrize(

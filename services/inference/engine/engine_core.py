@@ -96,7 +96,8 @@ def _adjustments(
     filters: dict[int, tuple[int, float]] = {}
     for row, seq in zip(rows, seqs, strict=True):
         p = seq.params
-        early = len(seq.generated) < p.min_new_tokens
+        # A grammar's answer ends where the grammar says (its EOS is not held off).
+        early = len(seq.generated) < p.min_new_tokens and seq.grammar is None
         if p.adjusts_logits or early:
             adjusted.append(
                 RowAdjustment(
