@@ -612,7 +612,8 @@ class OpenAIBackend:
                             yield self._event(chunk, resolved)
             assert finish is not None  # `_chunks` raised on a stream without one
             input_tokens = usage.prompt_tokens if usage.prompt_tokens is not None else prompt_tokens
-            output_tokens = usage.completion_tokens or 0
+            # vLLM samples one token for an echo with max_tokens 0 and counts it; none is answered.
+            output_tokens = 0 if resolved.prompt_only else usage.completion_tokens or 0
             outcome = finish
             metrics.PROMPT_TOKENS.inc(input_tokens)
             metrics.GENERATION_TOKENS.inc(output_tokens)
