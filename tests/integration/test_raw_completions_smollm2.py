@@ -104,7 +104,7 @@ async def test_the_prompt_is_the_models_whole_input_as_text_or_token_ids(
     assert reply.usage.input_tokens == len(ids) and reply.text == by_text.choices[0].text
     assert templated.usage.input_tokens > 20  # a chat request still gets the template
     # A batch of prompts: each prompt's choice in order, usage summed.
-    batch = await client.completions.create(model=MODEL, prompt=[SIX_WORDS, ids], max_tokens=8, extra_body=NO_CACHE)
+    batch = await client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=8, extra_body=NO_CACHE)
     assert [c.index for c in batch.choices] == [0, 1]
     assert [c.text for c in batch.choices] == [by_text.choices[0].text] * 2
     assert batch.usage is not None and batch.usage.prompt_tokens == 2 * len(ids)
