@@ -23,6 +23,16 @@ from llmesh.spans import LeanTracerProvider
 
 _provider: TracerProvider | None = None
 
+# Spans per OTLP export call (the SDK's default, 512, unless OTEL_BSP_MAX_EXPORT_BATCH_SIZE says):
+# encoding a batch is pure Python that holds the GIL from start to end, and a request waiting for
+# the GIL then waits for the whole batch. Smaller batches give it back at each call's network wait.
+EXPORT_BATCH = 64
+# How long a thread that holds the GIL keeps it from one that asks (CPython's default: 5 ms).
+# The event loop gives the GIL up at every socket call; while the export threads encode, each of
+# those calls waited up to this long to get it back, a request's dozen of them adding up to the
+# tail. Set only in a process that exports spans.
+EXPORT_SWITCH_INTERVAL_S = 0.0005
+
 
 def log_entry(record: logging.LogRecord, service: str, exc_text: str = "") -> dict[str, Any]:
     """The fields of one log line: time, level, service, logger, message, the active trace and
@@ -217,7 +227,7 @@ def setup_tracing(service: str, exporter: SpanExporter | None = None) -> TracerP
     global _provider
     if _provider is not None:
         if exporter is not None:
-            _provider.add_span_processor(BatchSpanProcessor(exporter))
+            _provider.add_span_processor(batch_processor(exporter))
         return _provider
     name = os.environ.get("OTEL_SERVICE_NAME") or f"llmesh-{service}"
     provider = LeanTracerProvider(resource=Resource.create({SERVICE_NAME: name, "llmesh.service": service}))
@@ -228,11 +238,22 @@ def setup_tracing(service: str, exporter: SpanExporter | None = None) -> TracerP
         # export runs on the batch processor's thread, off the request path.
         exporter = OTLPSpanExporter(timeout=5)
     if exporter is not None:
-        # Batch sizes and delays follow the standard OTEL_BSP_* variables.
-        provider.add_span_processor(BatchSpanProcessor(exporter))
+        provider.add_span_processor(batch_processor(exporter))
     trace.set_tracer_provider(provider)
     _provider = provider
     return provider
+
+
+def batch_processor(exporter: SpanExporter, environ: Mapping[str, str] = os.environ) -> BatchSpanProcessor:
+    """The SDK's batch processor: sizes and delays from the standard OTEL_BSP_* variables, with
+    EXPORT_BATCH spans per export call where OTEL_BSP_MAX_EXPORT_BATCH_SIZE is unset. The
+    process's GIL switch interval drops to EXPORT_SWITCH_INTERVAL_S (never raised)."""
+    batch = None if environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE") else EXPORT_BATCH
+    queue = environ.get("OTEL_BSP_MAX_QUEUE_SIZE", "")
+    if batch is not None and queue.isdigit() and int(queue) > 0:
+        batch = min(batch, int(queue))  # the SDK refuses a batch larger than its queue
+    sys.setswitchinterval(min(sys.getswitchinterval(), EXPORT_SWITCH_INTERVAL_S))
+    return BatchSpanProcessor(exporter, max_export_batch_size=batch)
 
 
 def shutdown_tracing() -> None:
