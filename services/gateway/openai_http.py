@@ -634,6 +634,7 @@ class Answer:
         self.offsets: dict[int, int] = {}  # completions streamed: each answer's text length so far
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+        self._delta_head: tuple[str, bytes] | None = None  # (model, the bytes every delta chunk starts with)
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -713,6 +714,21 @@ class Answer:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return b"data: " + _json({**self._envelope(obj, choices), **extra}) + b"\n\n"
 
+    def _delta_chunk(self, text: str, index: int, usage_null: bool) -> bytes:
+        """`_chunk([_choice(text, None, index=index)], usage=None if usage_null)`, the same bytes,
+        for the chunk sent per token: only the text is encoded, the rest is written once."""
+        if self._delta_head is None or self._delta_head[0] != self.model:
+            obj = "chat.completion.chunk" if self.chat else "text_completion"
+            envelope = _json(self._envelope(obj, []))
+            self._delta_head = (self.model, b"data: " + envelope[: -len(b"[]}")] + b'[{"index":')
+        if self.chat:
+            choice = b',"delta":{"content":' + _json(text) + b'},"logprobs":null,"finish_reason":null}]'
+        else:
+            self.offsets[index] = self.offsets.get(index, 0) + len(text)
+            choice = b',"text":' + _json(text) + b',"logprobs":null,"finish_reason":null}]'
+        tail = b',"usage":null}\n\n' if usage_null else b"}\n\n"
+        return b"".join((self._delta_head[1], str(index).encode(), choice, tail))
+
     async def stream(
         self,
         first: Delta | Final,
@@ -734,7 +750,9 @@ class Answer:
             event: Delta | Final | None = first
             while event is not None:
                 if isinstance(event, Delta):
-                    if event.text or (self.logprobs and event.logprobs):
+                    if event.text and not self.logprobs:
+                        yield self._delta_chunk(event.text, event.index, include_usage)
+                    elif event.text or (self.logprobs and event.logprobs):
                         choice = self._choice(event.text, None, index=event.index, logprobs=event.logprobs)
                         yield self._chunk([choice], **usage)
                 else:
