@@ -508,12 +508,27 @@ def apply_niceness(increment: int) -> int:
     return os.nice(0)
 
 
+def service_niceness(settings: ServiceSettings, environ: Mapping[str, str] = os.environ) -> int:
+    """LLMESH_NICE, but 0 for an inference service on the openai backend when LLMESH_NICE is not
+    set: that process computes nothing, it relays the tokens of an engine that runs at its own
+    niceness (0 for a vLLM started by hand). Below a busy engine on the same cores it waits behind
+    the engine's steps to pass each step's tokens on, and every stream's first token waits too."""
+    inference = getattr(settings, "inference", None)
+    if (
+        settings.service == "inference"
+        and "LLMESH_NICE" not in environ
+        and getattr(inference, "backend", "builtin") == "openai"
+    ):
+        return 0
+    return int(settings.serving.nice)
+
+
 def run_service(model: type[S], factory: Callable[[S], ServiceApp]) -> None:
     """Entry point of `python -m services.<name>`: the service's settings model and its app."""
     settings = load_or_exit(model)
     service = settings.service
     telemetry.setup_logging(service, settings.runtime.log_level, settings.runtime.log_format)
-    apply_niceness(settings.serving.nice)
+    apply_niceness(service_niceness(settings))
     memory.map_large_buffers(settings.mmap_threshold_bytes)
     telemetry.setup_tracing(service)
     try:

@@ -428,8 +428,9 @@ class ServingSettings(Section):
         "LLMESH_NICE",
         "0",
         "CPU niceness the service adds to itself at start (-20..19). Model compute runs below the gateway, so on "
-        "shared cores the gateway keeps answering (and shedding) in milliseconds. Below 0 needs CAP_SYS_NICE; without"
-        " it the service logs a warning and keeps its niceness.",
+        "shared cores the gateway keeps answering (and shedding) in milliseconds. An inference service on the openai "
+        "backend computes nothing and runs at 0 unless this is set. Below 0 needs CAP_SYS_NICE; without it the "
+        "service logs a warning and keeps its niceness.",
         parse_niceness,
         per_service={"inference": "5", "retrieval": "5"},
     )

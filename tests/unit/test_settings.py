@@ -192,3 +192,14 @@ def test_urls_shown_in_logs_and_model_info_hide_their_password() -> None:
     replica = Replica("https://svc:hunter2hunter2@vllm:8000/v1")
     assert replica.shown == "https://svc:***@vllm:8000/v1"
     assert replica.base_url == "https://svc:hunter2hunter2@vllm:8000/v1"  # requests still authenticate
+
+
+def test_the_openai_backend_relays_at_the_engines_priority_unless_told_otherwise() -> None:
+    from llmesh import server
+
+    openai = {"LLMESH_INFERENCE_BACKEND": "openai", "LLMESH_BACKEND_URLS": "http://127.0.0.1:8000/v1"}
+    assert server.service_niceness(load("inference", openai), openai) == 0
+    assert server.service_niceness(load("inference", {}), {}) == 5  # the builtin engine computes: below the gateway
+    told = {**openai, "LLMESH_NICE": "7"}
+    assert server.service_niceness(load("inference", told), told) == 7
+    assert server.service_niceness(load("retrieval", openai), openai) == 5
