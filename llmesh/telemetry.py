@@ -232,11 +232,11 @@ def setup_tracing(service: str, exporter: SpanExporter | None = None) -> TracerP
     name = os.environ.get("OTEL_SERVICE_NAME") or f"llmesh-{service}"
     provider = LeanTracerProvider(resource=Resource.create({SERVICE_NAME: name, "llmesh.service": service}))
     if exporter is None and _otlp_configured():
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from llmesh.otlp import LeanOtlpSpanExporter
 
         # Short export timeout: an unreachable collector must never slow requests down;
         # export runs on the batch processor's thread, off the request path.
-        exporter = OTLPSpanExporter(timeout=5)
+        exporter = LeanOtlpSpanExporter(timeout=5)
     if exporter is not None:
         provider.add_span_processor(batch_processor(exporter))
     trace.set_tracer_provider(provider)
