@@ -200,7 +200,7 @@ def _figures(loop: dict[str, float], prefix: str) -> dict[str, float]:
         f"ttft_{prefix}_p50_s": loop["ttft_p50_s"],
         f"ttft_{prefix}_p95_s": loop["ttft_p95_s"],
         f"{prefix}_requests": loop["requests"],
-        f"{prefix}_tokens_per_request": loop["tokens"] / max(1, loop["requests"]),
+        f"{prefix}_tokens_per_answer": loop["tokens_per_answer"],
         f"{prefix}_sheds": loop["sheds"],
     }
 

@@ -41,6 +41,7 @@ class Tally:
 
     sheds: int = 0
     tokens: int = 0
+    answers: int = 0  # requests answered to their end (tokens / answers: tokens per answer)
     errors: list[str] = field(default_factory=list)
 
 
@@ -146,6 +147,7 @@ async def http_one(
                         produced = int(event["usage"]["completion_tokens"])
         spread(record, produced)
         tally.tokens += produced
+        tally.answers += 1
         record.done = time.perf_counter()
         if decoding is not None:
             decoding.set()
@@ -208,6 +210,7 @@ async def grpc_one(
             continue
         spread(record, produced)
         tally.tokens += produced
+        tally.answers += 1
         record.done = time.perf_counter()
         if decoding is not None:
             decoding.set()
@@ -215,7 +218,12 @@ async def grpc_one(
 
 
 def figures(loop: dict[str, float], tally: Tally) -> dict[str, float]:
-    return {**loop, "sheds": tally.sheds, "tokens": tally.tokens}
+    return {
+        **loop,
+        "sheds": tally.sheds,
+        "tokens": tally.tokens,
+        "tokens_per_answer": tally.tokens / max(1, tally.answers),
+    }
 
 
 async def http_loop(
