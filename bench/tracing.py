@@ -34,15 +34,23 @@ def request(prompt: str, use_cache: bool) -> gateway_pb2.GenerateRequest:
     )
 
 
-async def hits(stub: gateway_pb2_grpc.GatewayStub, clients: int, per_client: int) -> tuple[list[float], float]:
+async def hits(
+    stub: gateway_pb2_grpc.GatewayStub, clients: int, per_client: int, failures: list[str] | None = None
+) -> tuple[list[float], float]:
     """`clients` callers, each sending `per_client` cached requests one after another: every
-    latency, and the hits per second of the round."""
+    latency, and the hits per second of the round. A call that fails is counted in `failures`."""
     latencies: list[float] = []
 
     async def caller(i: int) -> None:
         for n in range(per_client):
             started = time.perf_counter()
-            await stub.Generate(request(PROMPTS[(i + n) % len(PROMPTS)], True), timeout=60)
+            try:
+                await stub.Generate(request(PROMPTS[(i + n) % len(PROMPTS)], True), timeout=60)
+            except grpc.aio.AioRpcError as err:
+                if failures is None:
+                    raise
+                failures.append(err.code().name)
+                continue
             latencies.append(time.perf_counter() - started)
 
     started = time.perf_counter()
@@ -54,6 +62,7 @@ async def measure(
     targets: dict[str, str], rounds: int, generations: int, clients: int, per_client: int
 ) -> dict[str, dict[str, list[float]]]:
     samples: dict[str, dict[str, list[float]]] = {name: {"hit": [], "rps": [], "generate": []} for name in targets}
+    failed: dict[str, list[str]] = {name: [] for name in targets}
     channels = {name: grpc.aio.insecure_channel(t) for name, t in targets.items()}
     stubs = {name: gateway_pb2_grpc.GatewayStub(c) for name, c in channels.items()}
     for stub in stubs.values():  # warm: fill each mesh's cache, open every path once
@@ -63,7 +72,7 @@ async def measure(
     for i in range(rounds):
         order = list(stubs.items()) if i % 2 == 0 else list(reversed(stubs.items()))
         for name, stub in order:
-            latencies, rate = await hits(stub, clients, per_client)
+            latencies, rate = await hits(stub, clients, per_client, failed[name])
             samples[name]["hit"].extend(latencies)
             samples[name]["rps"].append(rate)
         if i < generations:
@@ -73,6 +82,10 @@ async def measure(
                 samples[name]["generate"].append(time.perf_counter() - started)
     for channel in channels.values():
         await channel.close()
+    for name, codes in failed.items():
+        samples[name]["failed"] = [float(len(codes))]
+        if codes:
+            print(f"{name}: {len(codes)} cached requests failed ({', '.join(sorted(set(codes)))})", flush=True)
     return samples
 
 
@@ -122,6 +135,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             "hit_rps_runs_on": [round(r, 1) for r in samples["on"]["rps"]],
             "hit_rps_runs_off": [round(r, 1) for r in samples["off"]["rps"]],
             "hits_per_mesh": len(samples["on"]["hit"]),
+            "hit_failures_on": int(samples["on"]["failed"][0]),
+            "hit_failures_off": int(samples["off"]["failed"][0]),
             "clients": args.clients,
             "spans_received": receiver.count,
             "model": args.model,
