@@ -1116,6 +1116,13 @@ class BackendSettings(Section):
         "rendered prompt; TGI, Ollama).",
         one_of("tokens", "text"),
     )
+    priority: bool = setting(
+        "LLMESH_BACKEND_PRIORITY",
+        "false",
+        "Send batch-lane requests to the openai backend with the engine's own `priority` field (a higher number "
+        "waits): for a vLLM started with `--scheduling-policy priority`, which refuses the field otherwise.",
+        parse_bool,
+    )
     connect_timeout_seconds: float = setting(
         "LLMESH_BACKEND_CONNECT_TIMEOUT_SECONDS", "2", "Connect timeout to the openai backend.", parse_positive_float
     )

@@ -111,7 +111,10 @@ async def submit(client: openai.AsyncOpenAI, lines: list[Any], endpoint: str = "
     uploaded = await client.files.create(file=("input.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
     assert uploaded.purpose == "batch" and uploaded.bytes == len(jsonl(lines))
     return await client.batches.create(
-        input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h", metadata={"job": "test"}  # type: ignore[arg-type]
+        input_file_id=uploaded.id,
+        endpoint=endpoint,  # type: ignore[arg-type]
+        completion_window="24h",
+        metadata={"job": "test"},
     )
 
 
@@ -269,7 +272,12 @@ async def test_another_tenants_key_cannot_read_the_batch_or_its_files(gateway: S
 
 
 async def test_limits_and_bad_requests_answer_in_openais_error_shape(backends: dict[str, str]) -> None:
-    env = {**backends, "LLMESH_BATCH_MAX_LINES": "3", "LLMESH_BATCH_MAX_IN_FLIGHT": "1", "LLMESH_BATCH_CONCURRENCY": "1"}
+    env = {
+        **backends,
+        "LLMESH_BATCH_MAX_LINES": "3",
+        "LLMESH_BATCH_MAX_IN_FLIGHT": "1",
+        "LLMESH_BATCH_CONCURRENCY": "1",
+    }
     async with hosted("gateway", GatewayApp, env) as gw, client_of(gw, ACME_KEY) as client:
         with pytest.raises(openai.BadRequestError, match="more than 3 lines"):
             await client.files.create(
@@ -277,10 +285,14 @@ async def test_limits_and_bad_requests_answer_in_openais_error_shape(backends: d
             )
         with pytest.raises(openai.BadRequestError, match="purpose"):
             await client.files.create(file=("x.jsonl", io.BytesIO(jsonl([chat_line("a", "hi")]))), purpose="fine-tune")
-        uploaded = await client.files.create(file=("x.jsonl", io.BytesIO(jsonl([chat_line("a", "hi")]))), purpose="batch")
+        uploaded = await client.files.create(
+            file=("x.jsonl", io.BytesIO(jsonl([chat_line("a", "hi")]))), purpose="batch"
+        )
         with pytest.raises(openai.BadRequestError, match="completion_window"):
             await client.batches.create(
-                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1h"  # type: ignore[arg-type]
+                input_file_id=uploaded.id,
+                endpoint="/v1/chat/completions",
+                completion_window="1h",  # type: ignore[arg-type]
             )
         slow = [chat_line(f"s-{i}", f"Story {i}.", 32, use_cache=False) for i in range(3)]
         first = await submit(client, slow)
