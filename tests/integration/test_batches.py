@@ -5,6 +5,7 @@ and over gRPC."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import uuid
@@ -345,3 +346,26 @@ async def test_the_same_calls_on_grpc(gateway: ServiceHost) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as unauthenticated:
             await stub.GetBatch(batches_pb2.BatchRequest(batch_id=batch.id))
         assert unauthenticated.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_the_cli_submits_follows_and_reads_a_batch(
+    gateway: ServiceHost, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llmesh import cli
+
+    source = tmp_path / "requests.jsonl"
+    source.write_bytes(jsonl([chat_line("cli-1", "Hi there."), completion_line("cli-2", "Once upon")]))
+    common = ["--target", f"127.0.0.1:{gateway.port}", "--api-key", ACME_KEY, "--json"]
+    # The CLI blocks on its calls: it runs beside the gateway's event loop, as a separate process would.
+    code = await asyncio.to_thread(cli.main, ["batch", "submit", str(source), "--wait", "--every", "0.1", *common])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    submitted = json.loads(captured.out)
+    assert submitted["status"] == "completed" and submitted["request_counts"]["completed"] == "2"
+    assert "[##############################] 2/2 completed" in captured.err  # the progress bar, done
+    out = tmp_path / "out.jsonl"
+    code = await asyncio.to_thread(cli.main, ["batch", "results", submitted["id"], "-o", str(out), *common])
+    assert code == 0
+    assert sorted(json.loads(line)["custom_id"] for line in out.read_text().splitlines()) == ["cli-1", "cli-2"]
+    code = await asyncio.to_thread(cli.main, ["batch", "status", "batch-missing", *common])
+    assert code == 3 and json.loads(capsys.readouterr().out)["error"] == "NOT_FOUND"
