@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -209,22 +210,35 @@ def _progress(done: int, total: int, label: str) -> None:
 BATCH_ENDED = ("completed", "failed", "cancelled", "expired")
 
 
-def _batch_calls(mesh):  # type: ignore[no-untyped-def]
-    """The Batches stub on the mesh's channel and a call wrapper turning its errors into MeshError."""
+@contextlib.contextmanager
+def _batch_calls(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """Calls of the Batches service with the client's options (key, TLS, timeout), its errors
+    turned into MeshError."""
     import grpc
 
-    from llmesh.client import to_mesh_error
+    from llmesh.client import ClientOptions, to_mesh_error
     from llmesh.v1 import batches_pb2_grpc
 
-    stub = batches_pb2_grpc.BatchesStub(mesh.channel)
+    opts = ClientOptions(
+        target=args.target,
+        api_key=args.api_key,
+        ca_file=args.ca_file,
+        cert_file=args.cert_file,
+        key_file=args.key_file,
+        timeout=args.timeout,
+    )
+    creds, options = opts.credentials(), opts.channel_options()
+    channel = grpc.secure_channel(args.target, creds, options) if creds else grpc.insecure_channel(args.target, options)
+    stub = batches_pb2_grpc.BatchesStub(channel)
 
     def call(method: str, request: object) -> object:
         try:
-            return getattr(stub, method)(request, timeout=mesh.opts.timeout, metadata=mesh.opts.metadata())
+            return getattr(stub, method)(request, timeout=opts.timeout, metadata=opts.metadata())
         except grpc.RpcError as err:
             raise to_mesh_error(err) from None
 
-    return call
+    with channel:
+        yield call
 
 
 def _batch_line(batch: object) -> str:
@@ -249,8 +263,7 @@ def _batch_watch(call, batch_id: str, tenant: str, every: float) -> object:  # t
 def cmd_batch(args: argparse.Namespace) -> int:
     from llmesh.v1 import batches_pb2
 
-    with _client(args) as mesh:
-        call = _batch_calls(mesh)
+    with _batch_calls(args) as call:
         tenant = args.tenant
         if args.action == "submit":
             path = Path(args.file)

@@ -197,8 +197,14 @@ async def test_malformed_lines_go_to_the_error_file_and_the_others_complete(gate
         assert "temperature" in refused["body"]["error"]["message"]
 
 
-async def test_cancel_stops_the_remaining_lines(backends: dict[str, str]) -> None:
-    env = {**backends, "LLMESH_BATCH_CONCURRENCY": "1"}
+def own_store(backends: dict[str, str], redis_url: str, **settings: str) -> dict[str, str]:
+    """A gateway's settings with a state Redis of the test's own: the module's gateway, which works
+    on every job of its store as any replica does, takes no part."""
+    return {**backends, "LLMESH_ADMISSION_REDIS_URL": redis_url, **settings}
+
+
+async def test_cancel_stops_the_remaining_lines(backends: dict[str, str], redis_url: str) -> None:
+    env = own_store(backends, redis_url, LLMESH_BATCH_CONCURRENCY="1")
     async with hosted("gateway", GatewayApp, env) as gw, client_of(gw) as client:
         lines = [chat_line(f"c-{i}", f"Write a long story number {i}.", 32, use_cache=False) for i in range(300)]
         batch = await submit(client, lines)
@@ -220,10 +226,12 @@ async def test_cancel_stops_the_remaining_lines(backends: dict[str, str]) -> Non
         assert not gw.app.batch_runner.running  # type: ignore[attr-defined]
 
 
-async def test_a_gateway_killed_mid_batch_and_started_again_runs_every_line_once(backends: dict[str, str]) -> None:
+async def test_a_gateway_killed_mid_batch_and_started_again_runs_every_line_once(
+    backends: dict[str, str], redis_url: str
+) -> None:
     # Short leases: the lines the dead gateway held are claimed again soon after.
-    env = {**backends, "LLMESH_BATCH_CONCURRENCY": "4", "LLMESH_BATCH_LEASE_SECONDS": "1"}
-    total = 60
+    env = own_store(backends, redis_url, LLMESH_BATCH_CONCURRENCY="4", LLMESH_BATCH_LEASE_SECONDS="2")
+    total = 40
     lines = [chat_line(f"k-{i}", f"Tell me about rivers, part {i}.", 16, use_cache=False) for i in range(total)]
     async with hosted("gateway", GatewayApp, env) as first, client_of(first) as client:
         batch = await submit(client, lines)
@@ -232,7 +240,7 @@ async def test_a_gateway_killed_mid_batch_and_started_again_runs_every_line_once
         async def midway() -> bool:
             found = await client.batches.retrieve(batch.id)
             # Lines in flight when it dies.
-            return found.request_counts is not None and found.request_counts.completed >= 5 and bool(runner.running)
+            return found.request_counts is not None and found.request_counts.completed >= 3 and bool(runner.running)
 
         await eventually(midway, timeout=120, interval=0.05)
         held = len(runner.running)
@@ -272,13 +280,9 @@ async def test_another_tenants_key_cannot_read_the_batch_or_its_files(gateway: S
         assert (await owner.files.content(done.output_file_id)).text
 
 
-async def test_limits_and_bad_requests_answer_in_openais_error_shape(backends: dict[str, str]) -> None:
-    env = {
-        **backends,
-        "LLMESH_BATCH_MAX_LINES": "3",
-        "LLMESH_BATCH_MAX_IN_FLIGHT": "1",
-        "LLMESH_BATCH_CONCURRENCY": "1",
-    }
+async def test_limits_and_bad_requests_answer_in_openais_error_shape(backends: dict[str, str], redis_url: str) -> None:
+    limits = {"LLMESH_BATCH_MAX_LINES": "3", "LLMESH_BATCH_MAX_IN_FLIGHT": "1", "LLMESH_BATCH_CONCURRENCY": "1"}
+    env = own_store(backends, redis_url, **limits)
     async with hosted("gateway", GatewayApp, env) as gw, client_of(gw, ACME_KEY) as client:
         with pytest.raises(openai.BadRequestError, match="more than 3 lines"):
             await client.files.create(
@@ -369,3 +373,44 @@ async def test_the_cli_submits_follows_and_reads_a_batch(
     assert sorted(json.loads(line)["custom_id"] for line in out.read_text().splitlines()) == ["cli-1", "cli-2"]
     code = await asyncio.to_thread(cli.main, ["batch", "status", "batch-missing", *common])
     assert code == 3 and json.loads(capsys.readouterr().out)["error"] == "NOT_FOUND"
+
+
+async def test_each_line_is_a_trace_of_its_own_linked_to_the_batch_and_counted(
+    gateway: ServiceHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.trace.sampling import DEFAULT_ON
+    from prometheus_client import REGISTRY
+
+    from llmesh.spans import LeanTracerProvider
+    from services.gateway.batches import runner
+
+    provider = LeanTracerProvider(resource=Resource.create({"service.name": "unit"}), sampler=DEFAULT_ON)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(runner, "tracer", provider.get_tracer("llmesh.gateway.batch"))
+    ok_before = REGISTRY.get_sample_value("llmesh_gateway_batch_lines_total", {"outcome": "ok"}) or 0.0
+    trace_id = uuid.uuid4().hex
+    async with client_of(gateway) as client:
+        uploaded = await client.files.create(
+            file=("in.jsonl", io.BytesIO(jsonl([chat_line("s-1", "One."), chat_line("s-2", "Two.")]))),
+            purpose="batch",
+        )
+        batch = await client.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            extra_headers={"traceparent": f"00-{trace_id}-{'1' * 16}-01"},
+        )
+        assert (await ended(client, batch.id)).status == "completed"
+    provider.force_flush()
+    lines = [s for s in exporter.get_finished_spans() if s.name == "batch line"]
+    assert sorted(s.attributes["llmesh.batch.custom_id"] for s in lines) == ["s-1", "s-2"]  # type: ignore[index]
+    for span in lines:
+        assert span.attributes["llmesh.batch.id"] == batch.id  # type: ignore[index]
+        assert span.context.trace_id != int(trace_id, 16)  # a trace of its own...
+        assert trace_id in [format(link.context.trace_id, "032x") for link in span.links]  # ...linked to the job's
+    assert REGISTRY.get_sample_value("llmesh_gateway_batch_lines_total", {"outcome": "ok"}) == ok_before + 2
+    provider.shutdown()

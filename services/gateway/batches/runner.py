@@ -109,14 +109,11 @@ class BatchRunner:
     async def _loop(self) -> None:
         while True:
             self._wakeup.clear()
-            wait = self.poll_s
+            wait = min(self.poll_s, self.lease_s / 3)  # a turn renews the leases: often enough to keep them
             try:
                 await self._turn()
-            except (OSError, ConnectionError, TimeoutError) as exc:
-                log.warning("batch runner: the state Redis failed: %s", exc)
-                wait = MAX_BACKOFF_S
-            except Exception:
-                log.exception("batch runner turn failed")
+            except Exception as exc:  # the state Redis away, mostly: try again in a while
+                log.warning("batch runner: a turn failed: %s: %s", type(exc).__name__, exc)
                 wait = MAX_BACKOFF_S
             pause = self.paused_until - time.monotonic()
             if pause > 0:
@@ -143,7 +140,9 @@ class BatchRunner:
             if info.status != "in_progress":
                 continue
             for line in await self.store.claim(info.id, room, self.lease_s):
-                task = asyncio.get_running_loop().create_task(self._run(info, line))
+                if (info.id, line) in self.running:
+                    continue  # its lease ran out while it ran here (a stalled loop): it runs on, renewed
+                task = asyncio.get_running_loop().create_task(self._guarded(info, line))
                 self.running[(info.id, line)] = task
                 task.add_done_callback(lambda _, key=(info.id, line): self._ended(key))  # type: ignore[misc]
         metrics.LINES_RUNNING.set(len(self.running))
@@ -169,9 +168,13 @@ class BatchRunner:
         """Finalizes a job that is due: done, cancelled with nothing running, or past its window."""
         status = info.status
         if status == "cancelling":
-            for (batch_id, _), task in list(self.running.items()):
-                if batch_id == info.id:
-                    task.cancel()
+            # Its lines running here stop now, and their claims go back: the job ends without
+            # waiting for their leases to run out.
+            mine = {key: task for key, task in self.running.items() if key[0] == info.id}
+            for task in mine.values():
+                task.cancel()
+            await asyncio.gather(*mine.values(), return_exceptions=True)
+            await self.store.release(info.id, [line for _, line in mine])
             if await self.store.live_claims(info.id) == 0:
                 await self._finalize(info, "cancelled")
         elif status == "in_progress":
@@ -189,6 +192,14 @@ class BatchRunner:
             return Caller(ANONYMOUS, info.tenant)
         key: ApiKey | None = next((k for k in self.keys.keys.by_digest.values() if k.id == info.key_id), None)
         return Caller(key, info.tenant) if key is not None else None
+
+    async def _guarded(self, info: BatchInfo, line: int) -> None:
+        try:
+            await self._run(info, line)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the state Redis away: the line's claim runs out and it runs again
+            log.warning("batch %s line %d: %s: %s", info.id, line, type(exc).__name__, exc)
 
     async def _run(self, info: BatchInfo, line: int) -> None:
         raw = await self.store.line(info.id, line)
