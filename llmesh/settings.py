@@ -1441,6 +1441,7 @@ class CliSettings(MeshSettings):
     http: HttpSettings
     request_limits: RequestLimitSettings
     admission: AdmissionSettings
+    batch: BatchSettings
     hops: HopBudgetSettings
     breaker: BreakerSettings
     routing: RoutingSettings

@@ -24,7 +24,7 @@ from services.gateway.auth import Caller, KeyRing
 from services.gateway.batches.api import BatchApi
 from services.gateway.batches.grpc_api import BatchesServicer
 from services.gateway.batches.lines import LineEndpoints
-from services.gateway.batches.runner import BatchRunner
+from services.gateway.batches.runner import BatchRunner, engine_room
 from services.gateway.batches.service import BatchLimits, BatchService
 from services.gateway.batches.store import BatchStore
 from services.gateway.breaker import BreakerConfig, State, TransitionListener
@@ -275,7 +275,14 @@ class GatewayApp:
         limits = BatchLimits(s.batch.max_file_bytes, s.batch.max_lines, s.batch.max_in_flight)
         self.batches = BatchService(store, limits, self.batch_lines)
         self.batch_runner = (
-            BatchRunner(store, self.batch_lines, self.api_keys, s.batch.concurrency, s.batch.lease_seconds)
+            BatchRunner(
+                store,
+                self.batch_lines,
+                self.api_keys,
+                s.batch.concurrency,
+                s.batch.lease_seconds,
+                room=lambda: engine_room(self.loads, list(models)),
+            )
             if store is not None
             else None
         )

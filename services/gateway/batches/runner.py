@@ -2,11 +2,13 @@
 
 Each turn the runner claims as many lines as it has room for (leased; the lease renewed while a
 line runs), runs each through the gateway's request path on the `batch` lane, and completes it
-once in the store. Room is a target number of lines at once, grown by one per line answered and
-halved when admission refuses one (RESOURCE_EXHAUSTED: the batch lane's share is full, or
-interactive traffic needs the engines): the refused line is given back and the runner waits out
-the refusal's retry delay before claiming again. So batch work fills what interactive traffic
-leaves, and yields as soon as admission says so.
+once in the store. Room is the lesser of two: the rows the engines' own load reports leave free
+for batch work (`engine_room`: a share of each engine's rows, none where anything waits), and a
+target number of lines at once, grown by one per line answered and halved when admission
+refuses one (RESOURCE_EXHAUSTED: the batch lane's share is full, or interactive traffic needs the
+engines): the refused line is given back and the runner waits out the refusal's retry delay
+before claiming again. So batch work fills what interactive traffic leaves, and yields as soon
+as the engines or admission say so.
 
 A job whose lines are all done, whose cancel has taken effect, or whose window has passed is
 finalized by whichever runner sees it first (under a lock): its output and error files written,
@@ -20,6 +22,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -28,6 +31,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from llmesh.errors import HTTP_STATUS, LlmeshError, retry_after_of
+from services.gateway.admission import LoadBook
 from services.gateway.auth import ANONYMOUS, ApiKey, Caller, KeyRing
 from services.gateway.batches import metrics
 from services.gateway.batches.lines import LineEndpoints
@@ -38,6 +42,9 @@ from services.gateway.openai_http import error_body
 log = logging.getLogger("llmesh.gateway.batch")
 tracer = trace.get_tracer("llmesh.gateway.batch")
 
+# The share of an engine's rows batch lines may fill (with what else runs there): the rest is
+# headroom an interactive request finds free on arrival, with no batch row to wait behind.
+BATCH_ROW_SHARE = 0.75
 # Refusals that mean "not now": the line goes back and is run again later.
 LOAD_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
 MIN_BACKOFF_S, MAX_BACKOFF_S = 0.05, 5.0
@@ -55,6 +62,18 @@ def output_line(request_id: str, custom_id: str, status: int, body: dict[str, An
     return json.dumps(line, separators=(",", ":"), ensure_ascii=False)
 
 
+def engine_room(loads: LoadBook, models: Sequence[str], share: float = BATCH_ROW_SHARE) -> int | None:
+    """Rows batch lines may take now on the engines, by their own load reports: up to `share` of
+    each replica's rows, and none on a replica where anything waits (interactive work queues
+    there: batch work leaves it). None: no engine reports its load (the openai backend without
+    metrics): admission's refusals alone pace the runner."""
+    now = loads.clock()
+    reports = [r for name in models for r in loads.model(name).fresh(now)]
+    if not reports:
+        return None
+    return sum(0 if r.waiting else max(0, int(r.max_running * share) - r.running) for r in reports)
+
+
 class BatchRunner:
     def __init__(
         self,
@@ -64,6 +83,7 @@ class BatchRunner:
         concurrency: int,
         lease_s: float,
         poll_s: float = 1.0,
+        room: Callable[[], int | None] | None = None,
     ) -> None:
         self.store = store
         self.endpoints = endpoints
@@ -72,6 +92,7 @@ class BatchRunner:
         self.target = float(self.max_lines)
         self.lease_s = lease_s
         self.poll_s = poll_s
+        self.room = room  # rows the engines have for batch lines now (engine_room); None: unknown
         self.running: dict[tuple[str, int], asyncio.Task[None]] = {}
         self.paused_until = 0.0
         self.backoff_s = MIN_BACKOFF_S
@@ -133,13 +154,19 @@ class BatchRunner:
         await self._renew()
         if time.monotonic() < self.paused_until:
             return
+        free = self.room() if self.room is not None else None
         for info in infos:
             room = int(self.target) - len(self.running)
+            if free is not None:
+                room = min(room, free)
             if room <= 0:
                 break
             if info.status != "in_progress":
                 continue
-            for line in await self.store.claim(info.id, room, self.lease_s):
+            claimed = await self.store.claim(info.id, room, self.lease_s)
+            if free is not None:
+                free -= len(claimed)
+            for line in claimed:
                 if (info.id, line) in self.running:
                     continue  # its lease ran out while it ran here (a stalled loop): it runs on, renewed
                 task = asyncio.get_running_loop().create_task(self._guarded(info, line))
