@@ -245,7 +245,7 @@ async def test_a_gateway_killed_mid_batch_and_started_again_runs_every_line_once
         await eventually(midway, timeout=120, interval=0.05)
         held = len(runner.running)
         # As a crash: the lines running are dropped and their claims are left to expire.
-        await runner.stop(release=False)
+        await asyncio.wait_for(runner.stop(release=False), 60)
     assert held > 0
     async with hosted("gateway", GatewayApp, env) as second, client_of(second) as client:
         done = await ended(client, batch.id)

@@ -49,6 +49,7 @@ BATCH_ROW_SHARE = 0.75
 LOAD_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
 MIN_BACKOFF_S, MAX_BACKOFF_S = 0.05, 5.0
 FINALIZE_LOCK_S = 60.0
+STOP_WAIT_S = 5.0
 
 
 def output_line(request_id: str, custom_id: str, status: int, body: dict[str, Any]) -> str:
@@ -118,7 +119,10 @@ class BatchRunner:
         running = dict(self.running)
         for task in running.values():
             task.cancel()
-        await asyncio.gather(*running.values(), return_exceptions=True)
+        if running:
+            # Bounded: a line whose request path is slow to unwind must not hold the drain up;
+            # its claim is given back (or runs out) all the same.
+            await asyncio.wait(running.values(), timeout=STOP_WAIT_S)
         if release:
             by_batch: dict[str, list[int]] = {}
             for batch_id, line in running:
@@ -200,7 +204,8 @@ class BatchRunner:
             mine = {key: task for key, task in self.running.items() if key[0] == info.id}
             for task in mine.values():
                 task.cancel()
-            await asyncio.gather(*mine.values(), return_exceptions=True)
+            if mine:
+                await asyncio.wait(mine.values(), timeout=STOP_WAIT_S)
             await self.store.release(info.id, [line for _, line in mine])
             if await self.store.live_claims(info.id) == 0:
                 await self._finalize(info, "cancelled")
