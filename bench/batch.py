@@ -204,12 +204,14 @@ async def restart(mesh: Any, lines: int, gateway_env: dict[str, str]) -> dict[st
     }
 
 
-async def closed_loop_32(target: str, measure_s: float) -> float:
+async def closed_loop_32(target: str, measure_s: float, warmup_s: float) -> float:
     prompts = build_prompts(resolve(real_models_dir(), "smollm2"))
     async with grpc.aio.insecure_channel(target) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         await one(stub, prompts[0], 8)
-        result = await closed_loop(functools.partial(one, stub), prompts, lambda rng: 64, measure_s)
+        result = await closed_loop(
+            functools.partial(one, stub), prompts, lambda rng: 64, measure_s, warmup_limit_s=warmup_s
+        )
     return float(result["tok_s"])
 
 
@@ -221,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--interactive-seconds", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--measure", type=float, default=20.0, help="seconds of the 32-stream closed loop")
+    parser.add_argument(
+        "--warmup", type=float, default=300.0, help="most seconds the closed loop's clients take to start"
+    )
     args = parser.parse_args(argv)
     # Default admission (a batch lane at half the budget), short leases so a killed gateway's lines
     # come back within seconds.
@@ -230,8 +235,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         gateway_env["LLMESH_ADMISSION_REDIS_URL"] = mesh.base_env["LLMESH_REDIS_URL"]
         mesh.start_one("gateway", 180.0, gateway_env)
         base_url = mesh.procs["gateway"].http_base_url()
-        result: dict[str, Any] = {"lines": args.lines, "line_max_tokens": LINE_TOKENS}
-        result["closed_loop_32_tok_s"] = asyncio.run(closed_loop_32(mesh.target("inference"), args.measure))
+        result: dict[str, Any] = {
+            "lines": args.lines,
+            "beside_lines": args.beside_lines,
+            "line_max_tokens": LINE_TOKENS,
+            "load_average_at_start": os.getloadavg()[0],
+        }
+        result["closed_loop_32_tok_s"] = asyncio.run(
+            closed_loop_32(mesh.target("inference"), args.measure, args.warmup)
+        )
         result.update(asyncio.run(batch_alone(base_url, args.lines)))
         arms = interactive_arms(base_url, args.beside_lines, args.interactive_seconds, args.rounds)
         result.update(asyncio.run(arms))

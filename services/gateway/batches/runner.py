@@ -47,6 +47,10 @@ tracer = trace.get_tracer("llmesh.gateway.batch")
 BATCH_ROW_SHARE = 0.75
 # Refusals that mean "not now": the line goes back and is run again later.
 LOAD_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
+# A line whose attempt ran out of time (engines too busy) is tried again, as a refused one, up
+# to this many times on this gateway; then its timeout is its answer (a line that cannot finish
+# within the deadline at all must not keep coming back for the job's whole window).
+DEADLINE_RETRIES = 3
 MIN_BACKOFF_S, MAX_BACKOFF_S = 0.05, 5.0
 FINALIZE_LOCK_S = 60.0
 STOP_WAIT_S = 5.0
@@ -95,6 +99,7 @@ class BatchRunner:
         self.poll_s = poll_s
         self.room = room  # rows the engines have for batch lines now (engine_room); None: unknown
         self.running: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self.timeouts: dict[tuple[str, int], int] = {}  # lines' attempts that ran out of time here
         self.paused_until = 0.0
         self.backoff_s = MIN_BACKOFF_S
         self._wakeup = asyncio.Event()
@@ -259,7 +264,7 @@ class BatchRunner:
                 body = await self.endpoints[request.get("url", info.endpoint)](request["body"], caller, request_id)
                 kind, status = OUTPUT, 200
             except LlmeshError as exc:
-                if exc.code in LOAD_CODES:
+                if exc.code in LOAD_CODES or self._worth_another_try(info.id, line, exc):
                     await self._refused(info.id, line, exc)
                     return
                 kind, status = ERROR, HTTP_STATUS.get(exc.code, 500)
@@ -276,10 +281,21 @@ class BatchRunner:
                 metrics.LINE_SECONDS.inc(time.perf_counter() - started)
             done = await self.store.complete(info.id, line, kind, output_line(request_id, custom_id, status, body))
             span.set_attribute("llmesh.batch.recorded", done)
+        self.timeouts.pop((info.id, line), None)
         metrics.LINES.labels("ok" if kind == OUTPUT else "error").inc()
         self.target = min(float(self.max_lines), self.target + 1)
         self.backoff_s = max(MIN_BACKOFF_S, self.backoff_s / 2)
         metrics.LINES_TARGET.set(self.target)
+
+    def _worth_another_try(self, batch_id: str, line: int, exc: LlmeshError) -> bool:
+        if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+            return False
+        key = (batch_id, line)
+        self.timeouts[key] = self.timeouts.get(key, 0) + 1
+        if self.timeouts[key] > DEADLINE_RETRIES:
+            del self.timeouts[key]
+            return False
+        return True
 
     async def _refused(self, batch_id: str, line: int, exc: LlmeshError) -> None:
         """Admission said not now: fewer lines at once, a pause, and the line back for later."""
