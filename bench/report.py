@@ -212,6 +212,15 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "affinity_engine_prefix_hit_rate",
         "round_robin_engine_prefix_hit_rate",
     ),
+    "batch": (
+        "lines",
+        "batch_tok_s_alone",
+        "closed_loop_32_tok_s",
+        "interactive_ttft_p95_s_alone",
+        "interactive_ttft_p95_s_with_batch",
+        "lost_lines",
+        "duplicate_lines",
+    ),
     "reliability_openai": (
         "backend",
         "model",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -204,6 +205,123 @@ def _progress(done: int, total: int, label: str) -> None:
     filled = int(width * done / max(total, 1))
     sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label[:40]:<40}")
     sys.stderr.flush()
+
+
+BATCH_ENDED = ("completed", "failed", "cancelled", "expired")
+
+
+@contextlib.contextmanager
+def _batch_calls(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """Calls of the Batches service with the client's options (key, TLS, timeout), its errors
+    turned into MeshError."""
+    import grpc
+
+    from llmesh.client import ClientOptions, to_mesh_error
+    from llmesh.v1 import batches_pb2_grpc
+
+    opts = ClientOptions(
+        target=args.target,
+        api_key=args.api_key,
+        ca_file=args.ca_file,
+        cert_file=args.cert_file,
+        key_file=args.key_file,
+        timeout=args.timeout,
+    )
+    creds, options = opts.credentials(), opts.channel_options()
+    channel = grpc.secure_channel(args.target, creds, options) if creds else grpc.insecure_channel(args.target, options)
+    stub = batches_pb2_grpc.BatchesStub(channel)
+
+    def call(method: str, request: object) -> object:
+        try:
+            return getattr(stub, method)(request, timeout=opts.timeout, metadata=opts.metadata())
+        except grpc.RpcError as err:
+            raise to_mesh_error(err) from None
+
+    with channel:
+        yield call
+
+
+def _batch_line(batch: object) -> str:
+    counts = batch.request_counts  # type: ignore[attr-defined]
+    return f"{batch.id} {batch.status}: {counts.completed} ok, {counts.failed} failed of {counts.total}"  # type: ignore[attr-defined]
+
+
+def _batch_watch(call, batch_id: str, tenant: str, every: float) -> object:  # type: ignore[no-untyped-def]
+    """Polls the job until it ends, drawing its progress; returns the ended job."""
+    from llmesh.v1 import batches_pb2
+
+    while True:
+        batch = call("GetBatch", batches_pb2.BatchRequest(batch_id=batch_id, tenant=tenant))
+        counts = batch.request_counts
+        _progress(counts.completed + counts.failed, counts.total, batch.status)
+        if batch.status in BATCH_ENDED:
+            sys.stderr.write("\n")
+            return batch
+        time.sleep(every)
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from llmesh.v1 import batches_pb2
+
+    with _batch_calls(args) as call:
+        tenant = args.tenant
+        if args.action == "submit":
+            path = Path(args.file)
+            if not path.is_file():
+                print(f"llmesh batch: no such file: {path}", file=sys.stderr)
+                return 2
+            uploaded = call(
+                "CreateFile",
+                batches_pb2.CreateFileRequest(
+                    filename=path.name, purpose="batch", content=path.read_bytes(), tenant=tenant
+                ),
+            )
+            metadata = dict(pair.split("=", 1) for pair in args.metadata)
+            batch = call(
+                "CreateBatch",
+                batches_pb2.CreateBatchRequest(
+                    input_file_id=uploaded.id,  # type: ignore[attr-defined]
+                    endpoint=args.endpoint,
+                    completion_window=args.completion_window,
+                    metadata=metadata,
+                    tenant=tenant,
+                ),
+            )
+            if args.wait:
+                batch = _batch_watch(call, batch.id, tenant, args.every)  # type: ignore[attr-defined]
+        elif args.action == "status":
+            if args.wait:
+                batch = _batch_watch(call, args.batch_id, tenant, args.every)
+            else:
+                batch = call("GetBatch", batches_pb2.BatchRequest(batch_id=args.batch_id, tenant=tenant))
+                counts = batch.request_counts  # type: ignore[attr-defined]
+                if not args.json:
+                    _progress(counts.completed + counts.failed, counts.total, batch.status)  # type: ignore[attr-defined]
+                    sys.stderr.write("\n")
+        elif args.action == "cancel":
+            batch = call("CancelBatch", batches_pb2.BatchRequest(batch_id=args.batch_id, tenant=tenant))
+        else:  # results
+            batch = call("GetBatch", batches_pb2.BatchRequest(batch_id=args.batch_id, tenant=tenant))
+            file_id = batch.error_file_id if args.errors else batch.output_file_id  # type: ignore[attr-defined]
+            if not file_id:
+                what = "error" if args.errors else "output"
+                print(f"llmesh batch: {_batch_line(batch)}: no {what} file (yet)", file=sys.stderr)
+                return 1
+            content = call("GetFileContent", batches_pb2.FileRequest(file_id=file_id, tenant=tenant))
+            data = content.content  # type: ignore[attr-defined]
+            if args.output:
+                Path(args.output).write_bytes(data)
+                lines = data.count(b"\n")
+                print(f"wrote {lines} lines to {args.output}", file=sys.stderr)
+            else:
+                sys.stdout.buffer.write(data)
+                sys.stdout.flush()
+            return 0
+        if args.json:
+            _print_json(batch)
+        else:
+            print(_batch_line(batch))
+    return 0
 
 
 def cmd_search(args: argparse.Namespace) -> int:
@@ -471,6 +589,28 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--file", default=argparse.SUPPRESS if p is not keys else "", help="the keys file")
         p.add_argument("--json", action="store_true", default=argparse.SUPPRESS if p is not keys else False)
     keys.set_defaults(func=cmd_keys)
+
+    batch = sub.add_parser("batch", help="submit a batch of requests, follow it, read its results, cancel it")
+    batch_sub = batch.add_subparsers(dest="action", required=True)
+    submit = batch_sub.add_parser("submit", help="upload a JSONL file of requests and start a batch job")
+    submit.add_argument("file", help="JSONL: one {custom_id, method, url, body} per line (OpenAI's batch input)")
+    submit.add_argument("--endpoint", default="/v1/chat/completions")
+    submit.add_argument("--completion-window", default="24h")
+    submit.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
+    submit.add_argument("--wait", action="store_true", help="follow the job with a progress bar until it ends")
+    status = batch_sub.add_parser("status", help="a job's status and progress")
+    status.add_argument("batch_id")
+    status.add_argument("--wait", action="store_true", help="follow the job with a progress bar until it ends")
+    results = batch_sub.add_parser("results", help="a job's output file (or --errors: its error file)")
+    results.add_argument("batch_id")
+    results.add_argument("--errors", action="store_true")
+    results.add_argument("-o", "--output", help="write to this file instead of standard output")
+    cancel = batch_sub.add_parser("cancel", help="stop a job's remaining lines")
+    cancel.add_argument("batch_id")
+    for p in (submit, status, results, cancel):
+        client_args(p)
+        p.add_argument("--every", type=float, default=1.0, help=argparse.SUPPRESS)
+    batch.set_defaults(func=cmd_batch)
 
     bench = sub.add_parser("bench", help="run benchmarks (default: all)")
     bench.add_argument(

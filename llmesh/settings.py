@@ -722,6 +722,39 @@ class RequestLimitSettings(Section):
     )
 
 
+class BatchSettings(Section):
+    """The Batch API: jobs, files and results in the state Redis (LLMESH_ADMISSION_REDIS_URL)."""
+
+    max_file_bytes: int = setting(
+        "LLMESH_BATCH_MAX_FILE_BYTES",
+        str(64 * 1024 * 1024),
+        "Largest batch input file (POST /v1/files, purpose batch); a larger one is refused INVALID_ARGUMENT.",
+        parse_positive_int,
+    )
+    max_lines: int = setting(
+        "LLMESH_BATCH_MAX_LINES", "50000", "Most request lines in one batch input file.", parse_positive_int
+    )
+    max_in_flight: int = setting(
+        "LLMESH_BATCH_MAX_IN_FLIGHT",
+        "8",
+        "Batch jobs a tenant may have not yet ended; one more is refused RESOURCE_EXHAUSTED (BATCHES_IN_FLIGHT).",
+        parse_positive_int,
+    )
+    concurrency: int = setting(
+        "LLMESH_BATCH_CONCURRENCY",
+        "64",
+        "Most batch lines one gateway runs at once; fewer while admission refuses batch-lane work (docs/batch.md).",
+        parse_positive_int,
+    )
+    lease_seconds: float = setting(
+        "LLMESH_BATCH_LEASE_SECONDS",
+        "30",
+        "How long a gateway's claim on a batch line lasts unless renewed (renewed while the line runs): a line "
+        "whose gateway died runs again elsewhere after this long.",
+        parse_positive_float,
+    )
+
+
 class AdmissionSettings(Section):
     """Gateway admission by request weight (input tokens x max_new_tokens over a sliding window)."""
 
@@ -1084,6 +1117,13 @@ class BackendSettings(Section):
         "rendered prompt; TGI, Ollama).",
         one_of("tokens", "text"),
     )
+    priority: bool = setting(
+        "LLMESH_BACKEND_PRIORITY",
+        "false",
+        "Send batch-lane requests to the openai backend with the engine's own `priority` field (a higher number "
+        "waits): for a vLLM started with `--scheduling-policy priority`, which refuses the field otherwise.",
+        parse_bool,
+    )
     connect_timeout_seconds: float = setting(
         "LLMESH_BACKEND_CONNECT_TIMEOUT_SECONDS", "2", "Connect timeout to the openai backend.", parse_positive_float
     )
@@ -1336,6 +1376,7 @@ class GatewayServiceSettings(ServiceSettings):
     http: HttpSettings
     request_limits: RequestLimitSettings
     admission: AdmissionSettings
+    batch: BatchSettings
     hops: HopBudgetSettings
     breaker: BreakerSettings
     routing: RoutingSettings
@@ -1401,6 +1442,7 @@ class CliSettings(MeshSettings):
     http: HttpSettings
     request_limits: RequestLimitSettings
     admission: AdmissionSettings
+    batch: BatchSettings
     hops: HopBudgetSettings
     breaker: BreakerSettings
     routing: RoutingSettings

@@ -23,6 +23,7 @@ from services.gateway.auth import KeyRing
 from services.gateway.plan import MAX_CHOICES, MAX_LOGIT_BIAS, MAX_STOP_SEQUENCES, MAX_TOOL_CALLS, MAX_TOOLS, MAX_TURNS
 
 SERVICE = "/llmesh.v1.Gateway/"
+BATCHES_SERVICE = "/llmesh.v1.Batches/"
 # Ingest, Search and Embed bounds the downstream services hold too (retrieval's own checks).
 MAX_DOCUMENTS = 256
 MAX_METADATA_KEYS = 32
@@ -124,7 +125,7 @@ class KeyGate:
         self.invalid_calls = invalid_calls or InvalidCallBudget(0)
 
     def __call__(self, method: str, metadata: Sequence[tuple[str, Any]]) -> None:
-        if not method.startswith(SERVICE):
+        if not method.startswith((SERVICE, BATCHES_SERVICE)):
             return  # health and reflection
         token = _authorization(metadata)
         if method == f"{SERVICE}PurgeCache":

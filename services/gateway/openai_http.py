@@ -59,7 +59,8 @@ log = logging.getLogger("llmesh.gateway.http")
 
 CHAT, COMPLETIONS, MODELS, MODEL = "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}"
 EMBEDDINGS = "/v1/embeddings"
-ROUTES = frozenset({CHAT, COMPLETIONS, MODELS, EMBEDDINGS})
+FILES, BATCHES = "/v1/files", "/v1/batches"  # the Batch API's (services/gateway/batches/api.py)
+ROUTES = frozenset({CHAT, COMPLETIONS, MODELS, EMBEDDINGS, FILES, BATCHES})
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_STOP_SEQUENCE: "stop",
@@ -147,15 +148,19 @@ class BodyTooLarge(Exception):
 
 @dataclass(frozen=True)
 class BodyLimits:
-    """Largest body of each route, in bytes: generation, embeddings, anything else."""
+    """Largest body of each route, in bytes: generation, embeddings, anything else, and a batch
+    input file's upload (0: as anything else)."""
 
     generate: int
     embed: int
     other: int
+    files: int = 0
 
     def of(self, path: str) -> int:
         if path in (CHAT, COMPLETIONS):
             return self.generate
+        if path == FILES and self.files:
+            return self.files
         return self.embed if path == EMBEDDINGS else self.other
 
 
@@ -261,10 +266,17 @@ class ObservedHttp:
 class OpenAiApi:
     """The API's routes over one Gateway."""
 
-    def __init__(self, gateway: Gateway, api_keys: ApiKeys | KeyRing, default_deadline: float) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        api_keys: ApiKeys | KeyRing,
+        default_deadline: float,
+        extra_routes: Sequence[Route] = (),
+    ) -> None:
         self.gateway = gateway
         self.api_keys = api_keys
         self.default_deadline = default_deadline
+        self.extra_routes = list(extra_routes)  # other APIs on the same server (the Batch API's)
 
     def app(self, limits: BodyLimits, gate: KeyGate | None = None) -> ASGIApp:
         # Plain Starlette routes with pydantic models parsing the body straight from JSON: a
@@ -276,6 +288,7 @@ class OpenAiApi:
             Route(EMBEDDINGS, self.embeddings, methods=["POST"]),
             Route(MODELS, self.list_models, methods=["GET"]),
             Route(MODEL, self.get_model, methods=["GET"]),
+            *self.extra_routes,
         ]
 
         async def on_llmesh_error(request: Request, exc: Exception) -> Response:
@@ -334,23 +347,7 @@ class OpenAiApi:
         caller = self.api_keys.caller(request.headers.get("authorization"), body.llmesh.tenant)
         embed = body.to_embed(caller.tenant)
         found = await self.gateway.embed(embed, Deadline.after(self.default_deadline), caller)
-
-        def encoded(values: Sequence[float]) -> Any:
-            if body.encoding_format == "base64":
-                return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode()
-            return list(values)
-
-        tokens = found.usage.input_tokens
-        answer = {
-            "object": "list",
-            "data": [
-                {"object": "embedding", "index": e.index, "embedding": encoded(e.values)} for e in found.embeddings
-            ],
-            "model": body.model if same_model(body.model, found.model) else found.model,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-            "llmesh": {"trace_id": found.trace_id},
-        }
-        return Response(_json(answer), 200, media_type="application/json")
+        return Response(_json(embeddings_answer(body, found)), 200, media_type="application/json")
 
     async def list_models(self, request: Request) -> Response:
         self._authenticated(request)
@@ -505,6 +502,24 @@ async def _disconnected(request: Request) -> None:
     """Returns when the client disconnects (the body was read: the next message is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         continue
+
+
+def embeddings_answer(body: EmbeddingRequest, found: gateway_pb2.EmbedResponse) -> dict[str, Any]:
+    """OpenAI's embeddings answer: float lists, or base64 of the little-endian float32 values."""
+
+    def encoded(values: Sequence[float]) -> Any:
+        if body.encoding_format == "base64":
+            return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode()
+        return list(values)
+
+    tokens = found.usage.input_tokens
+    return {
+        "object": "list",
+        "data": [{"object": "embedding", "index": e.index, "embedding": encoded(e.values)} for e in found.embeddings],
+        "model": body.model if same_model(body.model, found.model) else found.model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        "llmesh": {"trace_id": found.trace_id},
+    }
 
 
 def model_card(model: str) -> dict[str, Any]:
@@ -867,14 +882,22 @@ class HttpServer:
 
 
 def http_api(
-    gateway: Gateway, api_keys: ApiKeys | KeyRing, settings: GatewayServiceSettings, gate: KeyGate | None = None
+    gateway: Gateway,
+    api_keys: ApiKeys | KeyRing,
+    settings: GatewayServiceSettings,
+    gate: KeyGate | None = None,
+    extra_routes: Sequence[Route] = (),
 ) -> HttpServer | None:
     """The gateway's HTTP API per its settings; None when LLMESH_HTTP_LISTEN is empty."""
     listen, sizes, runtime = settings.http.listen, settings.request_limits, settings.runtime
     if not listen:
         return None
-    limits = BodyLimits(sizes.max_generate_request_bytes, sizes.max_embed_request_bytes, sizes.max_query_request_bytes)
-    app = OpenAiApi(gateway, api_keys, settings.requests.default_deadline_seconds).app(limits, gate)
+    # A batch input file's upload: the file's own limit and room for the multipart framing.
+    files = settings.batch.max_file_bytes + 64 * 1024
+    limits = BodyLimits(
+        sizes.max_generate_request_bytes, sizes.max_embed_request_bytes, sizes.max_query_request_bytes, files
+    )
+    app = OpenAiApi(gateway, api_keys, settings.requests.default_deadline_seconds, extra_routes).app(limits, gate)
     return HttpServer(app, listen, runtime.grace_seconds, runtime.tls_cert, runtime.tls_key, runtime.tls_client_ca)
 
 

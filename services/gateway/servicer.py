@@ -15,12 +15,18 @@ from llmesh.channels import peer_access, remaining_seconds
 from llmesh.chat_template import ChatTemplate, load_template
 from llmesh.models import resolve
 from llmesh.settings import GatewayServiceSettings, SettingsError
-from llmesh.v1 import gateway_pb2, gateway_pb2_grpc
+from llmesh.v1 import batches_pb2, batches_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from services.gateway import metrics
 from services.gateway.admin import AdminKeys
 from services.gateway.admission import AdmissionConfig, LoadBook, RedisWeightWindow, WeightWindow, connect_redis
 from services.gateway.admission.load import LoadWatcher
 from services.gateway.auth import Caller, KeyRing
+from services.gateway.batches.api import BatchApi
+from services.gateway.batches.grpc_api import BatchesServicer
+from services.gateway.batches.lines import LineEndpoints
+from services.gateway.batches.runner import BatchRunner, engine_room
+from services.gateway.batches.service import BatchLimits, BatchService
+from services.gateway.batches.store import BatchStore
 from services.gateway.breaker import BreakerConfig, State, TransitionListener
 from services.gateway.core import Delta, Final, Gateway, GatewayConfig, server_timing
 from services.gateway.deadline import Deadline
@@ -162,7 +168,10 @@ def local_templates(models_path: Path, default_model: str, routes: list[str]) ->
 
 
 class GatewayApp:
-    service_names = (gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,)
+    service_names = (
+        gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
+        batches_pb2.DESCRIPTOR.services_by_name["Batches"].full_name,
+    )
 
     def __init__(self, settings: GatewayServiceSettings) -> None:
         s = settings
@@ -254,11 +263,40 @@ class GatewayApp:
         self.request_limits = request_limits(s.request_limits)
         self.admit_call = KeyGate(self.api_keys, admin_keys, InvalidCallBudget(auth.invalid_calls_per_minute))
         self.call_refused = self.admit_call.refused
+        # The Batch API: jobs in the state Redis (a longer timeout than the window's: files are
+        # large), their lines run here and on every other replica (services/gateway/batches/).
+        self.batch_redis = (
+            connect_redis(redis_server.resolve_url(s.admission.redis_url, s), socket_timeout=10.0)
+            if s.admission.redis_url
+            else None
+        )
+        store = BatchStore(self.batch_redis) if self.batch_redis is not None else None
+        self.batch_lines = LineEndpoints(self.gateway, s.requests.default_deadline_seconds)
+        limits = BatchLimits(s.batch.max_file_bytes, s.batch.max_lines, s.batch.max_in_flight)
+        self.batches = BatchService(store, limits, self.batch_lines)
+        self.batch_runner = (
+            BatchRunner(
+                store,
+                self.batch_lines,
+                self.api_keys,
+                s.batch.concurrency,
+                s.batch.lease_seconds,
+                room=lambda: engine_room(self.loads, list(models)),
+            )
+            if store is not None
+            else None
+        )
+        if self.batch_runner is not None:
+            self.batches.on_created.append(self.batch_runner.wake)
+        self.batches_servicer = BatchesServicer(self.batches, self.api_keys)
         # The OpenAI-compatible HTTP API: another adapter over the same Gateway.
-        self.http = http_api(self.gateway, self.api_keys, s, self.admit_call)
+        self.http = http_api(
+            self.gateway, self.api_keys, s, self.admit_call, BatchApi(self.batches, self.api_keys).routes()
+        )
 
     def register(self, server: grpc.aio.Server) -> None:
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, server)
+        batches_pb2_grpc.add_BatchesServicer_to_server(self.batches_servicer, server)
 
     async def start(self) -> None:
         if self.api_keys.path is not None:
@@ -268,8 +306,12 @@ class GatewayApp:
         for watcher in self.load_watchers:
             watcher.start()
         announce(await self.http.start() if self.http is not None else 0)
+        if self.batch_runner is not None:
+            self.batch_runner.start()
 
     async def drain(self, grace: float) -> None:
+        if self.batch_runner is not None:
+            await self.batch_runner.stop(release=True)  # another replica carries the lines on at once
         if self.http is not None:
             await self.http.stop()
 
@@ -289,6 +331,10 @@ class GatewayApp:
         if self.limiter.redis is not None:
             await self.limiter.redis.aclose()
         await self.peers.close()
+        if self.batch_runner is not None:
+            await self.batch_runner.stop(release=True)
+        if self.batch_redis is not None:
+            await self.batch_redis.aclose()
         if isinstance(self.window, RedisWeightWindow):
             await self.window.settle()
             await self.window.redis.aclose()

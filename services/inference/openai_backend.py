@@ -124,6 +124,7 @@ class BackendConfig:
     max_prompt_tokens: int = 1536
     max_new_tokens: int = 512
     default_max_new_tokens: int = 128
+    send_priority: bool = False
 
     @classmethod
     def from_settings(cls, backend: BackendSettings, limits: GenerationLimits) -> BackendConfig:
@@ -141,6 +142,7 @@ class BackendConfig:
             max_prompt_tokens=limits.max_prompt_tokens,
             max_new_tokens=limits.max_new_tokens,
             default_max_new_tokens=limits.default_max_new_tokens,
+            send_priority=backend.priority,
         )
 
 
@@ -516,7 +518,11 @@ class OpenAIBackend:
     async def prepare(self, params: SamplingParams) -> None:
         """Nothing: the engine behind compiles its own grammars."""
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "") -> OpenAIStream:
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str = "", priority: int = 0
+    ) -> OpenAIStream:
+        """`priority`: the request's (0 interactive, higher for batch work), sent as vLLM's own
+        `priority` field where the backend schedules by it (LLMESH_BACKEND_PRIORITY)."""
         try:
             resolved = resolve_params(params, prompt_ids, self._limits())
         except errors.InvalidArgument:
@@ -526,6 +532,8 @@ class OpenAIBackend:
         self.budget.earn()
         prompt: list[int] | str = prompt_ids if self.config.prompt_as == "tokens" else self.tokenizer.decode(prompt_ids)
         body = completion_body(self.config.model, prompt, resolved, response_format=params.response_format)
+        if priority and self.config.send_priority:
+            body["priority"] = priority
         echo = None
         if body.get("echo"):
             echo = EchoSplitter(len(prompt_ids), self.tokenizer.decode(prompt_ids))
