@@ -984,6 +984,14 @@ class TokenizerModelSettings(Section):
         "gateway: the model whose chat template it renders with while the tokenizer is away, for the one model of a "
         "deployment that names none, when that folder is on its host.",
     )
+    tool_call_format: Literal["auto", "hermes", "llama3", "mistral"] = setting(
+        "LLMESH_TOOL_CALL_FORMAT",
+        "auto",
+        "The format the served models write tool calls in (automatic tool choice): `auto` (the one the chat template's "
+        "own tool text shows; `hermes`, llmesh's preamble format, where it shows no tools), `hermes`, `llama3` or "
+        "`mistral`.",
+        one_of("auto", "hermes", "llama3", "mistral"),
+    )
 
 
 class TokenizerSettings(Section):

@@ -167,20 +167,22 @@ class ToolChoice(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., function: _Optional[str] = ...) -> None: ...
 
 class ResponseFormat(_message.Message):
-    __slots__ = ("type", "json_schema", "strict", "name", "regex", "choices")
+    __slots__ = ("type", "json_schema", "strict", "name", "regex", "choices", "grammar")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     STRICT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
     CHOICES_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     type: str
     json_schema: str
     strict: bool
     name: str
     regex: str
     choices: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, type: _Optional[str] = ..., json_schema: _Optional[str] = ..., strict: _Optional[bool] = ..., name: _Optional[str] = ..., regex: _Optional[str] = ..., choices: _Optional[_Iterable[str]] = ...) -> None: ...
+    grammar: str
+    def __init__(self, type: _Optional[str] = ..., json_schema: _Optional[str] = ..., strict: _Optional[bool] = ..., name: _Optional[str] = ..., regex: _Optional[str] = ..., choices: _Optional[_Iterable[str]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class Document(_message.Message):
     __slots__ = ("id", "text", "metadata")

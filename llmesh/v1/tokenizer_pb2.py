@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from llmesh.v1 import common_pb2 as llmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19llmesh/v1/tokenizer.proto\x12\tllmesh.v1\x1a\x16llmesh/v1/common.proto\"H\n\rEncodeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\x12\r\n\x05model\x18\x03 \x01(\t\"\x1d\n\x0e\x45ncodeResponse\x12\x0b\n\x03ids\x18\x01 \x03(\r\"H\n\rDecodeRequest\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\r\n\x05model\x18\x03 \x01(\t\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\",\n\x0c\x43ountRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\r\n\x05model\x18\x02 \x01(\t\".\n\rCountResponse\x12\x0e\n\x06\x63ounts\x18\x01 \x03(\r\x12\r\n\x05total\x18\x02 \x01(\x04\"\x84\x01\n\x18\x41pplyChatTemplateRequest\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.llmesh.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x10\n\x08tokenize\x18\x03 \x01(\x08\x12\r\n\x05model\x18\x04 \x01(\t\"K\n\x19\x41pplyChatTemplateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\r\x12\x13\n\x0btoken_count\x18\x03 \x01(\r\"\'\n\x16GetChatTemplateRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xb0\x01\n\x17GetChatTemplateResponse\x12\x10\n\x08template\x18\x01 \x01(\t\x12M\n\x0especial_tokens\x18\x02 \x03(\x0b\x32\x35.llmesh.v1.GetChatTemplateResponse.SpecialTokensEntry\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"m\n\x0c\x43hunkRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x14\n\x0c\x63hunk_tokens\x18\x02 \x01(\r\x12\x16\n\x0eoverlap_tokens\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\nmax_chunks\x18\x05 \x01(\r\"i\n\tTextChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0btoken_start\x18\x02 \x01(\r\x12\x13\n\x0btoken_count\x18\x03 \x01(\r\x12\x12\n\nchar_start\x18\x04 \x01(\r\x12\x10\n\x08\x63har_end\x18\x05 \x01(\r\"K\n\rChunkResponse\x12$\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x14.llmesh.v1.TextChunk\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\r2\xbb\x03\n\tTokenizer\x12=\n\x06\x45ncode\x12\x18.llmesh.v1.EncodeRequest\x1a\x19.llmesh.v1.EncodeResponse\x12=\n\x06\x44\x65\x63ode\x12\x18.llmesh.v1.DecodeRequest\x1a\x19.llmesh.v1.DecodeResponse\x12:\n\x05\x43ount\x12\x17.llmesh.v1.CountRequest\x1a\x18.llmesh.v1.CountResponse\x12^\n\x11\x41pplyChatTemplate\x12#.llmesh.v1.ApplyChatTemplateRequest\x1a$.llmesh.v1.ApplyChatTemplateResponse\x12X\n\x0fGetChatTemplate\x12!.llmesh.v1.GetChatTemplateRequest\x1a\".llmesh.v1.GetChatTemplateResponse\x12:\n\x05\x43hunk\x12\x17.llmesh.v1.ChunkRequest\x1a\x18.llmesh.v1.ChunkResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19llmesh/v1/tokenizer.proto\x12\tllmesh.v1\x1a\x16llmesh/v1/common.proto\"H\n\rEncodeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\x12\r\n\x05model\x18\x03 \x01(\t\"\x1d\n\x0e\x45ncodeResponse\x12\x0b\n\x03ids\x18\x01 \x03(\r\"H\n\rDecodeRequest\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\r\n\x05model\x18\x03 \x01(\t\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\",\n\x0c\x43ountRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\r\n\x05model\x18\x02 \x01(\t\".\n\rCountResponse\x12\x0e\n\x06\x63ounts\x18\x01 \x03(\r\x12\r\n\x05total\x18\x02 \x01(\x04\"\xa4\x01\n\x18\x41pplyChatTemplateRequest\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.llmesh.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x10\n\x08tokenize\x18\x03 \x01(\x08\x12\r\n\x05model\x18\x04 \x01(\t\x12\x1e\n\x05tools\x18\x05 \x03(\x0b\x32\x0f.llmesh.v1.Tool\"\x80\x01\n\x19\x41pplyChatTemplateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\r\x12\x13\n\x0btoken_count\x18\x03 \x01(\r\x12\x13\n\x0btool_format\x18\x04 \x01(\t\x12\x1e\n\x16template_renders_tools\x18\x05 \x01(\x08\"\'\n\x16GetChatTemplateRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xb0\x01\n\x17GetChatTemplateResponse\x12\x10\n\x08template\x18\x01 \x01(\t\x12M\n\x0especial_tokens\x18\x02 \x03(\x0b\x32\x35.llmesh.v1.GetChatTemplateResponse.SpecialTokensEntry\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"m\n\x0c\x43hunkRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x14\n\x0c\x63hunk_tokens\x18\x02 \x01(\r\x12\x16\n\x0eoverlap_tokens\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\nmax_chunks\x18\x05 \x01(\r\"i\n\tTextChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0btoken_start\x18\x02 \x01(\r\x12\x13\n\x0btoken_count\x18\x03 \x01(\r\x12\x12\n\nchar_start\x18\x04 \x01(\r\x12\x10\n\x08\x63har_end\x18\x05 \x01(\r\"K\n\rChunkResponse\x12$\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x14.llmesh.v1.TextChunk\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\r2\xbb\x03\n\tTokenizer\x12=\n\x06\x45ncode\x12\x18.llmesh.v1.EncodeRequest\x1a\x19.llmesh.v1.EncodeResponse\x12=\n\x06\x44\x65\x63ode\x12\x18.llmesh.v1.DecodeRequest\x1a\x19.llmesh.v1.DecodeResponse\x12:\n\x05\x43ount\x12\x17.llmesh.v1.CountRequest\x1a\x18.llmesh.v1.CountResponse\x12^\n\x11\x41pplyChatTemplate\x12#.llmesh.v1.ApplyChatTemplateRequest\x1a$.llmesh.v1.ApplyChatTemplateResponse\x12X\n\x0fGetChatTemplate\x12!.llmesh.v1.GetChatTemplateRequest\x1a\".llmesh.v1.GetChatTemplateResponse\x12:\n\x05\x43hunk\x12\x17.llmesh.v1.ChunkRequest\x1a\x18.llmesh.v1.ChunkResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,21 +47,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COUNTRESPONSE']._serialized_start=321
   _globals['_COUNTRESPONSE']._serialized_end=367
   _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_start=370
-  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_end=502
-  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_start=504
-  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_end=579
-  _globals['_GETCHATTEMPLATEREQUEST']._serialized_start=581
-  _globals['_GETCHATTEMPLATEREQUEST']._serialized_end=620
-  _globals['_GETCHATTEMPLATERESPONSE']._serialized_start=623
-  _globals['_GETCHATTEMPLATERESPONSE']._serialized_end=799
-  _globals['_GETCHATTEMPLATERESPONSE_SPECIALTOKENSENTRY']._serialized_start=747
-  _globals['_GETCHATTEMPLATERESPONSE_SPECIALTOKENSENTRY']._serialized_end=799
-  _globals['_CHUNKREQUEST']._serialized_start=801
-  _globals['_CHUNKREQUEST']._serialized_end=910
-  _globals['_TEXTCHUNK']._serialized_start=912
-  _globals['_TEXTCHUNK']._serialized_end=1017
-  _globals['_CHUNKRESPONSE']._serialized_start=1019
-  _globals['_CHUNKRESPONSE']._serialized_end=1094
-  _globals['_TOKENIZER']._serialized_start=1097
-  _globals['_TOKENIZER']._serialized_end=1540
+  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_end=534
+  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_start=537
+  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_end=665
+  _globals['_GETCHATTEMPLATEREQUEST']._serialized_start=667
+  _globals['_GETCHATTEMPLATEREQUEST']._serialized_end=706
+  _globals['_GETCHATTEMPLATERESPONSE']._serialized_start=709
+  _globals['_GETCHATTEMPLATERESPONSE']._serialized_end=885
+  _globals['_GETCHATTEMPLATERESPONSE_SPECIALTOKENSENTRY']._serialized_start=833
+  _globals['_GETCHATTEMPLATERESPONSE_SPECIALTOKENSENTRY']._serialized_end=885
+  _globals['_CHUNKREQUEST']._serialized_start=887
+  _globals['_CHUNKREQUEST']._serialized_end=996
+  _globals['_TEXTCHUNK']._serialized_start=998
+  _globals['_TEXTCHUNK']._serialized_end=1103
+  _globals['_CHUNKRESPONSE']._serialized_start=1105
+  _globals['_CHUNKRESPONSE']._serialized_end=1180
+  _globals['_TOKENIZER']._serialized_start=1183
+  _globals['_TOKENIZER']._serialized_end=1626
 # @@protoc_insertion_point(module_scope)

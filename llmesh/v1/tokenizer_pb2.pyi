@@ -56,26 +56,32 @@ class CountResponse(_message.Message):
     def __init__(self, counts: _Optional[_Iterable[int]] = ..., total: _Optional[int] = ...) -> None: ...
 
 class ApplyChatTemplateRequest(_message.Message):
-    __slots__ = ("messages", "add_generation_prompt", "tokenize", "model")
+    __slots__ = ("messages", "add_generation_prompt", "tokenize", "model", "tools")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     TOKENIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     add_generation_prompt: bool
     tokenize: bool
     model: str
-    def __init__(self, messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., tokenize: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[_common_pb2.Tool]
+    def __init__(self, messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., tokenize: _Optional[bool] = ..., model: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[_common_pb2.Tool, _Mapping]]] = ...) -> None: ...
 
 class ApplyChatTemplateResponse(_message.Message):
-    __slots__ = ("text", "ids", "token_count")
+    __slots__ = ("text", "ids", "token_count", "tool_format", "template_renders_tools")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_RENDERS_TOOLS_FIELD_NUMBER: _ClassVar[int]
     text: str
     ids: _containers.RepeatedScalarFieldContainer[int]
     token_count: int
-    def __init__(self, text: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ..., token_count: _Optional[int] = ...) -> None: ...
+    tool_format: str
+    template_renders_tools: bool
+    def __init__(self, text: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ..., token_count: _Optional[int] = ..., tool_format: _Optional[str] = ..., template_renders_tools: _Optional[bool] = ...) -> None: ...
 
 class GetChatTemplateRequest(_message.Message):
     __slots__ = ("model",)

@@ -40,6 +40,7 @@ from llmesh.errors import HTTP_STATUS, InvalidArgument, LlmeshError, NotFound, r
 from llmesh.rpc_tracing import start_server_span
 from llmesh.server import lifecycle
 from llmesh.settings import GatewayServiceSettings
+from llmesh.tool_calls import CallDelta
 from llmesh.v1 import common_pb2, gateway_pb2
 from services.gateway import metrics
 from services.gateway.auth import ApiKeys, KeyRing
@@ -624,6 +625,21 @@ def prompt_text(entries: Sequence[common_pb2.TokenLogprob]) -> str:
     return b"".join(e.bytes for e in entries).decode("utf-8", "replace")
 
 
+# A streamed call's arguments go out in pieces of at most this many characters, as OpenAI's do.
+ARGUMENTS_PIECE = 32
+
+
+def call_deltas(call: CallDelta) -> list[dict[str, Any]]:
+    """A completed tool call as OpenAI streams one: a delta with its index, id, type and name
+    (arguments ""), then its arguments in pieces."""
+    head = {"index": call.index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+    deltas = [{"tool_calls": [head]}]
+    for at in range(0, len(call.arguments), ARGUMENTS_PIECE):
+        piece = call.arguments[at : at + ARGUMENTS_PIECE]
+        deltas.append({"tool_calls": [{"index": call.index, "function": {"arguments": piece}}]})
+    return deltas
+
+
 class Answer:
     """One answer in the OpenAI shapes: a whole completion, or its chunks."""
 
@@ -697,7 +713,7 @@ class Answer:
             return choice
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         if tool_calls:
-            message["content"] = None
+            message["content"] = text or None
             message["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                 for c in tool_calls
@@ -770,6 +786,12 @@ class Answer:
                     elif event.text or (self.logprobs and event.logprobs):
                         choice = self._choice(event.text, None, index=event.index, logprobs=event.logprobs)
                         yield self._chunk([choice], **usage)
+                    for call in event.tool_calls:
+                        for delta in call_deltas(call):
+                            yield self._chunk(
+                                [{"index": event.index, "delta": delta, "logprobs": None, "finish_reason": None}],
+                                **usage,
+                            )
                 else:
                     response = event.response
                     self.model = response.answered_by or self.model  # for an alias: the model that answered

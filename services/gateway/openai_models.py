@@ -323,7 +323,8 @@ class ChatCompletionRequest(Sampling):
     # Refused unless unset: llmesh has no audio, predictions or legacy functions.
     tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    # At most one call is made: "allowed" in parallel, never more than one.
+    # With tool_choice "auto" the model may make several calls in one answer ("required" and a
+    # named function: one).
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = Field(default=None, max_length=MAX_TOOLS)
     function_call: Any = None
@@ -338,8 +339,6 @@ class ChatCompletionRequest(Sampling):
         for name in ("functions", "function_call", "audio", "prediction"):
             if getattr(self, name) is not None:
                 bad.append((name, "is not supported"))
-        if self.stream and self.tools and self.tool_choice not in (None, "none"):
-            bad.append(("stream", "a tool call is answered whole: stream=false with tool_choice"))
         if self.store:
             bad.append(("store", "is not supported"))
         return bad

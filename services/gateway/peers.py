@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -316,11 +316,16 @@ class Peers:
 
     # Each call relays the peer's status as a domain error naming the peer.
     async def chat_template(
-        self, messages: list[common_pb2.ChatMessage], deadline: Deadline, model: str = ""
+        self,
+        messages: list[common_pb2.ChatMessage],
+        deadline: Deadline,
+        model: str = "",
+        tools: Sequence[common_pb2.Tool] = (),
     ) -> tokenizer_pb2.ApplyChatTemplateResponse:
-        """`model`: whose tokenizer ("" = the tokenizer service's default)."""
+        """`model`: whose tokenizer ("" = the tokenizer service's default); `tools`: the
+        functions the model may call (automatic tool choice)."""
         request = tokenizer_pb2.ApplyChatTemplateRequest(
-            messages=messages, add_generation_prompt=True, tokenize=True, model=model
+            messages=messages, add_generation_prompt=True, tokenize=True, model=model, tools=tools
         )
         return await _unary(
             self.breakers["tokenizer"],

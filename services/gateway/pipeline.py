@@ -24,6 +24,7 @@ from typing import Any
 
 from opentelemetry import trace
 
+from llmesh import tool_calls
 from llmesh.chat_template import TemplateRefused
 from llmesh.errors import InvalidArgument, ResourceExhausted
 from llmesh.telemetry import current_trace_id
@@ -32,7 +33,15 @@ from services.gateway import metrics
 from services.gateway.admission import REASON_DEADLINE, Admission, Ask, Hold, RequestTooHeavy, Ticket
 from services.gateway.deadline import CallerDeadline, Deadline
 from services.gateway.hop_errors import BREAKER_FAILURE_CODES, DOWNSTREAM_ERRORS, PeerCallError
-from services.gateway.plan import InputTokenPredictor, Plan, as_tool_calls, build_messages, context_bytes, raw_prompt
+from services.gateway.plan import (
+    InputTokenPredictor,
+    Plan,
+    as_tool_calls,
+    build_messages,
+    context_bytes,
+    raw_prompt,
+    set_calls,
+)
 from services.gateway.recent_hits import request_key
 from services.gateway.request_gateway import ModelRoute, RequestGateway
 
@@ -99,6 +108,9 @@ class Delta:
     # The answer it belongs to (n > 1) and its tokens' log probabilities (SamplingParams.logprobs).
     index: int = 0
     logprobs: Sequence[common_pb2.TokenLogprob] = ()
+    # Automatic tool choice: the calls completed with this delta (the text is what lies outside
+    # calls; a call's markup is never streamed as text).
+    tool_calls: Sequence[tool_calls.CallDelta] = ()
 
 
 @dataclass
@@ -114,6 +126,8 @@ class Answer:
     usage: common_pb2.Usage = field(default_factory=common_pb2.Usage)
     generated: int = 0
     finished: bool = False
+    # Automatic tool choice: the text split into shown text and calls as it streams.
+    calls: tool_calls.CallStream | None = None
 
     @property
     def text(self) -> str:
@@ -145,7 +159,7 @@ def server_timing(timings: dict[str, float]) -> str:
 
 
 def from_cache(
-    state: RequestState, hit: cache_pb2.CacheLookupResponse, model: str, answered_by: str
+    state: RequestState, hit: cache_pb2.CacheLookupResponse, model: str, answered_by: str, tool_format: str = "hermes"
 ) -> tuple[Delta, Final]:
     """The events of a cache hit; it carries what this request degraded (how it reached the
     scope it was answered under, e.g. without retrieval) and the model that answers for it. Its
@@ -168,13 +182,18 @@ def from_cache(
         degradations=state.degradations,
         answered_by=answered_by,
     )
-    as_tool_calls(state.plan, response)
+    as_tool_calls(state.plan, response, tool_format)
+    if state.plan.tool_mode == "auto":  # the stream shows what the answer shows: text and calls
+        calls = [tool_calls.CallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(response.tool_calls)]
+        return Delta(response.text, tool_calls=calls), Final(response, state.timings)
     return Delta(answer.text), Final(response, state.timings)
 
 
-def render_chatml(messages: list[common_pb2.ChatMessage]) -> str:
+def render_chatml(messages: list[common_pb2.ChatMessage], tools: Sequence[common_pb2.Tool] = ()) -> str:
     """ChatML: the last resort while the tokenizer is down and the model's own template is not
-    known here (see `RequestPath._render_locally`)."""
+    known here (see `RequestPath._render_locally`); tools as llmesh's preamble shows them."""
+    if tools or any(m.tool_calls or m.role == "tool" for m in messages):
+        messages = tool_calls.text_turns(messages, tools)
     body = "".join(f"<|im_start|>{m.role}\n{m.content}<|im_end|>\n" for m in messages)
     return body + "<|im_start|>assistant\n"
 
@@ -202,6 +221,11 @@ class RequestPath:
         self.prompt: list[int] | str = ""
         self.input_tokens = 0
         self.answers: list[Answer] = []
+        # How the rendered prompt shows tools (automatic tool choice): the format the model's
+        # calls come in, and whether the template showed them (else the preamble did, and the
+        # answer decodes under the grammar of text or calls).
+        self.tool_format = "hermes"
+        self.template_renders_tools = False
 
     @property
     def plan(self) -> Plan:
@@ -289,7 +313,7 @@ class RequestPath:
         with state.timed("cache"):
             hit = await self._lookup(self.scope, wait, request_key(plan.prompt, self.scope))
         if hit is not None:
-            return from_cache(state, hit, self.model, self.answered_by)
+            return from_cache(state, hit, self.model, self.answered_by, self._known_tool_format())
         # Missed. It did not fit before the lookup, or it fit but holds nothing (where engines
         # report their load, a request holds nothing while its lookup waits) and the engines may
         # have filled meanwhile (a lookup can take its whole budget): decided again now, before
@@ -325,7 +349,7 @@ class RequestPath:
             hit = await self._lookup(self.scope)
         if hit is None:
             return None
-        return from_cache(self.state, hit, self.model, self.answered_by)
+        return from_cache(self.state, hit, self.model, self.answered_by, self._known_tool_format())
 
     async def _render_prompt(self) -> None:
         """The prompt rendered and counted. Over the prompt limit: the retrieved chunks go first
@@ -402,6 +426,12 @@ class RequestPath:
         plan, state, input_tokens = self.plan, self.state, self.input_tokens
         self.answers = answers = [Answer(i) for i in range(plan.n)]
         form = plan.response_format if plan.response_format.type else None
+        if plan.tool_mode == "auto":
+            names = tool_calls.names_of(plan.tools)
+            for answer in answers:
+                answer.calls = tool_calls.CallStream(self.tool_format, names)
+            if not self.template_renders_tools:
+                form = common_pb2.ResponseFormat(type="grammar", grammar=tool_calls.auto_grammar(plan.tools))
         generated = 0
 
         def take(answer: Answer, message: inference_pb2.InferenceResponse) -> Delta | None:
@@ -425,6 +455,11 @@ class RequestPath:
                 answer.finish = message.finish_reason
                 answer.usage = message.usage
                 answer.finished = True
+            if answer.calls is not None:
+                text, calls = answer.calls.feed(message.text)
+                if text or calls or message.logprobs:
+                    return Delta(text, answer.index, message.logprobs, calls)
+                return None
             if message.text or message.logprobs:
                 return Delta(message.text, answer.index, message.logprobs)
             return None
@@ -447,6 +482,8 @@ class RequestPath:
                 delta = take(answers[0], message)
                 if delta is not None:
                     yield delta
+            for delta in self._held_back():
+                yield delta
             return
         queue: asyncio.Queue[tuple[Answer, inference_pb2.InferenceResponse | BaseException | None]] = asyncio.Queue()
 
@@ -478,6 +515,17 @@ class RequestPath:
             for task in pumps:
                 task.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
+        for delta in self._held_back():
+            yield delta
+
+    def _held_back(self) -> Iterator[Delta]:
+        """Automatic tool choice, once the answers are complete: what each held back while it
+        could still become a call (text that was not one after all, a call the end completed)."""
+        for answer in self.answers:
+            if answer.calls is not None:
+                text, calls = answer.calls.finish()
+                if text or calls:
+                    yield Delta(text, answer.index, (), calls)
 
     def _response(self) -> gateway_pb2.GenerateResponse:
         """The generated answer (the first of n) as the response, its usage on the span; the
@@ -527,13 +575,13 @@ class RequestPath:
         if plan.tool_mode:
             stored, response = response, gateway_pb2.GenerateResponse()
             response.CopyFrom(stored)
-            as_tool_calls(plan, response)
+            self._calls_of(self.answers[0], response)
         if plan.n > 1:
             for answer in self.answers:
                 choice = gateway_pb2.GenerateResponse(
                     text=answer.text, finish_reason=answer.finish, logprobs=answer.logprobs
                 )
-                as_tool_calls(plan, choice)
+                self._calls_of(answer, choice)
                 response.choices.add(
                     index=answer.index,
                     text=choice.text,
@@ -547,6 +595,21 @@ class RequestPath:
         return Final(response, self.state.timings)
 
     # ------------------------------------------------------------------ what the stages call
+
+    def _calls_of(self, answer: Answer, response: gateway_pb2.GenerateResponse) -> None:
+        """An answer's tool calls into its response: for automatic tool choice the ones streamed
+        (same ids, same text around them), else the constrained call its text is."""
+        if answer.calls is None:
+            as_tool_calls(self.plan, response)
+            return
+        set_calls(response, answer.calls.text, tool_calls.tool_calls_of(answer.calls.calls))
+
+    def _known_tool_format(self) -> str:
+        """The call format of the route's model as far as this gateway knows it before rendering
+        (a cache hit is never rendered): its template's, learned or local, else Hermes."""
+        tokenizer = self.route.tokenizer if self.route is not None else ""
+        template = self.gateway.templates.get(tokenizer) or self.gateway.local_templates.get(tokenizer)
+        return template.tool_format if template is not None else "hermes"
 
     def _shed(self, exc: ResourceExhausted, decision: str) -> ResourceExhausted:
         """The one record of a refusal (metric and span); returns it for the caller to raise,
@@ -710,7 +773,7 @@ class RequestPath:
             return await self._render_raw(sources, tokenizer)
         messages = build_messages(plan, sources)
         try:
-            rendered = await gateway.peers.chat_template(messages, self.deadline, tokenizer)
+            rendered = await gateway.peers.chat_template(messages, self.deadline, tokenizer, plan.tools)
         except DOWNSTREAM_ERRORS as exc:
             if isinstance(exc, PeerCallError) and exc.code not in BREAKER_FAILURE_CODES:
                 raise
@@ -719,6 +782,8 @@ class RequestPath:
             text = self._render_locally(messages, tokenizer)
             return text, (state.predictor or gateway.predictor).estimate(plan, context_bytes(sources), text)
         gateway.learn_template(tokenizer)
+        self.tool_format = rendered.tool_format or "hermes"
+        self.template_renders_tools = rendered.template_renders_tools
         return list(rendered.ids), len(rendered.ids)
 
     async def _render_raw(self, sources: list[common_pb2.ScoredChunk], tokenizer: str) -> tuple[list[int] | str, int]:
@@ -745,8 +810,10 @@ class RequestPath:
             # Neither learned nor on this host: ChatML, the template most chat models use, and
             # the response says the model's own was not known.
             self.state.degrade("chat_template_unknown")
-            return render_chatml(messages)
+            self.tool_format, self.template_renders_tools = "hermes", False
+            return render_chatml(messages, self.plan.tools)
+        self.tool_format, self.template_renders_tools = template.tool_format, template.renders_tools
         try:
-            return template.render(messages)
+            return template.render(messages, tools=self.plan.tools)
         except TemplateRefused as exc:
             raise InvalidArgument([("messages", f"the model's chat template refused them: {exc}")]) from exc

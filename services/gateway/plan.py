@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmesh import tool_calls
 from llmesh.errors import InvalidArgument
 from llmesh.v1 import common_pb2, gateway_pb2
 from services.gateway.admission import INTERACTIVE
@@ -89,9 +90,11 @@ class Plan:
     # The conversation as given (empty for the one-turn shorthand: system_prompt + prompt).
     turns: tuple[common_pb2.ChatMessage, ...] = ()
     response_format: common_pb2.ResponseFormat = field(default_factory=common_pb2.ResponseFormat)
-    # A tool call is the answer: the function named ("" with tool_mode "required": one of them).
+    # A tool call is the answer: the function named ("" with tool_mode "required": one of them);
+    # "auto": the model answers in text or calls `tools` (rendered with the turns).
     tool_mode: str = ""
     tool_function: str = ""
+    tools: tuple[common_pb2.Tool, ...] = ()
     # Independent answers to generate (GenerateRequest.n; 1 when unset). n > 1 is never cached.
     n: int = 1
     # A raw completion (GenerateRequest.raw): the prompt, or its token ids, is the model's whole
@@ -116,6 +119,8 @@ class Plan:
         their size would be (bytes / 4). Counted in the admission weight beside the prompt."""
         form = self.response_format
         size = len(form.json_schema) + len(form.regex) + sum(len(c) for c in form.choices)
+        if self.tool_mode == "auto":  # the calls' grammar holds every tool's parameters
+            size += sum(len(t.parameters) + len(t.name) for t in self.tools)
         return size // 4
 
     def with_max_new_tokens(self, max_new_tokens: int) -> Plan:
@@ -234,13 +239,11 @@ def _check_tools(request: gateway_pb2.GenerateRequest, bad: list[tuple[str, str]
         bad.append(("tool_choice.function", "must name one of the tools"))
     elif mode != "function" and choice.function:
         bad.append(("tool_choice.function", "only with mode 'function'"))
-    elif mode == "auto":
-        # The served models' templates and this gateway have no documented tool-call parser:
-        # the model cannot decide by itself, so the caller says which call (or none) it wants.
-        bad.append(("tool_choice", "'auto' is not supported by the served models; use 'required' or name a function"))
     if mode in ("required", "function") and request.HasField("response_format"):
         bad.append(("response_format", "a tool call is the answer's form: set tool_choice or response_format"))
-    return mode if mode in ("required", "function") else ""
+    elif mode == "auto" and request.HasField("response_format"):
+        bad.append(("response_format", "with tool_choice 'auto' the answer is text or calls: set one of them"))
+    return mode if mode in ("required", "function", "auto") else ""
 
 
 def tool_format(request: gateway_pb2.GenerateRequest, mode: str) -> common_pb2.ResponseFormat:
@@ -268,10 +271,19 @@ def tool_format(request: gateway_pb2.GenerateRequest, mode: str) -> common_pb2.R
     return common_pb2.ResponseFormat(type="json_schema", json_schema=json.dumps(schema), strict=True)
 
 
-def as_tool_calls(plan: Plan, response: gateway_pb2.GenerateResponse) -> None:
+def as_tool_calls(plan: Plan, response: gateway_pb2.GenerateResponse, tool_format: str = "hermes") -> None:
     """A tool-call answer's text (the arguments, or {"name", "arguments"}) as its tool_calls; the
-    text is then empty and finish_reason says tool_calls (length still says length)."""
+    text is then empty and finish_reason says tool_calls (length still says length). "auto":
+    the calls the text holds in the model's `tool_format`, the text outside them stays."""
     if not plan.tool_mode or not response.text:
+        return
+    if plan.tool_mode == "auto":
+        text, calls = tool_calls.parse(response.text, tool_format, tool_calls.names_of(plan.tools))
+        set_calls(
+            response,
+            text,
+            [common_pb2.ToolCall(id=tool_calls.call_id(), name=c.name, arguments=c.arguments) for c in calls],
+        )
         return
     name, arguments = plan.tool_function, response.text
     if plan.tool_mode == "required":
@@ -282,6 +294,17 @@ def as_tool_calls(plan: Plan, response: gateway_pb2.GenerateResponse) -> None:
             return  # not a call after all (cannot happen under the constraint): the text stays
     response.tool_calls.append(common_pb2.ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=name, arguments=arguments))
     response.text = ""
+    if response.finish_reason != common_pb2.FINISH_REASON_LENGTH:
+        response.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
+
+
+def set_calls(response: gateway_pb2.GenerateResponse, text: str, calls: Sequence[common_pb2.ToolCall]) -> None:
+    """An automatic tool choice's answer: its text, its calls, and finish_reason tool_calls when
+    it made any (length still says length)."""
+    if not calls:
+        return
+    response.text = text
+    response.tool_calls.extend(calls)
     if response.finish_reason != common_pb2.FINISH_REASON_LENGTH:
         response.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
 
@@ -488,6 +511,7 @@ def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Pla
         response_format=tool_format(request, tool_mode) if tool_mode else request.response_format,
         tool_mode=tool_mode,
         tool_function=request.tool_choice.function if tool_mode == "function" else "",
+        tools=tuple(request.tools) if tool_mode == "auto" else (),
         n=n,
         raw=request.raw,
         prompt_token_ids=tuple(request.prompt_token_ids),

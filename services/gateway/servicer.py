@@ -154,14 +154,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return await self.gateway.list_models(deadline)
 
 
-def local_templates(models_path: Path, default_model: str, routes: list[str]) -> dict[str, ChatTemplate]:
+def local_templates(
+    models_path: Path, default_model: str, routes: list[str], tool_format: str = ""
+) -> dict[str, ChatTemplate]:
     """The chat templates of the routes' models found in the models folder on this host (a
     route "" is the tokenizer's default model); what the gateway renders with while the tokenizer
     is away and before it has learned them from it. None there (the usual deployment) is fine."""
     found: dict[str, ChatTemplate] = {}
     for route in routes:
         try:
-            found[route] = load_template(resolve(models_path, route or default_model))
+            found[route] = load_template(resolve(models_path, route or default_model), tool_format)
         except (OSError, ValueError):
             continue
     return found
@@ -251,7 +253,9 @@ class GatewayApp:
                 s.requests.model_aliases,
                 usage,
                 loads=self.loads,
-                local_templates=local_templates(s.runtime.models_path, s.tokenizer_model.model, list(models)),
+                local_templates=local_templates(
+                    s.runtime.models_path, s.tokenizer_model.model, list(models), s.tokenizer_model.tool_call_format
+                ),
                 ingest_budget_bytes=s.request_limits.ingest_max_bytes_in_flight,
             )
         except ValueError as exc:

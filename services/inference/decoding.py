@@ -23,16 +23,18 @@ REPLACEMENT_CHAR = "\ufffd"
 class ResponseFormatSpec:
     """The form an answer must take (`ResponseFormat` of the proto, as plain data)."""
 
-    kind: str  # "json_object", "json_schema", "regex" or "choice"
+    kind: str  # "json_object", "json_schema", "regex", "choice" or "grammar"
     schema: str = ""
     strict: bool = False
     name: str = ""
     regex: str = ""
     choices: tuple[str, ...] = ()
+    # kind "grammar": a Lark grammar in llguidance's dialect (the gateway's automatic tool choice).
+    grammar: str = ""
 
     def cache_key(self) -> str:
         """What the compiled grammar depends on (not the schema's name)."""
-        return json.dumps([self.kind, self.schema, self.regex, list(self.choices)])
+        return json.dumps([self.kind, self.schema, self.regex, list(self.choices), self.grammar])
 
 
 @dataclass(frozen=True)

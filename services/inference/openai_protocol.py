@@ -58,6 +58,10 @@ def format_fields(form: ResponseFormatSpec) -> dict[str, Any]:
         return {"response_format": {"type": "json_schema", "json_schema": schema}}
     if form.kind == "regex":
         return {"structured_outputs": {"regex": form.regex}}
+    if form.kind == "grammar":
+        # Automatic tool choice on a template without tools: a Lark grammar in llguidance's
+        # dialect, which vLLM's guidance backend compiles as it is (`%llguidance {}` marks it so).
+        return {"structured_outputs": {"grammar": "%llguidance {}\n" + form.grammar}}
     return {"structured_outputs": {"choice": list(form.choices)}}
 
 

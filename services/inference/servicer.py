@@ -57,6 +57,7 @@ def format_from_proto(form: common_pb2.ResponseFormat) -> ResponseFormatSpec | N
         name=form.name,
         regex=form.regex,
         choices=tuple(form.choices),
+        grammar=form.grammar,
     )
 
 

@@ -30,13 +30,17 @@ class Chunk:
 
 class TokenizerCore:
     def __init__(
-        self, model_dir: Path, max_text_bytes: int, max_chunks: int = chunking.DEFAULT_MAX_CHUNKS_PER_DOCUMENT
+        self,
+        model_dir: Path,
+        max_text_bytes: int,
+        max_chunks: int = chunking.DEFAULT_MAX_CHUNKS_PER_DOCUMENT,
+        tool_format: str = "",
     ) -> None:
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.max_text_bytes = max_text_bytes
         self.max_chunks = max_chunks
-        self.template = load_template(model_dir)
+        self.template = load_template(model_dir, tool_format)
 
     def _check_text(self, text: str, field: str) -> None:
         if len(text.encode("utf-8", "surrogatepass")) > self.max_text_bytes:
@@ -57,8 +61,14 @@ class TokenizerCore:
             self._check_text(text, f"texts[{i}]")
         return [len(e.ids) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
-    def chat_template(self, messages: Sequence[common_pb2.ChatMessage], add_generation_prompt: bool) -> str:
-        """The model's own template over the turns as they are (tool turns and tool calls included)."""
+    def chat_template(
+        self,
+        messages: Sequence[common_pb2.ChatMessage],
+        add_generation_prompt: bool,
+        tools: Sequence[common_pb2.Tool] = (),
+    ) -> str:
+        """The model's own template over the turns as they are (tool turns and tool calls
+        included), and the functions the model may call (`ChatTemplate.render`)."""
         if not messages:
             raise InvalidArgument([("messages", "at least one message is required")])
         for i, message in enumerate(messages):
@@ -66,7 +76,7 @@ class TokenizerCore:
                 raise InvalidArgument([(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}")])
             self._check_text(message.content, f"messages[{i}].content")
         try:
-            return self.template.render(messages, add_generation_prompt)
+            return self.template.render(messages, add_generation_prompt, tools)
         except TemplateRefused as exc:  # e.g. the template's own raise_exception: roles out of order
             raise InvalidArgument([("messages", f"the model's chat template refused them: {exc}")]) from exc
 

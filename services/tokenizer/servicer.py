@@ -51,10 +51,14 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 
     async def ApplyChatTemplate(self, request, context):  # type: ignore[no-untyped-def]
         core = self.core(request.model)
-        text = core.chat_template(request.messages, request.add_generation_prompt)
+        text = core.chat_template(request.messages, request.add_generation_prompt, request.tools)
         ids = await _run(core.encode, text, False, size=len(text))
         return tokenizer_pb2.ApplyChatTemplateResponse(
-            text=text, ids=ids if request.tokenize else [], token_count=len(ids)
+            text=text,
+            ids=ids if request.tokenize else [],
+            token_count=len(ids),
+            tool_format=core.template.tool_format,
+            template_renders_tools=core.template.renders_tools,
         )
 
     async def GetChatTemplate(self, request, context):  # type: ignore[no-untyped-def]
@@ -110,7 +114,11 @@ class TokenizerApp:
         for name in s.tokenizer.models or (s.tokenizer_model.model,):
             model = await asyncio.to_thread(verify, resolve(s.runtime.models_path, name))
             cores[name] = await asyncio.to_thread(
-                TokenizerCore, model.path, s.tokenizer.max_text_bytes, s.chunk_limits.max_chunks_per_document
+                TokenizerCore,
+                model.path,
+                s.tokenizer.max_text_bytes,
+                s.chunk_limits.max_chunks_per_document,
+                s.tokenizer_model.tool_call_format,
             )
         self.core.set(Tokenizers(cores))
 

@@ -126,6 +126,8 @@ class Grammars:
         if spec.kind == "choice":
             alternatives = " | ".join(json.dumps(c) for c in spec.choices)
             return LLMatcher.grammar_from_lark(f"start: {alternatives}"), "response_format.choices"
+        if spec.kind == "grammar":
+            return LLMatcher.grammar_from_lark(spec.grammar), "tools"
         raise InvalidArgument([("response_format.type", f"unknown type {spec.kind!r}")])
 
     def holds(self, spec: ResponseFormatSpec) -> bool:
@@ -141,6 +143,7 @@ class Grammars:
             "json_schema": "response_format.json_schema",
             "regex": "response_format.regex",
             "choice": "response_format.choices",
+            "grammar": "tools",
         }.get(spec.kind, "response_format.type")
 
     def compiled(self, spec: ResponseFormatSpec) -> LLMatcher:
@@ -188,7 +191,9 @@ class Grammars:
     def row(self, spec: ResponseFormatSpec, budget: int) -> RowGrammar:
         """A matcher for one row, refused (InvalidArgument naming sampling.max_new_tokens) when its
         closing path from the start is longer than the row's budget."""
-        row = RowGrammar(self, self.compiled(spec).deep_copy(), spec.kind in ("json_object", "json_schema"))
+        # A grammar's JSON (tool calls' arguments) closes as JSON does; its text alternative is
+        # complete at every token (end of sequence is always allowed there).
+        row = RowGrammar(self, self.compiled(spec).deep_copy(), spec.kind in ("json_object", "json_schema", "grammar"))
         row._path = row.closing_path(row.matcher, row.text_state, budget)
         row._last_distance = len(row._path or ())
         if row._path is None:
