@@ -15,8 +15,8 @@ A call counts only when it names one of the offered functions and its arguments 
 object; anything else stays text, as the model wrote it (never an error).
 
 Templates without a tool format (SmolLM2's ChatML today) get the Hermes format through a preamble
-appended to the system turn (`preamble`), earlier calls written into assistant turns as Hermes
-blocks and tool results as `<tool_response>` user turns (`text_turns`). Their answers are decoded
+appended to the system turn (`preamble`), and earlier calls written into assistant turns as Hermes
+blocks (`text_turns`); tool results stay tool turns. Their answers are decoded
 under `auto_grammar`: plain text (never containing `<tool_call>`), or one or more Hermes blocks
 whose JSON is valid for one of the functions' parameter schemas. Whether to call stays the
 model's choice; a call it makes is always well formed.
@@ -76,8 +76,8 @@ def preamble(tools: Sequence[common_pb2.Tool]) -> str:
         f"signatures within <tools></tools>:\n<tools>\n{signatures}\n</tools>\n\n"
         "To call a function, reply with nothing but a JSON object with its name and arguments within "
         f'{HERMES_OPEN}{HERMES_CLOSE} tags:\n{HERMES_OPEN}\n{{"name": <function-name>, "arguments": '
-        f"<args-json-object>}}\n{HERMES_CLOSE}\nThe result comes back within <tool_response></tool_response> "
-        "tags; then answer the user in plain text."
+        f"<args-json-object>}}\n{HERMES_CLOSE}\nThe result comes back in a tool turn; then answer the user "
+        "in plain text."
     )
 
 
@@ -93,21 +93,15 @@ def text_turns(
     messages: Sequence[common_pb2.ChatMessage], tools: Sequence[common_pb2.Tool]
 ) -> list[common_pb2.ChatMessage]:
     """The turns for a template that shows no tools: the preamble after the system turn's text
-    (a system turn is added when there is none), each assistant turn's calls written after its
-    text as Hermes blocks, and tool results (consecutive ones together) as one user turn of
-    `<tool_response>` blocks, so nothing of the conversation is lost to the template."""
+    (a system turn is added when there is none) and each assistant turn's calls written after its
+    text as Hermes blocks, so nothing of the conversation is lost to the template. Tool results
+    stay `tool` turns, as the template shows them (ChatML: a turn of its own)."""
     out: list[common_pb2.ChatMessage] = []
     for message in messages:
         if message.role == "assistant" and message.tool_calls:
             blocks = [hermes_block(c.name, c.arguments) for c in message.tool_calls]
             content = "\n".join(([message.content] if message.content else []) + blocks)
             out.append(common_pb2.ChatMessage(role="assistant", content=content))
-        elif message.role == "tool":
-            response = f"<tool_response>\n{message.content}\n</tool_response>"
-            if out and out[-1].role == "user" and out[-1].content.startswith("<tool_response>"):
-                out[-1].content += "\n" + response
-            else:
-                out.append(common_pb2.ChatMessage(role="user", content=response))
         else:
             copied = common_pb2.ChatMessage()
             copied.CopyFrom(message)

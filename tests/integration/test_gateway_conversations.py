@@ -322,14 +322,19 @@ async def test_a_named_tool_call_returns_tool_calls_whose_arguments_validate(mes
         (other,) = required.choices[0].message.tool_calls or []
         assert other.function.name in ("get_weather", "get_time")  # type: ignore[union-attr]
         assert isinstance(json.loads(other.function.arguments), dict)  # type: ignore[union-attr]
-        with pytest.raises(openai.BadRequestError) as info:
-            await client.chat.completions.create(
-                model=MODEL,
-                messages=[{"role": "user", "content": "hi"}],
-                tools=[WEATHER],
-                max_tokens=4,  # type: ignore[list-item]
-            )
-    assert info.value.body["param"] == "tool_choice"  # type: ignore[index]
+        # No tool_choice: "auto". Whatever the (random-weight) model chooses, a call it makes is
+        # well formed: the grammar of text or calls holds it to an offered function's schema.
+        auto = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[WEATHER, TIME],  # type: ignore[list-item]
+            max_tokens=40,
+            extra_body={"llmesh": {"use_retrieval": False}},
+        )
+        for made in auto.choices[0].message.tool_calls or []:
+            assert made.function.name in ("get_weather", "get_time")  # type: ignore[union-attr]
+            assert isinstance(json.loads(made.function.arguments), dict)  # type: ignore[union-attr]
+        assert "<tool_call>" not in (auto.choices[0].message.content or "")
 
 
 async def test_two_tool_lists_never_share_an_entry(mesh: Mesh) -> None:

@@ -189,11 +189,16 @@ CHAT = [{"role": "user", "content": "hello"}]
         ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 40_000}]}, 400, "messages"),
         ({"model": MODEL, "messages": CHAT, "n": 17}, 400, "n"),
         ({"model": MODEL, "messages": CHAT, "top_logprobs": 3}, 400, "top_logprobs"),
-        # Tools without a tool choice is "auto", which the served models cannot do.
+        # Tools without a tool choice is "auto": text or calls, never also a response format.
         (
-            {"model": MODEL, "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            {
+                "model": MODEL,
+                "messages": CHAT,
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "response_format": {"type": "json_object"},
+            },
             400,
-            "tool_choice",
+            "response_format",
         ),
         ({"model": MODEL, "messages": [{"role": "assistant", "content": "hi"}]}, 400, "messages"),
     ],
@@ -205,7 +210,7 @@ CHAT = [{"role": "user", "content": "hello"}]
         "past-byte-limit",
         "n-17",
         "top_logprobs-alone",
-        "tools-auto",
+        "tools-auto-with-response-format",
         "no-user",
     ],
 )

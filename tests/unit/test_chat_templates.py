@@ -48,6 +48,8 @@ def test_the_tokenizer_renders_every_turn_with_the_models_template(tiny_model: P
     assert text.count("<|im_start|>") == 7
     assert "<|im_start|>user\nMy name is Ann.<|im_end|>" in text
     assert "<|im_start|>assistant\nHello Ann.<|im_end|>" in text
+    # ChatML shows no tool calls: the call is written into its assistant turn (else it is lost).
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}' in text
     assert "<|im_start|>tool\n18C<|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n")
     with pytest.raises(InvalidArgument, match=r"messages\[0\].role"):
@@ -60,7 +62,7 @@ class TokenizerAway:
     def __init__(self) -> None:
         self.away = False
 
-    async def chat_template(self, messages, deadline, model=""):  # type: ignore[no-untyped-def]
+    async def chat_template(self, messages, deadline, model="", tools=()):  # type: ignore[no-untyped-def]
         if self.away:
             raise PeerCallError(Unavailable("tokenizer down"))
         return tokenizer_pb2.ApplyChatTemplateResponse(ids=[1, 2, 3], token_count=3)

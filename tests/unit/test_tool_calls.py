@@ -87,7 +87,7 @@ def test_mistral_calls_in_both_tokenizer_versions() -> None:
     assert calls(v11, "mistral") == ("", [("get_weather", {"city": "Rome"}), ("get_time", {})])
     before = 'Checking. [TOOL_CALLS][{"name": "get_time", "arguments": {}}]'
     assert calls(before, "mistral") == ("Checking. ", [("get_time", {})])
-    for text in ("Plain answer.", "[TOOL_CALLS] [{\"name\": \"get_weather\", ", '[TOOL_CALLS]nope[ARGS]{"a": 1}'):
+    for text in ("Plain answer.", '[TOOL_CALLS] [{"name": "get_weather", ', '[TOOL_CALLS]nope[ARGS]{"a": 1}'):
         assert calls(text, "mistral") == (text, [])
 
 
@@ -114,7 +114,7 @@ def test_streamed_pieces_give_the_same_text_and_calls(fmt: str, text: str) -> No
         piece, found = stream.feed(text[at : at + 3])
         shown.append(piece)
         streamed.extend(found)
-        assert "<tool_call>" not in "".join(shown) and "[TOOL_CALLS]" not in "".join(shown) or not whole_calls
+        assert ("<tool_call>" not in "".join(shown) and "[TOOL_CALLS]" not in "".join(shown)) or not whole_calls
     piece, found = stream.finish()
     shown.append(piece)
     streamed.extend(found)
@@ -147,7 +147,7 @@ def test_a_template_without_tools_gets_the_preamble_and_keeps_calls_and_results(
     )
     assert text.startswith("<|im_start|>system\n# Tools") and '"name": "get_weather"' in text
     assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
-    assert "<|im_start|>user\n<tool_response>\n18C\n</tool_response><|im_end|>" in text
+    assert "<|im_start|>tool\n18C<|im_end|>" in text
 
 
 def test_a_template_with_tools_renders_them_itself() -> None:
