@@ -181,3 +181,14 @@ def test_the_auto_grammar_allows_text_or_valid_calls_only(tiny_model: Path) -> N
     assert not accepts('<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>')
     assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>')  # city required
     assert not accepts("Sure: <tool_call>")  # a call is never text
+
+
+def test_the_openai_backend_sends_the_calls_grammar_as_structured_outputs() -> None:
+    from services.inference.decoding import ResponseFormatSpec
+    from services.inference.openai_protocol import format_fields
+
+    grammar = tool_calls.auto_grammar([WEATHER])
+    # vLLM's guidance backend takes a Lark grammar marked as llguidance's dialect as it is.
+    assert format_fields(ResponseFormatSpec(kind="grammar", grammar=grammar)) == {
+        "structured_outputs": {"grammar": "%llguidance {}\n" + grammar}
+    }
