@@ -284,10 +284,10 @@ async def test_messages_forced_tool_use_streamed_and_round_trip(claude: anthropi
 
     async with claude.messages.stream(
         model=model,
-        max_tokens=96,  # "any": the call names its function as well
+        max_tokens=32,
         messages=ask,  # type: ignore[arg-type]
         tools=tools,  # type: ignore[arg-type]
-        tool_choice={"type": "any"},
+        tool_choice={"type": "tool", "name": "get_weather"},
         extra_body=FRESH,
     ) as stream:
         streamed = await stream.get_final_message()
