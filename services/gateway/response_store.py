@@ -19,6 +19,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,8 +51,11 @@ class StoredResponse:
 class MemoryResponses:
     """Records in this process: per tenant, each with its expiry, the whole bounded in bytes."""
 
-    def __init__(self, ttl_seconds: float, max_bytes: int = MEMORY_BYTES) -> None:
+    def __init__(
+        self, ttl_seconds: float, max_bytes: int = MEMORY_BYTES, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.ttl = ttl_seconds
+        self.clock = clock
         self.max_bytes = max_bytes
         self.size = 0
         self.records: OrderedDict[tuple[str, str], tuple[float, bytes]] = OrderedDict()
@@ -59,7 +63,7 @@ class MemoryResponses:
     async def put(self, tenant: str, response_id: str, record: StoredResponse) -> None:
         raw = record.encode()
         self._drop((tenant, response_id))
-        self.records[(tenant, response_id)] = (time.monotonic() + self.ttl, raw)
+        self.records[(tenant, response_id)] = (self.clock() + self.ttl, raw)
         self.size += len(raw)
         while self.size > self.max_bytes and self.records:
             self._drop(next(iter(self.records)))
@@ -68,7 +72,7 @@ class MemoryResponses:
         found = self.records.get((tenant, response_id))
         if found is None:
             return None
-        if found[0] <= time.monotonic():
+        if found[0] <= self.clock():
             self._drop((tenant, response_id))
             return None
         return StoredResponse.decode(found[1])
@@ -76,7 +80,7 @@ class MemoryResponses:
     async def delete(self, tenant: str, response_id: str) -> bool:
         found = self.records.get((tenant, response_id))
         self._drop((tenant, response_id))
-        return found is not None and found[0] > time.monotonic()
+        return found is not None and found[0] > self.clock()
 
     def _drop(self, key: tuple[str, str]) -> None:
         old = self.records.pop(key, None)

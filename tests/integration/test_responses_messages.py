@@ -303,7 +303,7 @@ async def test_messages_forced_tool_use_streamed_and_round_trip(claude: anthropi
             {
                 "role": "assistant",
                 "content": [{"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}],
-            },  # noqa: E501
+            },
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 C"}]},
         ],  # type: ignore[arg-type]
         tools=tools,  # type: ignore[arg-type]
