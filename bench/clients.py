@@ -331,6 +331,7 @@ def lm_eval(server: Server, tokenizer: Path, work: Path) -> tuple[str, list[floa
         str(LMEVAL_PYTHON),
         "-m",
         "lm_eval",
+        "run",
         "--model",
         "local-completions",
         "--model_args",
