@@ -113,7 +113,9 @@ def openai_chat(s: Server) -> None:
 
 
 def openai_chat_stream(s: Server) -> None:
-    stream = _openai(s).chat.completions.create(model=s.model, messages=ASK, max_tokens=16, stream=True)
+    # Its own question: the same one as openai_chat would be a cached answer, sent in one piece.
+    ask = [{"role": "user", "content": "Tell me a story about a fox."}]
+    stream = _openai(s).chat.completions.create(model=s.model, messages=ask, max_tokens=16, stream=True)
     pieces = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
     assert len(pieces) >= 2, pieces
 
@@ -195,7 +197,8 @@ def anthropic_messages(s: Server) -> None:
 
 
 def anthropic_stream(s: Server) -> None:
-    with _anthropic(s).messages.stream(model=s.model, max_tokens=16, messages=ASK) as stream:
+    ask = [{"role": "user", "content": "Tell me a story about an owl."}]
+    with _anthropic(s).messages.stream(model=s.model, max_tokens=16, messages=ask) as stream:
         pieces = list(stream.text_stream)
         final = stream.get_final_message()
     assert len(pieces) >= 2 and final.stop_reason in ("end_turn", "max_tokens"), final
