@@ -8,6 +8,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import httpx
@@ -16,7 +17,7 @@ import pytest
 import redis
 
 from llmesh.server import ServiceHost
-from llmesh.testing import hosted
+from llmesh.testing import eventually, hosted
 from services.cache.servicer import CacheApp
 from services.gateway.servicer import GatewayApp
 from services.inference.servicer import InferenceApp
@@ -315,16 +316,19 @@ async def test_messages_forced_tool_use_streamed_and_round_trip(claude: anthropi
 
 async def test_messages_share_the_chat_cache_path(claude: anthropic.AsyncAnthropic, model: str) -> None:
     ask = {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "Count to three."}]}
-    first = await claude.messages.create(**ask, extra_body={"llmesh": {"use_retrieval": False}})  # type: ignore[arg-type]
-    again = await claude.messages.create(**ask, extra_body={"llmesh": {"use_retrieval": False}})  # type: ignore[arg-type]
-    assert not first.model_extra["llmesh"]["cache_hit"] and again.model_extra["llmesh"]["cache_hit"]  # type: ignore[index]
+    keep = {"llmesh": {"use_retrieval": False}}
+    first = await claude.messages.create(**ask, extra_body=keep)  # type: ignore[arg-type]
+    assert not first.model_extra["llmesh"]["cache_hit"]  # type: ignore[index]
+
+    async def cached() -> Any:
+        # The answer is stored after it is sent: the same request is a hit once it is there.
+        again = await claude.messages.create(**ask, extra_body=keep)  # type: ignore[arg-type]
+        return again if again.model_extra["llmesh"]["cache_hit"] else None  # type: ignore[index]
+
+    again = await eventually(cached, 120, interval=0.5)
     assert again.content == first.content
     # A stop sequence shapes the answer: another entry, not the first one's.
-    other = await claude.messages.create(
-        **ask,
-        stop_sequences=["four"],
-        extra_body={"llmesh": {"use_retrieval": False}},  # type: ignore[arg-type]
-    )
+    other = await claude.messages.create(**ask, stop_sequences=["four"], extra_body=keep)  # type: ignore[arg-type]
     assert not other.model_extra["llmesh"]["cache_hit"]  # type: ignore[index]
 
 
