@@ -8,7 +8,7 @@ LOCKS := requirements/dev.lock requirements/models-nodeps.lock
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install run test lint typecheck proto lock models bench certs clean vllm
+.PHONY: install run test lint typecheck proto lock models bench certs clean vllm lmeval
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,17 @@ $(VLLM_STAMP): requirements/vllm.txt
 	touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)
+
+# Bench-only clients (bench.clients): lm-evaluation-harness and instructor, in their own venv
+# (instructor's jiter pin conflicts with the openai release in the dev lock).
+LMEVAL_VENV := .venv-lmeval
+LMEVAL_STAMP := $(LMEVAL_VENV)/.installed
+$(LMEVAL_STAMP): requirements/lmeval.txt
+	test -x $(LMEVAL_VENV)/bin/python || $(PY) -m venv $(LMEVAL_VENV)
+	$(LMEVAL_VENV)/bin/pip install -q -r requirements/lmeval.txt
+	touch $(LMEVAL_STAMP)
+
+lmeval: $(LMEVAL_STAMP)
 
 models: install
 	$(BIN)/llmesh models prepare
@@ -78,4 +89,4 @@ certs:
 	scripts/mesh-certs.sh .certs/mesh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .data
+	rm -rf $(VENV) $(VLLM_VENV) $(LMEVAL_VENV) .data

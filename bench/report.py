@@ -233,6 +233,13 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "faults.backend_freeze.seconds_to_first_success",
         "faults.inference_stall.seconds_to_recover",
     ),
+    "clients": (
+        "llmesh_passed",
+        "llmesh_total",
+        "vllm_passed",
+        "lm_eval_max_abs_diff_nats",
+        "vllm_bench_failed",
+    ),
 }
 
 

@@ -673,6 +673,14 @@ class HttpSettings(Section):
         " no HTTP API). Served with the gateway's TLS settings when they are set.",
         parse_optional_address,
     )
+    responses_ttl_seconds: int = setting(
+        "LLMESH_RESPONSES_TTL_SECONDS",
+        "86400",
+        "Lifetime of a stored /v1/responses answer (`store`, the default), kept per tenant in the shared Redis of"
+        " LLMESH_ADMISSION_REDIS_URL (without one: in this gateway's memory, at most 64 MiB): what"
+        " `previous_response_id`, GET and DELETE /v1/responses/{id} find.",
+        parse_positive_int,
+    )
 
 
 class RequestLimitSettings(Section):

@@ -43,7 +43,7 @@ from llmesh.settings import GatewayServiceSettings
 from llmesh.tool_calls import CallDelta
 from llmesh.v1 import common_pb2, gateway_pb2
 from services.gateway import metrics
-from services.gateway.auth import ApiKeys, KeyRing
+from services.gateway.auth import ApiKeys, Caller, KeyRing
 from services.gateway.core import Delta, Final, Gateway, server_timing
 from services.gateway.deadline import Deadline
 from services.gateway.embeddings import same_model
@@ -61,7 +61,10 @@ log = logging.getLogger("llmesh.gateway.http")
 CHAT, COMPLETIONS, MODELS, MODEL = "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}"
 EMBEDDINGS = "/v1/embeddings"
 FILES, BATCHES = "/v1/files", "/v1/batches"  # the Batch API's (services/gateway/batches/api.py)
-ROUTES = frozenset({CHAT, COMPLETIONS, MODELS, EMBEDDINGS, FILES, BATCHES})
+RESPONSES, RESPONSE, MESSAGES = "/v1/responses", "/v1/responses/{response_id}", "/v1/messages"
+ROUTES = frozenset({CHAT, COMPLETIONS, MODELS, EMBEDDINGS, FILES, BATCHES, RESPONSES, MESSAGES})
+# An API's own error body, by route: (status, OpenAI's error body) -> the body that API sends.
+ErrorShape = Callable[[int, dict[str, Any]], dict[str, Any]]
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_STOP_SEQUENCE: "stop",
@@ -115,6 +118,25 @@ def from_llmesh_error(exc: LlmeshError, prompt_param: str) -> Response:
     return error_response(status, exc.message, param, (exc.reason or exc.code.name).lower(), headers)
 
 
+def authorization_of(headers: Any) -> str | None:
+    """The caller's key as an `authorization` value: the header itself, or Anthropic's `x-api-key`
+    (what its clients send) as a bearer token."""
+    authorization = headers.get("authorization")
+    if authorization is None and headers.get("x-api-key"):
+        return f"Bearer {headers.get('x-api-key')}"
+    return authorization
+
+
+def reshaped(response: Response, path: str, shapes: dict[str, ErrorShape]) -> Response:
+    """An error response in the shape of the API its route belongs to (OpenAI's unless listed)."""
+    shape = next((f for route, f in shapes.items() if path == route or path.startswith(route + "/")), None)
+    if shape is None or response.status_code < 400 or not response.body:
+        return response
+    body = shape(response.status_code, json.loads(bytes(response.body)))
+    headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
+    return Response(_json(body), response.status_code, headers, "application/json")
+
+
 def _prompt_param(request: Request) -> str:
     path = request.url.path
     return "messages" if path == CHAT else "input" if path == EMBEDDINGS else "prompt"
@@ -158,7 +180,7 @@ class BodyLimits:
     files: int = 0
 
     def of(self, path: str) -> int:
-        if path in (CHAT, COMPLETIONS):
+        if path in (CHAT, COMPLETIONS, RESPONSES, MESSAGES):
             return self.generate
         if path == FILES and self.files:
             return self.files
@@ -181,12 +203,14 @@ class ObservedHttp:
         limits: BodyLimits,
         authenticate: Callable[[str | None], object],
         refused: Callable[[str | None], None] | None = None,
+        error_shapes: dict[str, ErrorShape] | None = None,
     ) -> None:
         self.app = app
         self.limits = limits
         self.authenticate = authenticate
         # Told of each API request refused as invalid (400, 413), by its `authorization`.
         self.refused = refused
+        self.error_shapes = error_shapes or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -194,7 +218,15 @@ class ObservedHttp:
             return
         started = time.perf_counter()
         method, path = scope["method"], scope["path"]
-        route = path if path in ROUTES else MODEL if path.startswith("/v1/models/") else "other"
+        route = (
+            path
+            if path in ROUTES
+            else MODEL
+            if path.startswith("/v1/models/")
+            else RESPONSE
+            if path.startswith("/v1/responses/")
+            else "other"
+        )
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
         request_id = next((v for k, v in headers if k == "x-request-id" and REQUEST_ID_RE.match(v)), uuid.uuid4().hex)
         scope.setdefault("state", {})["request_id"] = request_id
@@ -231,20 +263,20 @@ class ObservedHttp:
             metrics.HTTP_REQUESTS.labels(route, label, str(status)).inc()
             metrics.HTTP_DURATION.labels(route).observe(time.perf_counter() - started)
             if status in (400, 413) and self.refused is not None and path.startswith("/v1/"):
-                self.refused(next((v for k, v in headers if k == "authorization"), None))
+                self.refused(authorization_of(dict(headers)))
 
     def _refusal(self, path: str, headers: Sequence[tuple[str, str]]) -> Response | None:
         """The answer to a request refused on its headers alone: no known key (keys on), or a
         declared length past the route's limit. None: read it."""
         if path.startswith("/v1/"):
             try:
-                self.authenticate(next((v for k, v in headers if k == "authorization"), None))
+                self.authenticate(authorization_of(dict(headers)))
             except LlmeshError as exc:
-                return from_llmesh_error(exc, "")
+                return reshaped(from_llmesh_error(exc, ""), path, self.error_shapes)
         limit = self.limits.of(path)
         length = next((v for k, v in headers if k == "content-length"), None)
         if length is not None and length.isdigit() and int(length) > limit:
-            return too_large(limit)
+            return reshaped(too_large(limit), path, self.error_shapes)
         return None
 
     @staticmethod
@@ -279,7 +311,14 @@ class OpenAiApi:
         self.default_deadline = default_deadline
         self.extra_routes = list(extra_routes)  # other APIs on the same server (the Batch API's)
 
-    def app(self, limits: BodyLimits, gate: KeyGate | None = None) -> ASGIApp:
+    def app(
+        self,
+        limits: BodyLimits,
+        gate: KeyGate | None = None,
+        more_routes: Sequence[Route] = (),
+        error_shapes: dict[str, ErrorShape] | None = None,
+    ) -> ASGIApp:
+        """The routes, `more_routes` (other APIs over the same gateway) and their error shapes."""
         # Plain Starlette routes with pydantic models parsing the body straight from JSON: a
         # framework's dependency injection and its own telemetry would cost more per cache hit
         # than the rest of the HTTP path (the span and metrics here are llmesh's own).
@@ -290,26 +329,29 @@ class OpenAiApi:
             Route(MODELS, self.list_models, methods=["GET"]),
             Route(MODEL, self.get_model, methods=["GET"]),
             *self.extra_routes,
+            *more_routes,
         ]
+        shapes = error_shapes or {}
 
         async def on_llmesh_error(request: Request, exc: Exception) -> Response:
             assert isinstance(exc, LlmeshError)
-            return from_llmesh_error(exc, _prompt_param(request))
+            return reshaped(from_llmesh_error(exc, _prompt_param(request)), request.url.path, shapes)
 
         async def on_invalid(request: Request, exc: Exception) -> Response:
             assert isinstance(exc, ValidationError)
-            return _validation_response(exc)
+            return reshaped(_validation_response(exc), request.url.path, shapes)
 
         async def on_http(request: Request, exc: Exception) -> Response:
             assert isinstance(exc, HTTPException)
-            return error_response(exc.status_code, str(exc.detail), None, None, dict(exc.headers or {}))
+            answer = error_response(exc.status_code, str(exc.detail), None, None, dict(exc.headers or {}))
+            return reshaped(answer, request.url.path, shapes)
 
         async def on_gone(request: Request, exc: Exception) -> Response:
             return Response(b"", 499)  # nginx's "client closed request": never sent, only logged
 
         async def on_too_large(request: Request, exc: Exception) -> Response:
             assert isinstance(exc, BodyTooLarge)
-            return too_large(exc.limit)
+            return reshaped(too_large(exc.limit), request.url.path, shapes)
 
         handlers = {
             LlmeshError: on_llmesh_error,
@@ -320,9 +362,9 @@ class OpenAiApi:
         }
         starlette = Starlette(routes=routes, exception_handlers=handlers)
         if gate is None:
-            return ObservedHttp(starlette, limits, self.api_keys.authenticate)
+            return ObservedHttp(starlette, limits, self.api_keys.authenticate, error_shapes=shapes)
         # The gRPC methods' gate: the key, then its budget of invalid calls, before the body.
-        return ObservedHttp(starlette, limits, gate.admit_http, gate.refused_http)
+        return ObservedHttp(starlette, limits, gate.admit_http, gate.refused_http, shapes)
 
     def _authenticated(self, request: Request) -> None:
         # Before the body is parsed: a bad key is a 401 whatever the body says.
@@ -448,6 +490,18 @@ class OpenAiApi:
             raise LlmeshError("the pipeline ended without an answer") from None
         stream = answer.stream(first, events, body.include_usage, _prompt_param(request))
         return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def generation(
+        self, request: Request, generate: gateway_pb2.GenerateRequest, caller: Caller
+    ) -> AsyncGenerator[Delta | Final, None]:
+        """The gateway's events for a request another API translated (the model checked first)."""
+        await self.check_model(generate.model, Deadline.after(self.default_deadline))
+        deadline = Deadline.after(self.default_deadline)
+        return cast(AsyncGenerator[Delta | Final, None], self.gateway.generate(generate, deadline, caller))
+
+    async def whole(self, request: Request, events: AsyncGenerator[Delta | Final, None]) -> Final:
+        """The final event of a non-streaming answer (the client going away cancels it)."""
+        return await self._whole(request, events)
 
     async def _whole(self, request: Request, events: AsyncGenerator[Delta | Final, None]) -> Final:
         """The final event of a non-streaming answer; a client that disconnects meanwhile cancels
@@ -903,12 +957,17 @@ class HttpServer:
         self._task = None
 
 
+# Other APIs over the same gateway (Responses, Messages): their routes and error shapes.
+MoreApis = Callable[[OpenAiApi], tuple[Sequence[Route], dict[str, ErrorShape]]]
+
+
 def http_api(
     gateway: Gateway,
     api_keys: ApiKeys | KeyRing,
     settings: GatewayServiceSettings,
     gate: KeyGate | None = None,
     extra_routes: Sequence[Route] = (),
+    more_apis: MoreApis | None = None,
 ) -> HttpServer | None:
     """The gateway's HTTP API per its settings; None when LLMESH_HTTP_LISTEN is empty."""
     listen, sizes, runtime = settings.http.listen, settings.request_limits, settings.runtime
@@ -919,7 +978,9 @@ def http_api(
     limits = BodyLimits(
         sizes.max_generate_request_bytes, sizes.max_embed_request_bytes, sizes.max_query_request_bytes, files
     )
-    app = OpenAiApi(gateway, api_keys, settings.requests.default_deadline_seconds, extra_routes).app(limits, gate)
+    api = OpenAiApi(gateway, api_keys, settings.requests.default_deadline_seconds, extra_routes)
+    routes, shapes = more_apis(api) if more_apis is not None else ((), {})
+    app = api.app(limits, gate, routes, shapes)
     return HttpServer(app, listen, runtime.grace_seconds, runtime.tls_cert, runtime.tls_key, runtime.tls_client_ca)
 
 

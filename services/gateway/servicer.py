@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 from opentelemetry import trace
+from starlette.routing import Route
 
 from llmesh import redis_server, tasks
 from llmesh.channels import peer_access, remaining_seconds
@@ -32,9 +33,12 @@ from services.gateway.core import Delta, Final, Gateway, GatewayConfig, server_t
 from services.gateway.deadline import Deadline
 from services.gateway.intake import InvalidCallBudget, KeyGate, request_limits
 from services.gateway.limits import KeyLimiter
-from services.gateway.openai_http import announce, http_api
+from services.gateway.messages_api import MessagesApi
+from services.gateway.openai_http import ErrorShape, OpenAiApi, announce, http_api
 from services.gateway.peers import HopBudgets, Peers, breaker_labels
 from services.gateway.replicas import RoutingConfig
+from services.gateway.response_store import MemoryResponses, RedisResponses, ResponseStore
+from services.gateway.responses_api import ResponsesApi
 from services.gateway.usage import TenantLabels, UsageMeter
 
 log = logging.getLogger("llmesh.gateway")
@@ -294,9 +298,26 @@ class GatewayApp:
             self.batches.on_created.append(self.batch_runner.wake)
         self.batches_servicer = BatchesServicer(self.batches, self.api_keys)
         # The OpenAI-compatible HTTP API: another adapter over the same Gateway.
-        self.http = http_api(
-            self.gateway, self.api_keys, s, self.admit_call, BatchApi(self.batches, self.api_keys).routes()
+        # Stored Responses-API answers: in the replicas' shared state Redis where there is one.
+        ttl = s.http.responses_ttl_seconds
+        self.responses: ResponseStore = (
+            RedisResponses(connect_redis(redis_server.resolve_url(shared_url, s)), ttl)
+            if shared_url
+            else MemoryResponses(ttl)
         )
+        self.http = http_api(
+            self.gateway,
+            self.api_keys,
+            s,
+            self.admit_call,
+            BatchApi(self.batches, self.api_keys).routes(),
+            self._more_apis,
+        )
+
+    def _more_apis(self, api: OpenAiApi) -> tuple[list[Route], dict[str, ErrorShape]]:
+        """The Responses and Messages APIs beside OpenAI's chat, over the same gateway."""
+        responses, messages = ResponsesApi(api, self.responses), MessagesApi(api)
+        return [*responses.routes(), *messages.routes()], messages.error_shapes()
 
     def register(self, server: grpc.aio.Server) -> None:
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, server)
@@ -332,6 +353,8 @@ class GatewayApp:
         await self.gateway.settle()
         await tasks.stop(self._watch)
         await self.limiter.close()
+        if isinstance(self.responses, RedisResponses):
+            await self.responses.redis.aclose()
         if self.limiter.redis is not None:
             await self.limiter.redis.aclose()
         await self.peers.close()
