@@ -1059,12 +1059,14 @@ class EngineSettings(Section):
         "float32 must pass the perplexity guard at load (within 2% of float32).",
         one_of("auto", "float32", "bfloat16", "float16"),
     )
-    quantize: Literal["none", "int8"] = setting(
+    quantize: Literal["none", "int8", "int4"] = setting(
         "LLMESH_QUANTIZE",
         "none",
-        "Opt-in weight quantization of the builtin engine: none or int8 (weight-only, per-channel scales, torch's "
-        "int8-weight matmul kernel; must pass the perplexity guard at load).",
-        one_of("none", "int8"),
+        "Opt-in weight quantization of the builtin engine: none, int8 (weight-only, per-channel scales) or "
+        "int4 (weight-only, groups of 32, the LM head int8), on torch's CPU kernels in the engine's own "
+        "forward for calls of a few rows; must pass the quality guard at load (perplexity and "
+        "next-token agreement with float32).",
+        one_of("none", "int8", "int4"),
     )
     max_batch_size: int = setting("LLMESH_MAX_BATCH_SIZE", "32", "Most sequences decoded together.", parse_positive_int)
     grammar_compile_seconds: float = setting(

@@ -20,7 +20,7 @@ from services.inference import quality
 from services.inference.decoding import SamplingParams
 from services.inference.engine import Engine, EngineConfig, LoadedModel
 from services.inference.quality import QualityError
-from services.inference.quantize import Int8WeightOnlyLinear
+from services.inference.quantize import QuantizedLinear
 
 CPU = torch.device("cpu")
 
@@ -82,15 +82,15 @@ def drift(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts perplexity forwards."""
+    """Counts the guard's forwards."""
     calls: list[int] = []
-    real = quality.perplexity
+    real = quality.score
 
-    def counting(model: Any, ids: list[int], device: torch.device, forward: Any = None) -> float:
+    def counting(model: Any, ids: list[int], device: torch.device, forward: Any = None) -> tuple[float, torch.Tensor]:
         calls.append(len(ids))
         return real(model, ids, device, forward)
 
-    monkeypatch.setattr(quality, "perplexity", counting)
+    monkeypatch.setattr(quality, "score", counting)
     return calls
 
 
@@ -175,8 +175,8 @@ def test_the_real_smollm2_passes_in_bfloat16_plain_and_with_int8_weights(models_
         converted, checks[quantize] = quality.measure(model, ids, CPU, torch.bfloat16, quantize, verified.digest)
         assert checks[quantize].passes, checks[quantize].describe()
         assert 5.0 < checks[quantize].reference_perplexity < 50.0  # a real model on plain English
-    layers = [m for m in converted.modules() if isinstance(m, (torch.nn.Linear, Int8WeightOnlyLinear))]
-    assert layers and all(isinstance(m, Int8WeightOnlyLinear) for m in layers)
+    layers = [m for m in converted.modules() if isinstance(m, (torch.nn.Linear, QuantizedLinear))]
+    assert layers and all(isinstance(m, QuantizedLinear) for m in layers)
     # The int8 check measured int8 arithmetic, not the bf16 weights it keeps for long calls.
     assert checks["int8"].perplexity != checks["none"].perplexity
 

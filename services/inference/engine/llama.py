@@ -17,14 +17,22 @@ the decode step is a captured graph); this one does what its generic code cannot
   columns of the step are written with one `index_copy_` per layer and tensor (kv.py);
 * GQA without repeating keys: a row's query heads of one KV head are that head's query rows.
 
+* quantized models (services/inference/quantize.py: LLMESH_QUANTIZE=int8|int4) run here too: the
+  fused weights are quantized once (per-row scales and groups, so fusing changes no number) and
+  calls of at most `quant_max_rows` rows (one stream decoding) go through the quantized kernel,
+  larger ones through the served dtype's matmul;
+* the LM head runs only over the rows that need logits (the decode rows, a prefill's last
+  token per row).
+
 Used only where `supported()` says so: a plain Llama (no biases, SiLU MLP, rotary of a static
-kind, unquantized `nn.Linear` projections), CPU. Its logits match the HF forward's (unit tests
+kind, `nn.Linear` or quantize.py's `QuantizedLinear` projections), CPU. Its logits match the HF forward's (unit tests
 compare them in float32). The fused and packed weights are taken at load: a model whose weights
 change afterwards (`.to(dtype)`, quantization) needs a new runner.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from services.inference.engine.kv import PagedKVCache
+from services.inference.quantize import QUANT_MAX_ROWS, QuantizedLinear, QuantizedWeight
 
 #: Rotary kinds whose cos/sin for a position do not depend on the sequence length.
 _STATIC_ROPE = {"default", "linear", "llama3"}
@@ -53,14 +62,23 @@ def supported(hf: Any, device: torch.device) -> str | None:
     rotary = getattr(base, "rotary_emb", None)
     if rotary is None or getattr(rotary, "rope_type", "default") not in _STATIC_ROPE:
         return f"rotary {getattr(rotary, 'rope_type', None)!r}"
+    methods = set()
     for layer in base.layers:
         att, mlp = layer.self_attn, layer.mlp
         for lin in (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-            if type(lin) is not torch.nn.Linear:
-                return f"projection {type(lin).__name__} (quantized?)"
-    if type(hf.get_output_embeddings()) is not torch.nn.Linear:
+            if type(lin) not in (torch.nn.Linear, QuantizedLinear):
+                return f"projection {type(lin).__name__}"
+            methods.add(quantization_of(lin))
+    if type(hf.get_output_embeddings()) not in (torch.nn.Linear, QuantizedLinear):
         return "output embeddings"
+    if len(methods) > 1:
+        return f"mixed quantizations {sorted(methods)}"
     return None
+
+
+def quantization_of(module: Any) -> str:
+    """'none' for a plain nn.Linear, else its QuantizedLinear's method."""
+    return module.method if isinstance(module, QuantizedLinear) else "none"
 
 
 def _fuse(modules: list[torch.nn.Linear], share: bool) -> torch.Tensor:
@@ -79,14 +97,21 @@ def _fuse(modules: list[torch.nn.Linear], share: bool) -> torch.Tensor:
 
 
 class _Linear:
-    """y = x W^T (+ a fused epilogue), with the weight prepacked for oneDNN in bfloat16."""
+    """y = x W^T (+ a fused epilogue), with the weight prepacked for oneDNN in bfloat16, and a
+    quantized copy for calls of at most `quant_max_rows` rows where the model is quantized."""
 
-    def __init__(self, weight: torch.Tensor, pack: bool, rows_hint: int) -> None:
+    def __init__(
+        self, weight: torch.Tensor, pack: bool, rows_hint: int, quantize: str = "none", quant_max_rows: float = 0
+    ) -> None:
         #: The plain weight (None once prepacked: the packed copy is all the matmul needs).
         self.weight: torch.Tensor | None = None if pack else weight
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint) if pack else None
+        self.quantized = None if quantize == "none" else QuantizedWeight(weight, quantize)
+        self.quant_max_rows = quant_max_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None and x.shape[0] <= self.quant_max_rows:
+            return self.quantized(x)
         if self.packed is None:
             assert self.weight is not None
             return F.linear(x, self.weight)
@@ -94,9 +119,8 @@ class _Linear:
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + x W^T."""
-        if self.packed is None:
-            assert self.weight is not None
-            return residual + F.linear(x, self.weight)
+        if self.packed is None or (self.quantized is not None and x.shape[0] <= self.quant_max_rows):
+            return residual + self(x)
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, None, "add")
 
 
@@ -118,13 +142,27 @@ class LlamaDecoder:
         max_positions: int,
         pack: bool | None = None,
         share_weights: bool = True,
+        quant_max_rows: float | None = None,
     ) -> None:
         """`share_weights`: in float32 the HF modules' weights become views of the fused ones
-        (one copy); False leaves the model untouched (a throwaway forward: the quality guard)."""
+        (one copy); False leaves the model untouched (a throwaway forward: the quality guard).
+        `quant_max_rows`: calls of at most this many rows through the quantized kernel (a
+        quantized model; default quantize.QUANT_MAX_ROWS; math.inf: every call, as the guard
+        measures)."""
         cfg = hf.config
         base = getattr(hf, hf.base_model_prefix)
         dtype = base.embed_tokens.weight.dtype
         self.pack = can_pack(dtype) if pack is None else pack
+        #: "none", "int8" or "int4": what the model's projections were quantized to at load
+        #: (the LM head may differ: quantize.quantize_model).
+        self.quantize = quantization_of(base.layers[0].self_attn.q_proj)
+        if quant_max_rows is None:
+            quant_max_rows = QUANT_MAX_ROWS.get(self.quantize, 0)
+        self.quant_max_rows = quant_max_rows
+
+        def linear(weight: torch.Tensor, method: str = self.quantize) -> _Linear:
+            return _Linear(weight, self.pack, rows_hint, method, quant_max_rows)
+
         #: Tests: called with (layer index, hidden [rows, hidden]) before each layer (fault
         #: injection inside a step, as a forward pre-hook on an HF layer does for its forward).
         self.before_layer: Callable[[int, torch.Tensor], None] | None = None
@@ -138,22 +176,24 @@ class LlamaDecoder:
         self.eps = float(cfg.rms_norm_eps)
         self.embed = base.embed_tokens.weight
         self.final_norm = base.norm.weight
-        self.lm_head = _Linear(hf.get_output_embeddings().weight.detach(), self.pack, rows_hint)
+        head = hf.get_output_embeddings()
+        self.lm_head = linear(head.weight.detach(), quantization_of(head))
         self.layers: list[tuple[Any, ...]] = []
         with torch.no_grad():
             for layer in base.layers:
                 att, mlp = layer.self_attn, layer.mlp
-                share = share_weights and not self.pack
+                # A quantized model's modules keep their own copies (transformers' forward).
+                share = share_weights and not self.pack and self.quantize == "none"
                 qkv = _fuse([att.q_proj, att.k_proj, att.v_proj], share=share)
                 gate_up = _fuse([mlp.gate_proj, mlp.up_proj], share=share)
                 self.layers.append(
                     (
                         layer.input_layernorm.weight,
-                        _Linear(qkv, self.pack, rows_hint),
-                        _Linear(att.o_proj.weight.detach(), self.pack, rows_hint),
+                        linear(qkv),
+                        linear(att.o_proj.weight.detach()),
                         layer.post_attention_layernorm.weight,
-                        _Linear(gate_up, self.pack, rows_hint),
-                        _Linear(mlp.down_proj.weight.detach(), self.pack, rows_hint),
+                        linear(gate_up),
+                        linear(mlp.down_proj.weight.detach()),
                     )
                 )
             self.scaling = float(base.layers[0].self_attn.scaling)
@@ -296,7 +336,9 @@ def serving_logits(hf: Any, ids: list[int], device: torch.device) -> torch.Tenso
     blocks = -(-len(ids) // block) + 1  # and the null block
     dtype = getattr(hf, hf.base_model_prefix).embed_tokens.weight.dtype
     kv = PagedKVCache(hf.config, blocks, block, dtype, device)
-    decoder = LlamaDecoder(hf, kv, 1, blocks * block, share_weights=False)
+    # A quantized model is measured with every call through its quantized kernel: what passes
+    # is the quantized arithmetic itself, not the served dtype's matmul that long calls take.
+    decoder = LlamaDecoder(hf, kv, 1, blocks * block, share_weights=False, quant_max_rows=math.inf)
     n = len(ids)
     rows = torch.arange(block, block + n, device=device)  # blocks 1.. in order
     kv.plan(rows, rows[None])
