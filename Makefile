@@ -8,7 +8,7 @@ LOCKS := requirements/dev.lock requirements/models-nodeps.lock
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install run test lint typecheck proto lock models bench certs clean vllm lmeval
+.PHONY: install run test lint typecheck proto lock models bench certs clean vllm lmeval llamacpp
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -43,6 +43,20 @@ $(LMEVAL_STAMP): requirements/lmeval.txt
 	touch $(LMEVAL_STAMP)
 
 lmeval: $(LMEVAL_STAMP)
+
+# llama.cpp (through llama-cpp-python) as bench.engine's single-stream reference: compiled here
+# from PyPI's source package (no prebuilt wheel), in its own venv. The multimodal helper library is
+# left out; it is not used and doubles the build on two cores.
+LLAMACPP_VENV := .venv-llamacpp
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
+$(LLAMACPP_STAMP): requirements/llamacpp.txt
+	test -x $(LLAMACPP_VENV)/bin/python || $(PY) -m venv $(LLAMACPP_VENV)
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+		CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(LLAMACPP_VENV)/bin/pip install -q --no-binary llama-cpp-python -r requirements/llamacpp.txt
+	touch $(LLAMACPP_STAMP)
+
+llamacpp: $(LLAMACPP_STAMP)
 
 models: install
 	$(BIN)/llmesh models prepare
@@ -89,4 +103,4 @@ certs:
 	scripts/mesh-certs.sh .certs/mesh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LMEVAL_VENV) .data
+	rm -rf $(VENV) $(VLLM_VENV) $(LMEVAL_VENV) $(LLAMACPP_VENV) .data
