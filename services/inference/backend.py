@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from services.inference.decoding import SamplingParams
 from services.inference.engine import GenerationEvent, ModelDescription
+from services.inference.engine.decoding import SamplingParams
 from services.inference.engine.load import EngineLoad
 
 

@@ -18,8 +18,8 @@ import torch
 
 from llmesh import errors
 from llmesh.models import ModelError, point_current, resolve, verify
-from services.inference.decoding import SamplingParams
 from services.inference.engine import Engine, EngineConfig, ModelDescription, RequestStream
+from services.inference.engine.decoding import SamplingParams
 from services.inference.engine.load import EngineLoad
 
 log = logging.getLogger("llmesh.inference.lifecycle")

@@ -17,7 +17,6 @@ from llmesh.server import Readiness, set_status_for
 from llmesh.settings import InferenceServiceSettings
 from llmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.backend import InferenceBackend
-from services.inference.decoding import ResponseFormatSpec, SamplingParams
 from services.inference.engine import (
     FINISH_CANCELLED,
     FINISH_LENGTH,
@@ -28,6 +27,7 @@ from services.inference.engine import (
     ModelDescription,
     TokenLogprob,
 )
+from services.inference.engine.decoding import ResponseFormatSpec, SamplingParams
 from services.inference.engine.load import EngineLoad
 from services.inference.lifecycle import ModelManager
 from services.inference.multiplex import Multiplexer

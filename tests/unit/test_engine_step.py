@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from llmesh.models import verify
-from services.inference.decoding import SamplingParams
 from services.inference.engine import Engine, EngineConfig, LoadedModel
+from services.inference.engine.decoding import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
 

@@ -13,8 +13,8 @@ import pytest
 
 from llmesh.errors import Unavailable
 from llmesh.models import verify
-from services.inference.decoding import IncrementalDecoder, SamplingParams, StopMatcher, resolve_params
 from services.inference.engine import Engine, EngineConfig, GenerationEvent, LoadedModel
+from services.inference.engine.decoding import IncrementalDecoder, SamplingParams, StopMatcher, resolve_params
 from services.inference.engine.output import Emitter
 from services.inference.engine.sequence import SequenceState, Sink
 
@@ -123,7 +123,7 @@ def test_a_stop_string_completed_by_the_flush_is_reported_as_the_stop(loaded: Lo
 
 
 def _limits(loaded: LoadedModel):  # type: ignore[no-untyped-def]
-    from services.inference.decoding import Limits
+    from services.inference.engine.decoding import Limits
 
     return Limits(
         max_prompt_tokens=64,

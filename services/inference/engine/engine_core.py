@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from llmesh import errors
-from services.inference import metrics
+from services.inference.engine import metrics
 from services.inference.engine.config import (
     DEFAULT_MAX_PREFILL_TOKENS,
     FINISH_CANCELLED,

@@ -24,9 +24,9 @@ import torch
 
 from llmesh import errors
 from llmesh.models import VerifiedModel
-from services.inference import metrics
-from services.inference.decoding import IncrementalDecoder, Limits, SamplingParams, StopMatcher, resolve_params
+from services.inference.engine import metrics
 from services.inference.engine.config import EngineConfig
+from services.inference.engine.decoding import IncrementalDecoder, Limits, SamplingParams, StopMatcher, resolve_params
 from services.inference.engine.engine_core import EngineCore
 from services.inference.engine.kv_manager import BlockManager
 from services.inference.engine.load import EngineLoad

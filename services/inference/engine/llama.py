@@ -289,7 +289,7 @@ class LlamaDecoder:
 def serving_logits(hf: Any, ids: list[int], device: torch.device) -> torch.Tensor | None:
     """The logits [tokens, vocab] of every position of `ids` through this forward (one row
     prefilled over a scratch pool of blocks), None where `supported` says it does not serve:
-    the perplexity guard measures the forward that serves (services.inference.quality)."""
+    the perplexity guard measures the forward that serves (services.inference.engine.quality)."""
     if supported(hf, device) is not None:
         return None
     block = 16

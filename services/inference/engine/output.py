@@ -24,13 +24,13 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from tokenizers import Tokenizer
 
-from services.inference import metrics
-from services.inference.decoding import TokenPieces
+from services.inference.engine import metrics
 from services.inference.engine.config import (
     FINISH_LENGTH,
     FINISH_STOP,
     FINISH_STOP_SEQUENCE,
 )
+from services.inference.engine.decoding import TokenPieces
 from services.inference.engine.sequence import GenerationEvent, SequenceState, Sink, TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:

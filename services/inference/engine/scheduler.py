@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmesh import errors
-from services.inference import metrics
+from services.inference.engine import metrics
 from services.inference.engine.config import FINISH_CANCELLED, MIN_PREFILL_CHUNK, PREFILL_STALL_STEPS, EngineConfig
 from services.inference.engine.kv_manager import BlockManager
 from services.inference.engine.sequence import SequenceState

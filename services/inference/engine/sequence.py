@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from services.inference.decoding import IncrementalDecoder, ResolvedParams, StopMatcher
+from services.inference.engine.decoding import IncrementalDecoder, ResolvedParams, StopMatcher
 from services.inference.engine.kv_manager import BlockTable
 
 if TYPE_CHECKING:

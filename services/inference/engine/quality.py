@@ -41,7 +41,7 @@ from tokenizers import Tokenizer
 
 from llmesh.hardware import DtypeChoice, dtype_name
 from llmesh.models import QUALITY_FILE, ModelError, VerifiedModel
-from services.inference.quality_text import TEXT
+from services.inference.engine.quality_text import TEXT
 
 log = logging.getLogger("llmesh.inference.quality")
 
@@ -168,7 +168,7 @@ def convert(model: Any, dtype: torch.dtype, quantize: str) -> Any:
     """Casts a loaded model to `dtype` and applies `quantize` (tests replace this to inject drift)."""
     model = model.to(dtype)
     if quantize != QUANTIZE_NONE:
-        from services.inference.quantize import quantize_model
+        from services.inference.engine.quantize import quantize_model
 
         quantize_model(model, quantize)
     return model
@@ -192,7 +192,7 @@ def measure(
     if quantize == QUANTIZE_NONE:
         served = perplexity(model, ids, device, forward)
     else:
-        from services.inference.quantize import int8_everywhere
+        from services.inference.engine.quantize import int8_everywhere
 
         with int8_everywhere(model):  # the int8 arithmetic itself, not the bf16 fallback for long calls
             served = perplexity(model, ids, device)

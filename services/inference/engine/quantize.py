@@ -11,7 +11,7 @@ rows and loses from about four rows on (at 32 rows it takes about 1.7x as long).
 keeps its bf16 weight too and multiplies with int8 only for calls of at most `INT8_MAX_ROWS`
 rows (single-stream decode), bf16 otherwise (prefill, batched decode): int8 costs 1.5x the
 weights' memory and buys speed where one stream decodes alone, never loses it at batch 32.
-The perplexity guard (services/inference/quality.py) measures with every call forced through
+The perplexity guard (services/inference/engine/quality.py) measures with every call forced through
 int8 (`int8_everywhere`), so what passes is the int8 arithmetic itself.
 """
 
