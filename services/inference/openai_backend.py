@@ -515,7 +515,11 @@ class OpenAIBackend:
     async def prepare(self, params: SamplingParams) -> None:
         """Nothing: the engine behind compiles its own grammars."""
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "") -> OpenAIStream:
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str = "", priority: int = 0
+    ) -> OpenAIStream:
+        # `priority` is not sent on: vLLM refuses a nonzero one unless it was started with
+        # --scheduling-policy priority, which this backend cannot tell from outside.
         try:
             resolved = resolve_params(params, prompt_ids, self._limits())
         except errors.InvalidArgument:

@@ -226,7 +226,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             raise errors.InvalidArgument([("input", "either text or token_ids is required")])
         await manager.prepare(params)
         # Synchronous from here to submit: the request binds to the engine serving right now.
-        stream = manager.submit(ids, params, request.request_id)
+        stream = manager.submit(ids, params, request.request_id, request.priority)
         try:
             async for event in stream:
                 yield response_for(event)
