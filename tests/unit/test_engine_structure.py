@@ -104,6 +104,10 @@ def test_the_engine_modules_import_no_cycle() -> None:
     assert not graph["output"] & {"front", "engine_core", "scheduler"}
     assert not graph["sequence"] & {"front", "engine_core", "scheduler", "output"}
     assert "front" not in set().union(*(deps for name, deps in graph.items() if name != "front"))
+    # The scheduler decides each step and runs no forward; the executor runs a plan and decides nothing.
+    assert not graph["scheduler"] & {"runner", "executor", "llama", "model", "engine_core"}
+    assert not graph["executor"] & {"front", "engine_core", "output", "kv_manager"}
+    assert graph["messages"] <= {"sequence", "sampling"}
 
 
 def test_no_module_reaches_into_another_modules_private_names() -> None:
@@ -134,7 +138,9 @@ def test_the_checks_catch_what_they_are_for() -> None:
 
 
 def test_the_package_is_what_the_check_reads() -> None:
-    assert {"front", "engine_core", "scheduler", "sequence", "output", "kv_manager"} <= set(modules())
+    assert {"front", "engine_core", "scheduler", "executor", "messages", "sequence", "output", "kv_manager"} <= set(
+        modules()
+    )
     assert Path(ROOT / "__init__.py").is_file()
 
 
