@@ -128,8 +128,9 @@ def priority_run() -> dict[str, Any]:
     result["passes"] = {
         # With priority an interactive request waits at most for the step under way and its own prefill.
         "ttft_steps_with_batch_le_2": result["interactive_ttft_steps_max_with_batch"] <= 2,
-        "ttft_steps_with_batch_lt_no_priority": result["interactive_ttft_steps_median_with_batch"]
-        < result["interactive_ttft_steps_median_with_batch_no_priority"],
+        # Without priority the first interactive request waits behind the whole backlog.
+        "ttft_steps_with_batch_lt_no_priority": result["interactive_ttft_steps_max_with_batch"]
+        < result["interactive_ttft_steps_max_with_batch_no_priority"],
     }
     return result
 
