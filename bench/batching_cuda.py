@@ -122,8 +122,8 @@ def sync(device: torch.device) -> None:
 
 def run_engine(path: Path, args: argparse.Namespace, device: torch.device, result: dict[str, Any]) -> None:
     from llmesh.models import verify
-    from services.inference.decoding import SamplingParams
     from services.inference.engine import Engine, EngineConfig, LoadedModel
+    from services.inference.engine.decoding import SamplingParams
 
     top = max(args.streams)
     config = EngineConfig(

@@ -5,7 +5,7 @@ Arms, all over the same KV blocks and the same sequences, alternating (ABBA...) 
 * transformers   transformers' forward (separate q/k/v and gate/up projections)
 * own            the engine's own Llama forward (engine/llama.py: fused projections, LM head
                  over the decode rows only)
-* own_int8       the own forward on int8 weights (services/inference/quantize.py)
+* own_int8       the own forward on int8 weights (services/inference/engine/quantize.py)
 * own_int4       the own forward on int4 weights (the LM head int8)
 
 at one row (one stream decoding) and at 32 rows (bench.batching's 32 chat prompts). The
@@ -85,8 +85,7 @@ def weight_bytes(decoder: Any, rows: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from services.inference import quality
-    from services.inference.engine import LoadedModel
+    from services.inference.engine import LoadedModel, quality
     from services.inference.engine.llama import LlamaDecoder
     from services.inference.engine.runner import ModelRunner
 
@@ -189,7 +188,7 @@ def profile_steps(step: Any, name: str, count: int, bytes_per_step: int) -> dict
 def kernels(repeats: int = 20) -> dict[str, dict[str, float]]:
     """Microseconds (best of `repeats`, arms interleaved) of SmolLM2's projections summed, per
     kernel and row count."""
-    from services.inference.quantize import QuantizedWeight
+    from services.inference.engine.quantize import QuantizedWeight
 
     shapes = [(576 + 2 * 192, 576), (576, 576), (2 * 1536, 576), (576, 1536)]
     out: dict[str, dict[str, float]] = {}

@@ -28,6 +28,16 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "ttft_p50_s",
         "ttft_p95_s",
     ),
+    "priority": (
+        "interactive_ttft_steps_max_alone",
+        "interactive_ttft_steps_max_with_batch",
+        "interactive_ttft_steps_max_with_batch_no_priority",
+        "interactive_ttft_s_median_alone",
+        "interactive_ttft_s_median_with_batch",
+        "interactive_ttft_s_max_with_batch_no_priority",
+        "preemptions_priority",
+        "step_ab.tok_per_cpu_s_new_over_old",
+    ),
     "prefix": (
         "system_prompt_tokens",
         "first_ttft_s",

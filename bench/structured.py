@@ -261,7 +261,7 @@ def _tally(outcomes: Sequence[str]) -> dict[str, int]:
 
 
 def compile_times(models: Path) -> dict[str, float]:
-    from services.inference.decoding import ResponseFormatSpec
+    from services.inference.engine.decoding import ResponseFormatSpec
     from services.inference.engine.grammar import Grammars
 
     tokenizer = Tokenizer.from_file(str(models / "smollm2" / "current" / "tokenizer.json"))

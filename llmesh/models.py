@@ -22,7 +22,7 @@ log = logging.getLogger("llmesh.models")
 
 MANIFEST = "manifest.json"
 #: The inference engine's perplexity checks, written beside the manifest on first load (not
-#: part of the manifest: see services/inference/quality.py).
+#: part of the manifest: see services/inference/engine/quality.py).
 QUALITY_FILE = "quality.json"
 UNLISTED = (MANIFEST, QUALITY_FILE)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")

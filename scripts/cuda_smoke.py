@@ -581,7 +581,7 @@ async def phase_injected_oom(
     own: an allocation of twice the device memory."""
     import torch
 
-    from services.inference.decoding import SamplingParams
+    from services.inference.engine.decoding import SamplingParams
 
     engine = manager.engine
     eos = min(engine.model.eos_ids)
@@ -655,7 +655,7 @@ async def phase_natural_oom(
     memory matters and no OOM can land outside the guarded forward."""
     import torch
 
-    from services.inference.decoding import SamplingParams
+    from services.inference.engine.decoding import SamplingParams
 
     engine = manager.engine
     # An explicit index: set_per_process_memory_fraction refuses a bare torch.device("cuda").
@@ -829,7 +829,7 @@ async def main_async(rep: Report, args: argparse.Namespace) -> None:
 
     from llmesh import telemetry
     from services.inference import engine as engine_mod
-    from services.inference.decoding import SamplingParams
+    from services.inference.engine.decoding import SamplingParams
 
     spans = InMemorySpanExporter()
     provider = telemetry.setup_tracing("inference", exporter=spans)

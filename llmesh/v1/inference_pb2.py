@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from llmesh.v1 import common_pb2 as llmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19llmesh/v1/inference.proto\x12\tllmesh.v1\x1a\x16llmesh/v1/common.proto\"\xca\x01\n\x10InferenceRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.llmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.llmesh.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x32\n\x0fresponse_format\x18\x05 \x01(\x0b\x32\x19.llmesh.v1.ResponseFormatB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x84\x02\n\x11InferenceResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.llmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.llmesh.v1.Usage\x12\x10\n\x08\x62\x61tch_id\x18\x05 \x01(\t\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.llmesh.v1.TokenLogprob\x12\x0e\n\x06tokens\x18\x07 \x01(\r\x12\x30\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x17.llmesh.v1.TokenLogprob\"^\n\x13GenerateManyRequest\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.llmesh.v1.GenerationStartH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\x04H\x00\x42\x08\n\x06\x61\x63tion\"\xd1\x01\n\x0fGenerationStart\x12\n\n\x02id\x18\x01 \x01(\x04\x12,\n\x07request\x18\x02 \x01(\x0b\x32\x1b.llmesh.v1.InferenceRequest\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\x12:\n\x08metadata\x18\x04 \x03(\x0b\x32(.llmesh.v1.GenerationStart.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"D\n\x14GenerateManyResponse\x12,\n\x07updates\x18\x01 \x03(\x0b\x32\x1b.llmesh.v1.GenerationUpdate\"\x93\x01\n\x10GenerationUpdate\x12\n\n\x02id\x18\x01 \x01(\x04\x12.\n\x08response\x18\x02 \x01(\x0b\x32\x1c.llmesh.v1.InferenceResponse\x12\x13\n\x0bstatus_code\x18\x03 \x01(\x05\x12\x16\n\x0estatus_message\x18\x04 \x01(\t\x12\x16\n\x0estatus_details\x18\x05 \x01(\x0c\"\x15\n\x13GetModelInfoRequest\"\x91\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x06 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x07 \x01(\r\"#\n\x10LoadModelRequest\x12\x0f\n\x07version\x18\x01 \x01(\t\"N\n\x10WatchLoadRequest\x12\x1c\n\x14min_interval_seconds\x18\x01 \x01(\x01\x12\x1c\n\x14max_interval_seconds\x18\x02 \x01(\x01\"\xea\x02\n\nLoadReport\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0f\n\x07replica\x18\x03 \x01(\t\x12\x10\n\x08reported\x18\x04 \x01(\x08\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x13\n\x0bmax_running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x08 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\t \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\n \x01(\r\x12\x1d\n\x15waiting_prompt_tokens\x18\x0b \x01(\x04\x12\x14\n\x0cstep_seconds\x18\x0c \x01(\x01\x12!\n\x19prefill_tokens_per_second\x18\r \x01(\x01\x12\x17\n\x0fprefix_hit_rate\x18\x0e \x01(\x01\x12\x15\n\rprefix_hashes\x18\x0f \x03(\x04\x12\x10\n\x08sequence\x18\x10 \x01(\x04\x32\xf2\x02\n\tInference\x12G\n\x08Generate\x12\x1b.llmesh.v1.InferenceRequest\x1a\x1c.llmesh.v1.InferenceResponse0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.llmesh.v1.GetModelInfoRequest\x1a\x14.llmesh.v1.ModelInfo\x12>\n\tLoadModel\x12\x1b.llmesh.v1.LoadModelRequest\x1a\x14.llmesh.v1.ModelInfo\x12\x41\n\tWatchLoad\x12\x1b.llmesh.v1.WatchLoadRequest\x1a\x15.llmesh.v1.LoadReport0\x01\x12S\n\x0cGenerateMany\x12\x1e.llmesh.v1.GenerateManyRequest\x1a\x1f.llmesh.v1.GenerateManyResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19llmesh/v1/inference.proto\x12\tllmesh.v1\x1a\x16llmesh/v1/common.proto\"\xdc\x01\n\x10InferenceRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.llmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.llmesh.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x32\n\x0fresponse_format\x18\x05 \x01(\x0b\x32\x19.llmesh.v1.ResponseFormat\x12\x10\n\x08priority\x18\x06 \x01(\rB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x84\x02\n\x11InferenceResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.llmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.llmesh.v1.Usage\x12\x10\n\x08\x62\x61tch_id\x18\x05 \x01(\t\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.llmesh.v1.TokenLogprob\x12\x0e\n\x06tokens\x18\x07 \x01(\r\x12\x30\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x17.llmesh.v1.TokenLogprob\"^\n\x13GenerateManyRequest\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.llmesh.v1.GenerationStartH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\x04H\x00\x42\x08\n\x06\x61\x63tion\"\xd1\x01\n\x0fGenerationStart\x12\n\n\x02id\x18\x01 \x01(\x04\x12,\n\x07request\x18\x02 \x01(\x0b\x32\x1b.llmesh.v1.InferenceRequest\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\x12:\n\x08metadata\x18\x04 \x03(\x0b\x32(.llmesh.v1.GenerationStart.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"D\n\x14GenerateManyResponse\x12,\n\x07updates\x18\x01 \x03(\x0b\x32\x1b.llmesh.v1.GenerationUpdate\"\x93\x01\n\x10GenerationUpdate\x12\n\n\x02id\x18\x01 \x01(\x04\x12.\n\x08response\x18\x02 \x01(\x0b\x32\x1c.llmesh.v1.InferenceResponse\x12\x13\n\x0bstatus_code\x18\x03 \x01(\x05\x12\x16\n\x0estatus_message\x18\x04 \x01(\t\x12\x16\n\x0estatus_details\x18\x05 \x01(\x0c\"\x15\n\x13GetModelInfoRequest\"\x91\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x06 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x07 \x01(\r\"#\n\x10LoadModelRequest\x12\x0f\n\x07version\x18\x01 \x01(\t\"N\n\x10WatchLoadRequest\x12\x1c\n\x14min_interval_seconds\x18\x01 \x01(\x01\x12\x1c\n\x14max_interval_seconds\x18\x02 \x01(\x01\"\xea\x02\n\nLoadReport\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0f\n\x07replica\x18\x03 \x01(\t\x12\x10\n\x08reported\x18\x04 \x01(\x08\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x13\n\x0bmax_running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x08 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\t \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\n \x01(\r\x12\x1d\n\x15waiting_prompt_tokens\x18\x0b \x01(\x04\x12\x14\n\x0cstep_seconds\x18\x0c \x01(\x01\x12!\n\x19prefill_tokens_per_second\x18\r \x01(\x01\x12\x17\n\x0fprefix_hit_rate\x18\x0e \x01(\x01\x12\x15\n\rprefix_hashes\x18\x0f \x03(\x04\x12\x10\n\x08sequence\x18\x10 \x01(\x04\x32\xf2\x02\n\tInference\x12G\n\x08Generate\x12\x1b.llmesh.v1.InferenceRequest\x1a\x1c.llmesh.v1.InferenceResponse0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.llmesh.v1.GetModelInfoRequest\x1a\x14.llmesh.v1.ModelInfo\x12>\n\tLoadModel\x12\x1b.llmesh.v1.LoadModelRequest\x1a\x14.llmesh.v1.ModelInfo\x12\x41\n\tWatchLoad\x12\x1b.llmesh.v1.WatchLoadRequest\x1a\x15.llmesh.v1.LoadReport0\x01\x12S\n\x0cGenerateMany\x12\x1e.llmesh.v1.GenerateManyRequest\x1a\x1f.llmesh.v1.GenerateManyResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,31 +35,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATIONSTART_METADATAENTRY']._loaded_options = None
   _globals['_GENERATIONSTART_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_INFERENCEREQUEST']._serialized_start=65
-  _globals['_INFERENCEREQUEST']._serialized_end=267
-  _globals['_TOKENIDS']._serialized_start=269
-  _globals['_TOKENIDS']._serialized_end=292
-  _globals['_INFERENCERESPONSE']._serialized_start=295
-  _globals['_INFERENCERESPONSE']._serialized_end=555
-  _globals['_GENERATEMANYREQUEST']._serialized_start=557
-  _globals['_GENERATEMANYREQUEST']._serialized_end=651
-  _globals['_GENERATIONSTART']._serialized_start=654
-  _globals['_GENERATIONSTART']._serialized_end=863
-  _globals['_GENERATIONSTART_METADATAENTRY']._serialized_start=816
-  _globals['_GENERATIONSTART_METADATAENTRY']._serialized_end=863
-  _globals['_GENERATEMANYRESPONSE']._serialized_start=865
-  _globals['_GENERATEMANYRESPONSE']._serialized_end=933
-  _globals['_GENERATIONUPDATE']._serialized_start=936
-  _globals['_GENERATIONUPDATE']._serialized_end=1083
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1085
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1106
-  _globals['_MODELINFO']._serialized_start=1109
-  _globals['_MODELINFO']._serialized_end=1254
-  _globals['_LOADMODELREQUEST']._serialized_start=1256
-  _globals['_LOADMODELREQUEST']._serialized_end=1291
-  _globals['_WATCHLOADREQUEST']._serialized_start=1293
-  _globals['_WATCHLOADREQUEST']._serialized_end=1371
-  _globals['_LOADREPORT']._serialized_start=1374
-  _globals['_LOADREPORT']._serialized_end=1736
-  _globals['_INFERENCE']._serialized_start=1739
-  _globals['_INFERENCE']._serialized_end=2109
+  _globals['_INFERENCEREQUEST']._serialized_end=285
+  _globals['_TOKENIDS']._serialized_start=287
+  _globals['_TOKENIDS']._serialized_end=310
+  _globals['_INFERENCERESPONSE']._serialized_start=313
+  _globals['_INFERENCERESPONSE']._serialized_end=573
+  _globals['_GENERATEMANYREQUEST']._serialized_start=575
+  _globals['_GENERATEMANYREQUEST']._serialized_end=669
+  _globals['_GENERATIONSTART']._serialized_start=672
+  _globals['_GENERATIONSTART']._serialized_end=881
+  _globals['_GENERATIONSTART_METADATAENTRY']._serialized_start=834
+  _globals['_GENERATIONSTART_METADATAENTRY']._serialized_end=881
+  _globals['_GENERATEMANYRESPONSE']._serialized_start=883
+  _globals['_GENERATEMANYRESPONSE']._serialized_end=951
+  _globals['_GENERATIONUPDATE']._serialized_start=954
+  _globals['_GENERATIONUPDATE']._serialized_end=1101
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1103
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1124
+  _globals['_MODELINFO']._serialized_start=1127
+  _globals['_MODELINFO']._serialized_end=1272
+  _globals['_LOADMODELREQUEST']._serialized_start=1274
+  _globals['_LOADMODELREQUEST']._serialized_end=1309
+  _globals['_WATCHLOADREQUEST']._serialized_start=1311
+  _globals['_WATCHLOADREQUEST']._serialized_end=1389
+  _globals['_LOADREPORT']._serialized_start=1392
+  _globals['_LOADREPORT']._serialized_end=1754
+  _globals['_INFERENCE']._serialized_start=1757
+  _globals['_INFERENCE']._serialized_end=2127
 # @@protoc_insertion_point(module_scope)

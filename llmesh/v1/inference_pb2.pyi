@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class InferenceRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "sampling", "request_id", "response_format")
+    __slots__ = ("text", "token_ids", "sampling", "request_id", "response_format", "priority")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     sampling: _common_pb2.SamplingParams
     request_id: str
     response_format: _common_pb2.ResponseFormat
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., response_format: _Optional[_Union[_common_pb2.ResponseFormat, _Mapping]] = ...) -> None: ...
+    priority: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., response_format: _Optional[_Union[_common_pb2.ResponseFormat, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

@@ -373,11 +373,12 @@ class Peers:
         deadline: Deadline,
         model: str = "",
         response_format: common_pb2.ResponseFormat | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[inference_pb2.InferenceResponse]:
         """Token ids normally; rendered text when the tokenizer is down (inference tokenizes it).
         `model`: whose inference service (a key of `models`); `response_format`: the form the
-        answer must take (None: free text)."""
-        request = inference_pb2.InferenceRequest(sampling=sampling, request_id=request_id)
+        answer must take (None: free text); `priority`: the engine's (0 interactive, 1 batch)."""
+        request = inference_pb2.InferenceRequest(sampling=sampling, request_id=request_id, priority=priority)
         if response_format is not None:
             request.response_format.CopyFrom(response_format)
         if isinstance(prompt, str):

@@ -30,7 +30,7 @@ from llmesh.errors import InvalidArgument, ResourceExhausted
 from llmesh.telemetry import current_trace_id
 from llmesh.v1 import cache_pb2, common_pb2, gateway_pb2, inference_pb2, retrieval_pb2
 from services.gateway import metrics
-from services.gateway.admission import REASON_DEADLINE, Admission, Ask, Hold, RequestTooHeavy, Ticket
+from services.gateway.admission import BATCH, REASON_DEADLINE, Admission, Ask, Hold, RequestTooHeavy, Ticket
 from services.gateway.deadline import CallerDeadline, Deadline
 from services.gateway.hop_errors import BREAKER_FAILURE_CODES, DOWNSTREAM_ERRORS, PeerCallError
 from services.gateway.plan import (
@@ -472,9 +472,12 @@ class RequestPath:
             offset.seed = (plan.sampling.seed + answer.index) % (1 << 64)
             return offset
 
+        # Batch-lane work yields to interactive work inside the engine too, not only at admission.
+        priority = 1 if plan.lane == BATCH else 0  # InferenceRequest.priority: 0 interactive, 1 batch
+
         def stream(answer: Answer) -> AsyncIterator[inference_pb2.InferenceResponse]:
             return self.gateway.peers.generate(
-                self.prompt, sampling_of(answer), uuid.uuid4().hex, self.deadline, self.route_name, form
+                self.prompt, sampling_of(answer), uuid.uuid4().hex, self.deadline, self.route_name, form, priority
             )
 
         if len(answers) == 1:

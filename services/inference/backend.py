@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from services.inference.decoding import SamplingParams
 from services.inference.engine import GenerationEvent, ModelDescription
+from services.inference.engine.decoding import SamplingParams
 from services.inference.engine.load import EngineLoad
 
 
@@ -49,9 +49,11 @@ class InferenceBackend(Protocol):
         grammar, compiled off the event loop within a time limit); InvalidArgument naming the field."""
         ...
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "") -> GenerationStream:
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str = "", priority: int = 0
+    ) -> GenerationStream:
         """Validates at once (InvalidArgument, ResourceExhausted); errors while streaming come
-        from iterating the stream."""
+        from iterating the stream. `priority`: InferenceRequest.priority (0 interactive, 1 batch)."""
         ...
 
     def load(self) -> EngineLoad | None:

@@ -18,8 +18,8 @@ import torch
 
 from llmesh import errors
 from llmesh.models import ModelError, point_current, resolve, verify
-from services.inference.decoding import SamplingParams
 from services.inference.engine import Engine, EngineConfig, ModelDescription, RequestStream
+from services.inference.engine.decoding import SamplingParams
 from services.inference.engine.load import EngineLoad
 
 log = logging.getLogger("llmesh.inference.lifecycle")
@@ -82,9 +82,11 @@ class ModelManager:
     async def prepare(self, params: SamplingParams) -> None:
         await self.engine.prepare(params)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "") -> RequestStream:
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str = "", priority: int = 0
+    ) -> RequestStream:
         """Binds the request to the engine serving now; it finishes there even if a switch happens."""
-        return self.engine.submit(prompt_ids, params, request_id)
+        return self.engine.submit(prompt_ids, params, request_id, priority)
 
     async def load_version(self, version: str) -> ModelDescription:
         if not VERSION_NAME.match(version) or version == "current":

@@ -57,8 +57,9 @@ from llmesh.retry_budget import RetryBudget
 from llmesh.settings import BackendSettings, GenerationLimits, redact_url
 from services.inference import metrics
 from services.inference.backend_load import SCRAPED, ReplicaLoad, combine, parse_metrics
-from services.inference.decoding import Limits, ResolvedParams, SamplingParams, TokenPieces, resolve_params
 from services.inference.engine import FINISH_STOP, GenerationEvent, ModelDescription, TokenLogprob
+from services.inference.engine import metrics as engine_metrics
+from services.inference.engine.decoding import Limits, ResolvedParams, SamplingParams, TokenPieces, resolve_params
 from services.inference.engine.load import EngineLoad
 from services.inference.openai_protocol import (
     Chunk,
@@ -526,7 +527,7 @@ class OpenAIBackend:
         try:
             resolved = resolve_params(params, prompt_ids, self._limits())
         except errors.InvalidArgument:
-            metrics.REQUESTS.labels("invalid").inc()
+            engine_metrics.REQUESTS.labels("invalid").inc()
             raise
         replica = self._pick()
         self.budget.earn()
@@ -612,7 +613,7 @@ class OpenAIBackend:
                     if chunk.generated and not resolved.prompt_only:
                         if first_token:
                             first_token = False
-                            metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - started)
+                            engine_metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - started)
                             event = self._event(chunk, resolved)
                             event.prompt_logprobs = self._prompt_logprobs(echo, resolved)
                             yield event
@@ -623,9 +624,9 @@ class OpenAIBackend:
             # vLLM samples one token for an echo with max_tokens 0 and counts it; none is answered.
             output_tokens = 0 if resolved.prompt_only else usage.completion_tokens or 0
             outcome = finish
-            metrics.PROMPT_TOKENS.inc(input_tokens)
-            metrics.GENERATION_TOKENS.inc(output_tokens)
-            metrics.REQUEST_DURATION.observe(time.monotonic() - started)
+            engine_metrics.PROMPT_TOKENS.inc(input_tokens)
+            engine_metrics.GENERATION_TOKENS.inc(output_tokens)
+            engine_metrics.REQUEST_DURATION.observe(time.monotonic() - started)
             span.set_attribute("gen_ai.usage.input_tokens", input_tokens)
             span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
             span.set_attribute("gen_ai.response.finish_reasons", [finish])
@@ -647,7 +648,7 @@ class OpenAIBackend:
             span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
             raise
         finally:
-            metrics.REQUESTS.labels(outcome if outcome in metrics.OUTCOMES else FINISH_STOP).inc()
+            engine_metrics.REQUESTS.labels(outcome if outcome in engine_metrics.OUTCOMES else FINISH_STOP).inc()
             if outcome == "error":
                 span.set_status(trace.Status(trace.StatusCode.ERROR, "inference backend failed"))
             span.end()

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmesh import errors
-from services.inference.decoding import ResolvedParams, ResponseFormatSpec
 from services.inference.engine import FINISH_LENGTH, FINISH_STOP, FINISH_STOP_SEQUENCE, TokenLogprob, TopLogprob
+from services.inference.engine.decoding import ResolvedParams, ResponseFormatSpec
 
 #: Our request field for each OpenAI parameter, so a rejected parameter names the field the caller set.
 FIELD_OF_PARAM = {

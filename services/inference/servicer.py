@@ -17,7 +17,6 @@ from llmesh.server import Readiness, set_status_for
 from llmesh.settings import InferenceServiceSettings
 from llmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.backend import InferenceBackend
-from services.inference.decoding import ResponseFormatSpec, SamplingParams
 from services.inference.engine import (
     FINISH_CANCELLED,
     FINISH_LENGTH,
@@ -28,6 +27,7 @@ from services.inference.engine import (
     ModelDescription,
     TokenLogprob,
 )
+from services.inference.engine.decoding import ResponseFormatSpec, SamplingParams
 from services.inference.engine.load import EngineLoad
 from services.inference.lifecycle import ModelManager
 from services.inference.multiplex import Multiplexer
@@ -235,7 +235,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             raise errors.InvalidArgument([("input", "either text or token_ids is required")])
         await manager.prepare(params)
         # Synchronous from here to submit: the request binds to the engine serving right now.
-        stream = manager.submit(ids, params, request.request_id)
+        stream = manager.submit(ids, params, request.request_id, request.priority)
         try:
             async for event in stream:
                 yield response_for(event)

@@ -83,6 +83,7 @@ class FakePeers(
         self.version = 1
         self.stored: list[cache_pb2.CacheStoreRequest] = []
         self.streams_done = 0
+        self.priorities: list[int] = []  # InferenceRequest.priority of each Generate
         # Load reports the fake inference streams on WatchLoad (none unless a test puts some:
         # then admission falls back to its own guesses, as for a backend that reports nothing).
         self.load_reports: asyncio.Queue[inference_pb2.LoadReport] = asyncio.Queue()
@@ -102,6 +103,7 @@ class FakePeers(
         return inference_pb2.ModelInfo(model_id="fake", sha256="0" * 64)
 
     async def Generate(self, request, context):  # type: ignore[no-untyped-def]
+        self.priorities.append(request.priority)
         await self.generate.act(context, self.release)
         await asyncio.sleep(self.first_token_delay)  # simulated work: the fake's time to a first token
         want = min(self.tokens, request.sampling.max_new_tokens)
@@ -407,6 +409,15 @@ async def test_a_request_that_stops_early_pays_only_what_it_generated() -> None:
         assert final.response.usage.output_tokens == 3
         assert app.window.occupancy() == PROMPT_TOKENS * 3  # type: ignore[union-attr]
         no_weight_left(app)
+
+
+async def test_the_batch_lane_reaches_the_engine_as_batch_priority() -> None:
+    # The engine serves priority 0 first and preempts priority 1 rows for it: the gateway's batch
+    # lane must arrive as 1, and every other request as 0.
+    async with fake_mesh() as (fake, app, _):
+        await run(app, ask(use_cache=False, use_retrieval=False, lane="batch"), 10)
+        await run(app, ask(use_cache=False, use_retrieval=False), 10)
+        assert fake.priorities == [1, 0]
 
 
 @pytest.mark.parametrize(

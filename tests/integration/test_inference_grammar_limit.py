@@ -15,7 +15,7 @@ import pytest
 from llmesh.server import ServiceHost
 from llmesh.testing import hosted
 from llmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from services.inference.decoding import ResponseFormatSpec
+from services.inference.engine.decoding import ResponseFormatSpec
 from services.inference.servicer import InferenceApp, format_from_proto
 
 pytestmark = pytest.mark.timeout(120)

@@ -32,8 +32,8 @@ from llmesh.testing import REPO_ROOT, VLLM_MODEL_NAME, OtlpReceiver, VllmServer,
 from llmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
 from services.gateway.servicer import GatewayApp
 from services.inference import metrics
-from services.inference.decoding import SamplingParams
 from services.inference.engine import FINISH_LENGTH
+from services.inference.engine.decoding import SamplingParams
 from services.inference.openai_backend import BackendConfig, LocalTokenizer, OpenAIBackend
 from services.inference.servicer import InferenceApp
 from services.tokenizer.servicer import TokenizerApp

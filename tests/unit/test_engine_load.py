@@ -9,8 +9,8 @@ from pathlib import Path
 
 from llmesh.models import verify
 from services.inference.backend_load import ReplicaLoad, combine, parse_metrics
-from services.inference.decoding import SamplingParams
 from services.inference.engine import Engine, EngineConfig, LoadedModel
+from services.inference.engine.decoding import SamplingParams
 
 
 async def test_load_reports_rows_queue_kv_and_step_time(tiny_model: Path) -> None:

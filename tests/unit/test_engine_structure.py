@@ -104,6 +104,10 @@ def test_the_engine_modules_import_no_cycle() -> None:
     assert not graph["output"] & {"front", "engine_core", "scheduler"}
     assert not graph["sequence"] & {"front", "engine_core", "scheduler", "output"}
     assert "front" not in set().union(*(deps for name, deps in graph.items() if name != "front"))
+    # The scheduler decides each step and runs no forward; the executor runs a plan and decides nothing.
+    assert not graph["scheduler"] & {"runner", "executor", "llama", "model", "engine_core"}
+    assert not graph["executor"] & {"front", "engine_core", "output", "kv_manager"}
+    assert graph["messages"] <= {"sequence", "sampling"}
 
 
 def test_no_module_reaches_into_another_modules_private_names() -> None:
@@ -134,5 +138,37 @@ def test_the_checks_catch_what_they_are_for() -> None:
 
 
 def test_the_package_is_what_the_check_reads() -> None:
-    assert {"front", "engine_core", "scheduler", "sequence", "output", "kv_manager"} <= set(modules())
+    assert {"front", "engine_core", "scheduler", "executor", "messages", "sequence", "output", "kv_manager"} <= set(
+        modules()
+    )
     assert Path(ROOT / "__init__.py").is_file()
+
+
+def host_imports(tree: ast.Module) -> list[str]:
+    """Modules of the inference service outside the engine package that this module imports
+    (anywhere in it: a lazy import in a function body still ties the engine to its host)."""
+    host = "services.inference"
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] if node.module != host else [f"{host}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found += [f"{n}:{node.lineno}" for n in names if n.startswith(host) and not n.startswith(PACKAGE)]
+    return found
+
+
+def test_the_engine_imports_nothing_of_its_host_service() -> None:
+    # The engine is a library its host (the inference service) uses: decoding, metrics and the
+    # model's quality guard live inside it, and the host passes what else it needs.
+    found = {name: hits for name, tree in modules().items() if (hits := host_imports(tree))}
+    assert found == {}
+    source = "from services.inference import metrics\nimport services.inference.servicer\n"
+    source += "from services.inference.engine import decoding\ndef f():\n    from services.inference.quality import x\n"
+    assert host_imports(ast.parse(source)) == [
+        "services.inference.metrics:1",
+        "services.inference.servicer:2",
+        "services.inference.quality:5",
+    ]

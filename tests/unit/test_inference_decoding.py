@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from llmesh.errors import InvalidArgument
-from services.inference.decoding import (
+from services.inference.engine.decoding import (
     IncrementalDecoder,
     Limits,
     SamplingParams,

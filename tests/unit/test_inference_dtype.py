@@ -16,11 +16,10 @@ from llmesh.testing import build_tiny_model
 from llmesh.v1 import inference_pb2
 from services.cache.keys import Scope, entry_key, normalize_prompt
 from services.gateway.core import model_key_of
-from services.inference import quality
-from services.inference.decoding import SamplingParams
-from services.inference.engine import Engine, EngineConfig, LoadedModel
-from services.inference.quality import QualityError
-from services.inference.quantize import QuantizedLinear
+from services.inference.engine import Engine, EngineConfig, LoadedModel, quality
+from services.inference.engine.decoding import SamplingParams
+from services.inference.engine.quality import QualityError
+from services.inference.engine.quantize import QuantizedLinear
 
 CPU = torch.device("cpu")
 

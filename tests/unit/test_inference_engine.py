@@ -15,9 +15,9 @@ from prometheus_client import REGISTRY
 from llmesh.errors import InvalidArgument, LlmeshError, ResourceExhausted
 from llmesh.models import verify
 from llmesh.testing import eventually
-from services.inference.decoding import SamplingParams
 from services.inference.engine import Engine, EngineConfig, GenerationEvent, LoadedModel
 from services.inference.engine.config import MIN_PREFILL_CHUNK
+from services.inference.engine.decoding import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 

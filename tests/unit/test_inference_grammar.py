@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 
 from bench.schemas import SCHEMAS
 from llmesh.errors import InvalidArgument
-from services.inference.decoding import ResponseFormatSpec
+from services.inference.engine.decoding import ResponseFormatSpec
 from services.inference.engine.grammar import Grammars, RowGrammar
 from services.inference.engine.sampling import allowed_tokens, choose
 

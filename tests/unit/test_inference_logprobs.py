@@ -14,8 +14,8 @@ from tokenizers import Tokenizer
 
 from llmesh.errors import InvalidArgument
 from llmesh.models import verify
-from services.inference.decoding import SamplingParams, TokenPieces
 from services.inference.engine import Engine, EngineConfig, GenerationEvent, LoadedModel
+from services.inference.engine.decoding import SamplingParams, TokenPieces
 from services.inference.engine.sampling import Adjustments, LogprobRows, RowAdjustment, choose, choose_scored
 
 VOCAB = 512

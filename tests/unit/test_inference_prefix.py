@@ -15,8 +15,8 @@ from prometheus_client import REGISTRY
 
 from llmesh.errors import ResourceExhausted
 from llmesh.models import verify
-from services.inference.decoding import SamplingParams
 from services.inference.engine import Engine, EngineConfig, LoadedModel
+from services.inference.engine.decoding import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 

@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llmesh.models import verify
-from services.inference.decoding import SamplingParams
 from services.inference.engine import Engine, EngineConfig, GenerationEvent, LoadedModel
+from services.inference.engine.decoding import SamplingParams
 
 TEXT = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a lamp, a "

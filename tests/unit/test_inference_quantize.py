@@ -13,12 +13,11 @@ import torch
 
 from llmesh.models import verify
 from llmesh.testing import build_tiny_model
-from services.inference import quality
-from services.inference.engine import LoadedModel
+from services.inference.engine import LoadedModel, quality
 from services.inference.engine.llama import LlamaDecoder
+from services.inference.engine.quality import QualityError
+from services.inference.engine.quantize import QUANT_MAX_ROWS, QuantizedLinear, QuantizedWeight
 from services.inference.engine.runner import ModelRunner
-from services.inference.quality import QualityError
-from services.inference.quantize import QUANT_MAX_ROWS, QuantizedLinear, QuantizedWeight
 
 PROMPTS = ["Hi", "The quick brown fox jumps over the lazy dog.", "Tell me about the sea " * 3]
 BLOCK = 4

@@ -13,8 +13,9 @@ import pytest
 
 from llmesh.errors import Unavailable
 from llmesh.models import verify
-from services.inference.decoding import IncrementalDecoder, SamplingParams, StopMatcher, resolve_params
 from services.inference.engine import Engine, EngineConfig, GenerationEvent, LoadedModel
+from services.inference.engine.decoding import IncrementalDecoder, SamplingParams, StopMatcher, resolve_params
+from services.inference.engine.messages import TokenItem, Tokens
 from services.inference.engine.output import Emitter
 from services.inference.engine.sequence import SequenceState, Sink
 
@@ -112,8 +113,8 @@ def test_a_stop_string_completed_by_the_flush_is_reported_as_the_stop(loaded: Lo
     )
     emitter = Emitter("review", "tiny", "v1", tokenizer)
     try:
-        emitter.put(("tokens", time.monotonic(), [(seq, tokenizer.token_to_id("a"), None, None)]))
-        emitter.put(("tokens", time.monotonic(), [(seq, partial, "length", None)]))
+        emitter.put(Tokens(time.monotonic(), [TokenItem(seq, tokenizer.token_to_id("a"))]))
+        emitter.put(Tokens(time.monotonic(), [TokenItem(seq, partial, "length")]))
         emitter.sync()
     finally:
         emitter.stop()
@@ -123,7 +124,7 @@ def test_a_stop_string_completed_by_the_flush_is_reported_as_the_stop(loaded: Lo
 
 
 def _limits(loaded: LoadedModel):  # type: ignore[no-untyped-def]
-    from services.inference.decoding import Limits
+    from services.inference.engine.decoding import Limits
 
     return Limits(
         max_prompt_tokens=64,
@@ -160,7 +161,8 @@ async def test_the_eos_token_is_sent_as_it_is_counted(loaded: LoadedModel, monke
         greedy, _ = await collect(eng, ids, SamplingParams(max_new_tokens=8, ignore_eos=True))
         eos = greedy[3]
         first = greedy.index(eos)
-        monkeypatch.setattr(loaded, "eos_ids", frozenset({eos}))
+        # The scheduler's stop check holds the model's EOS set from the engine's start.
+        monkeypatch.setattr(eng.core.scheduler, "eos_ids", frozenset({eos}))
         tokens, last = await collect(eng, ids, SamplingParams(max_new_tokens=8))
         assert last.finish_reason == "stop"
         assert tokens == greedy[: first + 1]

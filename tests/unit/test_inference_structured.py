@@ -15,9 +15,9 @@ import pytest
 from bench.schemas import SCHEMAS
 from llmesh.errors import InvalidArgument
 from llmesh.models import verify
-from services.inference.decoding import ResponseFormatSpec, SamplingParams
 from services.inference.engine import Engine, EngineConfig, LoadedModel
 from services.inference.engine.config import FINISH_LENGTH
+from services.inference.engine.decoding import ResponseFormatSpec, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.inference.decoding import SamplingParams
+from services.inference.engine.decoding import SamplingParams
 from services.inference.openai_backend import BackendConfig, LocalTokenizer, OpenAIBackend
 
 ANSWER = (

@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from llmesh import errors
-from services.inference.decoding import ResolvedParams
 from services.inference.engine import FINISH_LENGTH, FINISH_STOP, FINISH_STOP_SEQUENCE
+from services.inference.engine.decoding import ResolvedParams
 from services.inference.openai_protocol import (
     EchoSplitter,
     completion_body,
@@ -130,7 +130,7 @@ def test_a_rejected_parameter_names_our_field() -> None:
 
 
 def test_response_formats_are_passed_as_vllm_takes_them() -> None:
-    from services.inference.decoding import ResponseFormatSpec
+    from services.inference.engine.decoding import ResponseFormatSpec
     from services.inference.openai_protocol import completion_body as body_of
 
     resolved = ResolvedParams(max_new_tokens=8, temperature=0.0, top_p=1.0, seed=None, stop=(), ignore_eos=False)

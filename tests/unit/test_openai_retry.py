@@ -27,8 +27,8 @@ from opentelemetry.trace import StatusCode
 from llmesh import errors
 from llmesh.spans import LeanTracerProvider
 from services.inference import metrics, openai_backend
-from services.inference.decoding import SamplingParams
 from services.inference.engine import FINISH_LENGTH, GenerationEvent
+from services.inference.engine.decoding import SamplingParams
 from services.inference.openai_backend import BackendConfig, LocalTokenizer, OpenAIBackend
 
 A, B, C = "10.0.0.1", "10.0.0.2", "10.0.0.3"

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from llmesh import errors
-from services.inference.decoding import SamplingParams
+from services.inference.engine.decoding import SamplingParams
 from services.inference.openai_backend import BackendConfig, LocalTokenizer, OpenAIBackend
 from services.inference.servicer import InferenceApp
 

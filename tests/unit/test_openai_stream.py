@@ -9,8 +9,8 @@ from pathlib import Path
 
 import httpx
 
-from services.inference.decoding import SamplingParams
 from services.inference.engine import FINISH_LENGTH
+from services.inference.engine.decoding import SamplingParams
 from services.inference.openai_backend import BackendConfig, LocalTokenizer, OpenAIBackend
 
 

@@ -184,7 +184,7 @@ def test_the_auto_grammar_allows_text_or_valid_calls_only(tiny_model: Path) -> N
 
 
 def test_the_openai_backend_sends_the_calls_grammar_as_structured_outputs() -> None:
-    from services.inference.decoding import ResponseFormatSpec
+    from services.inference.engine.decoding import ResponseFormatSpec
     from services.inference.openai_protocol import format_fields
 
     grammar = tool_calls.auto_grammar([WEATHER])

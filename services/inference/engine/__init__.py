@@ -1,9 +1,12 @@
 """The builtin inference engine, one owner per piece of state: front (the asyncio front,
-`Engine`), sequence (a request's state and events), engine_core (the worker loop, fed by its
-inbox), scheduler (the queues and the step plan), kv_manager (blocks, block tables, prefix
-cache), output (detokenization, stop strings, metrics, spans), kv (the block tensors), runner
-(forwards over blocks, CUDA graphs), llama (the own forward of Llama models on CPU;
-transformers' forward otherwise), sampling, grammar, model, config, load."""
+`Engine`), sequence (a request's state and events), messages (the typed messages between the
+threads), engine_core (the worker loop, fed by its inbox), scheduler (the queues, the step
+plan, preemption, the stop check, applying a step's output), executor (runs a plan on the
+runner), kv_manager (blocks, block tables, prefix cache), output (detokenization, stop strings,
+metrics, spans), kv (the block tensors), runner (forwards over blocks, CUDA graphs), llama (the
+own forward of Llama models on CPU; transformers' forward otherwise), sampling, grammar,
+decoding (request validation, detokenizing), metrics, model, quality and quantize (loading
+under the perplexity guard), config, load. It imports nothing of its host service."""
 
 from services.inference.engine.config import (
     FINISH_CANCELLED,

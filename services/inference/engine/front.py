@@ -24,16 +24,16 @@ import torch
 
 from llmesh import errors
 from llmesh.models import VerifiedModel
-from services.inference import metrics
-from services.inference.decoding import IncrementalDecoder, Limits, SamplingParams, StopMatcher, resolve_params
+from services.inference.engine import metrics
 from services.inference.engine.config import EngineConfig
+from services.inference.engine.decoding import IncrementalDecoder, Limits, SamplingParams, StopMatcher, resolve_params
 from services.inference.engine.engine_core import EngineCore
 from services.inference.engine.kv_manager import BlockManager
 from services.inference.engine.load import EngineLoad
 from services.inference.engine.model import LoadedModel, ModelDescription
 from services.inference.engine.output import tracer
 from services.inference.engine.runner import ModelRunner
-from services.inference.engine.sequence import GenerationEvent, SequenceState, Sink, to_int64
+from services.inference.engine.sequence import PRIORITY_INTERACTIVE, GenerationEvent, SequenceState, Sink, to_int64
 
 if TYPE_CHECKING:
     from services.inference.engine.grammar import Grammars
@@ -312,12 +312,17 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         return self.model.encode(text)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "") -> RequestStream:
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str = "", priority: int = PRIORITY_INTERACTIVE
+    ) -> RequestStream:
         """Validates and enqueues a request; raises InvalidArgument, ResourceExhausted (queue
-        full) or Unavailable (engine closed) at once. Call from a running event loop."""
+        full) or Unavailable (engine closed) at once. Call from a running event loop.
+        `priority`: PRIORITY_INTERACTIVE, or a higher number that waits and yields its row to
+        a lower one (scheduler.py)."""
         loop = asyncio.get_running_loop()
         try:
             seq = self._new_sequence(list(prompt_ids), params, request_id, loop, False)
+            seq.priority = priority
         except errors.InvalidArgument:
             metrics.REQUESTS.labels("invalid").inc()
             raise

@@ -43,7 +43,7 @@ from llguidance import LLExecutor, LLMatcher, LLTokenizer
 from tokenizers import Tokenizer
 
 from llmesh.errors import InvalidArgument
-from services.inference.decoding import ResponseFormatSpec
+from services.inference.engine.decoding import ResponseFormatSpec
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

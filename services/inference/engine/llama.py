@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from services.inference.engine.kv import PagedKVCache
-from services.inference.quantize import QUANT_MAX_ROWS, QuantizedLinear, QuantizedWeight
+from services.inference.engine.quantize import QUANT_MAX_ROWS, QuantizedLinear, QuantizedWeight
 
 #: Rotary kinds whose cos/sin for a position do not depend on the sequence length.
 _STATIC_ROPE = {"default", "linear", "llama3"}
@@ -329,7 +329,7 @@ class LlamaDecoder:
 def serving_logits(hf: Any, ids: list[int], device: torch.device) -> torch.Tensor | None:
     """The logits [tokens, vocab] of every position of `ids` through this forward (one row
     prefilled over a scratch pool of blocks), None where `supported` says it does not serve:
-    the perplexity guard measures the forward that serves (services.inference.quality)."""
+    the perplexity guard measures the forward that serves (services.inference.engine.quality)."""
     if supported(hf, device) is not None:
         return None
     block = 16

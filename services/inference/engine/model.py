@@ -1,5 +1,5 @@
 """The loaded model: device and dtype choice (llmesh.hardware, through the perplexity guard of
-services.inference.quality), weights, tokenizer and what the service reports."""
+services.inference.engine.quality), weights, tokenizer and what the service reports."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 from llmesh.hardware import DtypeChoice, choose_dtype, dtype_name
 from llmesh.models import VerifiedModel
 from services.inference.engine.llama import serving_logits
-from services.inference.quality import load_guarded
+from services.inference.engine.quality import load_guarded
 
 log = logging.getLogger("llmesh.inference.engine")
 
@@ -55,7 +55,7 @@ class LoadedModel:
         self.verified = verified
         self.device, chosen = pick_device(device_preference, dtype)
         self.tokenizer = Tokenizer.from_file(str(verified.path / "tokenizer.json"))
-        # The perplexity guard (services.inference.quality) may refuse the dtype: float32 then.
+        # The perplexity guard (services.inference.engine.quality) may refuse the dtype: float32 then.
         choice = DtypeChoice(chosen, dtype != "auto", f"LLMESH_DTYPE={dtype}")
         # The guard measures the forward that serves: the own Llama forward where it applies.
         self.model, self.dtype, self.quality = load_guarded(

@@ -2,13 +2,14 @@
 tokens into events.
 
 The worker thread only decides which rows end for reasons it can see in token ids (EOS, the
-length limit, cancellation, failures) and hands each step's tokens to the emitter in one queue
-put. The emitter detokenizes, matches stop strings, fills the tokens' text and bytes into their
-log probabilities, observes the per-token metrics, ends the request's spans, creates the batch
-and prefill spans and wakes each event loop once per batch of work. A stop string found by the
-emitter sets `stop_hit`; the worker frees that row at its next iteration (the tokens it decoded
-in between are dropped), as it does for a cancellation. It knows no Engine: the core hands it
-the engine's tag, the model's name and version and its tokenizer.
+length limit, cancellation, failures: the scheduler's stop check) and hands each step's tokens
+to the emitter in one queue put (typed messages, messages.py). The emitter detokenizes,
+matches stop strings, fills the tokens' text and bytes into their log probabilities, observes
+the per-token metrics, ends the request's spans, creates the batch and prefill spans and wakes
+each event loop once per batch of work. A stop string found by the emitter sets `stop_hit`;
+the worker frees that row at its next iteration (the tokens it decoded in between are
+dropped), as it does for a cancellation. It knows no Engine: the core hands it the engine's
+tag, the model's name and version and its tokenizer.
 """
 
 from __future__ import annotations
@@ -18,18 +19,28 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from tokenizers import Tokenizer
 
-from services.inference import metrics
-from services.inference.decoding import TokenPieces
+from services.inference.engine import metrics
 from services.inference.engine.config import (
     FINISH_LENGTH,
     FINISH_STOP,
     FINISH_STOP_SEQUENCE,
+)
+from services.inference.engine.decoding import TokenPieces
+from services.inference.engine.messages import (
+    EmitterMessage,
+    Ended,
+    Prefilled,
+    Segment,
+    Stop,
+    Sync,
+    TokenItem,
+    Tokens,
 )
 from services.inference.engine.sequence import GenerationEvent, SequenceState, Sink, TokenLogprob, TopLogprob
 
@@ -40,15 +51,6 @@ log = logging.getLogger("llmesh.inference.engine")
 tracer = trace.get_tracer("llmesh.inference")
 
 
-# Messages from the worker to the emitter (tuples; the first item names the kind).
-#   ("tokens", now, [(seq, token, reason | None, RowLogprobs | None), ...])   reason: FINISH_STOP / FINISH_LENGTH
-#   ("end", seq, reason | None, failure | None, outcome | None)
-#   ("prefill", group, started_ns, ended_ns, tokens, padded, batch_id, batch_size)
-#   ("segment", segment_id, [seqs], reserved_tokens, steps_of_previous)
-#   ("sync", threading.Event)
-#   ("stop",)
-
-
 class Emitter:
     """The results thread of one engine (see the module docstring)."""
 
@@ -56,7 +58,7 @@ class Emitter:
         self._model_id = model_id
         self._version = version
         self._tokenizer = tokenizer
-        self._queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[EmitterMessage] = queue.SimpleQueue()
         self._outbox: list[tuple[SequenceState, GenerationEvent | BaseException]] = []
         self._segment_span: trace.Span | None = None
         self._segment_id = ""
@@ -67,7 +69,7 @@ class Emitter:
 
     # --- worker side
 
-    def put(self, message: tuple[Any, ...]) -> None:
+    def put(self, message: EmitterMessage) -> None:
         self._queue.put(message)
 
     def sync(self, timeout: float | None = 30.0) -> None:
@@ -75,13 +77,13 @@ class Emitter:
         if threading.current_thread() is self._thread or not self._thread.is_alive():
             return
         done = threading.Event()
-        self._queue.put(("sync", done))
+        self._queue.put(Sync(done))
         done.wait(timeout)
 
     def stop(self) -> None:
         if not self._thread.is_alive():
             return
-        self._queue.put(("stop",))
+        self._queue.put(Stop())
         if threading.current_thread() is not self._thread:
             self._thread.join(30.0)
 
@@ -98,22 +100,21 @@ class Emitter:
             stop = False
             waiters: list[threading.Event] = []
             for message in batch:
-                kind = message[0]
                 try:
-                    if kind == "tokens":
-                        self._tokens(message[1], message[2])
-                    elif kind == "end":
-                        self._finish(message[1], message[2], failure=message[3], outcome=message[4])
-                    elif kind == "prefill":
-                        self._prefill(*message[1:])
-                    elif kind == "segment":
-                        self._segment(*message[1:])
-                    elif kind == "sync":
-                        waiters.append(message[1])
-                    elif kind == "stop":
+                    if isinstance(message, Tokens):
+                        self._tokens(message.now, message.items)
+                    elif isinstance(message, Ended):
+                        self._finish(message.seq, message.reason, failure=message.failure, outcome=message.outcome)
+                    elif isinstance(message, Prefilled):
+                        self._prefill(message)
+                    elif isinstance(message, Segment):
+                        self._segment(message)
+                    elif isinstance(message, Sync):
+                        waiters.append(message.done)
+                    else:
                         stop = True
                 except Exception:  # never lose the thread over one message
-                    log.exception("inference emitter failed on a %s message", kind)
+                    log.exception("inference emitter failed on a %s message", type(message).__name__)
             self._flush()
             for event in waiters:
                 event.set()
@@ -154,9 +155,10 @@ class Emitter:
             out.append(TokenLogprob(token_id=token_id, token=text, logprob=logprob, bytes=raw, top=tuple(top)))
         return out
 
-    def _tokens(self, now: float, items: list[tuple[SequenceState, int, str | None, RowLogprobs | None]]) -> None:
+    def _tokens(self, now: float, items: list[TokenItem]) -> None:
         produced = 0
-        for seq, token, reason, score in items:
+        for item in items:
+            seq, token, reason, score = item.seq, item.token, item.reason, item.logprobs
             if seq.finished:
                 continue
             if token < 0:  # prompt_only: the prompt was read, nothing is generated
@@ -287,10 +289,11 @@ class Emitter:
 
     # --- spans
 
-    def _segment(self, segment_id: str, seqs: list[SequenceState], reserved: int, previous_steps: int) -> None:
+    def _segment(self, message: Segment) -> None:
         """A batch segment is the span of decode steps between two membership changes; it links
         to the request spans of its rows."""
-        self._end_segment(previous_steps)
+        segment_id, seqs, reserved = message.segment_id, message.seqs, message.reserved_tokens
+        self._end_segment(message.previous_steps)
         self._segment_id = segment_id
         links = [
             trace.Link(s.span.get_span_context())
@@ -318,17 +321,10 @@ class Emitter:
             span.end()
         self._segment_span = None
 
-    def _prefill(
-        self,
-        group: list[SequenceState],
-        started_ns: int,
-        ended_ns: int,
-        tokens: int,
-        padded: int,
-        batch_id: str,
-        batch_size: int,
-    ) -> None:
+    def _prefill(self, message: Prefilled) -> None:
         """Queue and prefill child spans of each request span, and the link to its batch."""
+        group, started_ns, ended_ns = message.group, message.started_ns, message.ended_ns
+        tokens, padded, batch_id, batch_size = message.tokens, message.padded, message.batch_id, message.batch_size
         segment_ctx = self._segment_span.get_span_context() if self._segment_span is not None else None
         if self._segment_span is not None:
             self._segment_span.add_event(

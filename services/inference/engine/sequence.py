@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from services.inference.decoding import IncrementalDecoder, ResolvedParams, StopMatcher
+from services.inference.engine.decoding import IncrementalDecoder, ResolvedParams, StopMatcher
 from services.inference.engine.kv_manager import BlockTable
 
 if TYPE_CHECKING:
@@ -76,6 +76,10 @@ class Sink:
 
 _seq_ids = itertools.count(1)
 
+#: Request priorities (InferenceRequest.priority): a higher number waits, and yields its row.
+PRIORITY_INTERACTIVE = 0
+PRIORITY_BATCH = 1
+
 
 @dataclass(eq=False)
 class SequenceState:
@@ -92,6 +96,8 @@ class SequenceState:
     #: When the sequence (re)entered the waiting queue; the queue timeout counts from here.
     queued_since: float = 0.0
     internal: bool = False
+    #: PRIORITY_INTERACTIVE, PRIORITY_BATCH...: who the scheduler serves first (scheduler.py).
+    priority: int = PRIORITY_INTERACTIVE
     span: trace.Span | None = None
     span_ctx: otel_context.Context | None = None
     seq_id: int = field(default_factory=lambda: next(_seq_ids))

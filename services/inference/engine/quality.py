@@ -47,7 +47,7 @@ from tokenizers import Tokenizer
 
 from llmesh.hardware import DtypeChoice, dtype_name
 from llmesh.models import QUALITY_FILE, ModelError, VerifiedModel
-from services.inference.quality_text import TEXT
+from services.inference.engine.quality_text import TEXT
 
 log = logging.getLogger("llmesh.inference.quality")
 
@@ -204,7 +204,7 @@ def convert(model: Any, dtype: torch.dtype, quantize: str) -> Any:
     """Casts a loaded model to `dtype` and applies `quantize` (tests replace this to inject drift)."""
     model = model.to(dtype)
     if quantize != QUANTIZE_NONE:
-        from services.inference.quantize import quantize_model
+        from services.inference.engine.quantize import quantize_model
 
         quantize_model(model, quantize)
     return model
@@ -228,7 +228,7 @@ def measure(
     if quantize == QUANTIZE_NONE:
         served, top = score(model, ids, device, forward)
     else:
-        from services.inference.quantize import quantized_everywhere
+        from services.inference.engine.quantize import quantized_everywhere
 
         # The quantized arithmetic itself, not the served dtype's matmul that long calls take
         # (the serving forward forces it on its own; transformers' through the layers).

@@ -1,5 +1,5 @@
 # ruff: noqa: E501  (paragraphs of the text stay one line each: the text is hashed as is)
-"""The fixed text of the perplexity guard (services/inference/quality.py): plain English, about
+"""The fixed text of the perplexity guard (services/inference/engine/quality.py): plain English, about
 400 SmolLM2 tokens. A Python module rather than a data file, so every install (wheel, image)
 carries it. Changing it invalidates every stored check (they record its sha256)."""
 

@@ -17,7 +17,7 @@ reads every weight for a few rows (one stream decoding); over many rows the bf16
 (measured by `python -m bench.decode_step --kernels`). So a quantized layer keeps the served
 dtype's weight too and multiplies through the quantized kernel only for calls of at most
 `max_rows` rows (`QUANT_MAX_ROWS`): quantization costs extra memory and buys speed where one
-stream decodes, and never loses it at batch 32. The quality guard (services/inference/quality.py)
+stream decodes, and never loses it at batch 32. The quality guard (services/inference/engine/quality.py)
 measures with every call forced through the quantized kernel (`quantized_everywhere`), so what
 passes is the quantized arithmetic itself.
 
