@@ -17,7 +17,7 @@ the decode step is a captured graph); this one does what its generic code cannot
   columns of the step are written with one `index_copy_` per layer and tensor (kv.py);
 * GQA without repeating keys: a row's query heads of one KV head are that head's query rows.
 
-* quantized models (services/inference/quantize.py: LLMESH_QUANTIZE=int8|int4) run here too: the
+* quantized models (engine/quantize.py: LLMESH_QUANTIZE=int8|int4) run here too: the
   fused weights are quantized once (per-row scales and groups, so fusing changes no number) and
   calls of at most `quant_max_rows` rows (one stream decoding) go through the quantized kernel,
   larger ones through the served dtype's matmul;
