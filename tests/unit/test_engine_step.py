@@ -75,6 +75,25 @@ async def test_a_long_prompt_chunked_inside_the_decode_step(loaded: LoadedModel)
         eng.close()
 
 
+async def test_a_scored_long_prompt_is_chunked_on_its_own_beside_a_decoding_row(loaded: LoadedModel) -> None:
+    # Scoring a prompt needs every chunk position's logits, which a mixed step does not return:
+    # the scheduler plans its chunks alone even while a row decodes, and every token is scored.
+    eng = side_engine(loaded, max_batch_size=4, prefix_caching=False, max_prefill_tokens=128)
+    try:
+        long_prompt = [1, *loaded.encode("Tell me about the sea, the sky and everything in between. " * 30)]
+        params = SamplingParams(max_new_tokens=2, ignore_eos=True, prompt_logprobs=0)
+        alone_events = [e async for e in eng.submit(long_prompt, params)]
+        alone = alone_events[0].prompt_logprobs
+        short = asyncio.create_task(run(eng, texts(loaded)[1], SamplingParams(max_new_tokens=60, ignore_eos=True)))
+        beside_events = [e async for e in eng.submit(long_prompt, params)]
+        beside = beside_events[0].prompt_logprobs
+        await short
+        assert [e.token_id for e in beside] == long_prompt
+        assert [e.logprob for e in beside] == pytest.approx([e.logprob for e in alone], abs=1e-4)
+    finally:
+        eng.close()
+
+
 async def test_the_prefix_cache_and_a_preempted_row(loaded: LoadedModel) -> None:
     eng = side_engine(loaded, max_batch_size=8, max_batch_total_tokens=48, max_prompt_tokens=16, max_new_tokens=30)
     try:
