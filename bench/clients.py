@@ -242,16 +242,34 @@ def langchain_tools_default(s: Server) -> None:
     assert answer.tool_calls or answer.content, answer
 
 
+# The conversation both servers' agents start from: one earlier exchange that shows the tool in
+# use. A 135M model follows an example, not an instruction; without one it answers in text on
+# either server, which says nothing about the client's protocol, the thing measured here.
+AGENT_EXAMPLE: list[dict[str, Any]] = [
+    {"role": "system", "content": "You are a weather assistant. To answer about the weather, call get_weather."},
+    {"role": "user", "content": "What is the weather in Rome?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_0", "content": "Cloudy, 15 C in Rome"},
+    {"role": "assistant", "content": "It is cloudy and 15 C in Rome."},
+]
+
+
 def langchain_agent(s: Server) -> None:
     from langchain.agents import create_agent
     from langchain_core.messages import AIMessage, ToolMessage
 
     agent = create_agent(_chat_model(s), tools=_weather_tools())
     state = agent.invoke(
-        {"messages": [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]},
+        {"messages": [*AGENT_EXAMPLE, {"role": "user", "content": "What is the weather in Paris?"}]},
         {"recursion_limit": 8},
     )
-    messages = state["messages"]
+    messages = state["messages"][len(AGENT_EXAMPLE) + 1 :]  # what the agent did after the question
     calls = [c for m in messages if isinstance(m, AIMessage) for c in m.tool_calls]
     assert calls and all(c["name"] in {"get_weather", "add"} for c in calls), messages
     assert any(isinstance(m, ToolMessage) for m in messages), messages

@@ -28,7 +28,9 @@ def padded(request: gateway_pb2.GenerateRequest) -> bytes:
 
 
 def test_every_repeated_message_or_string_field_needs_a_count() -> None:
-    assert set(repeated_paths(gateway_pb2.GenerateRequest.DESCRIPTOR)) == {*COUNTS, "sampling.stop_token_ids"}
+    # Packed numbers (token ids) cost their bytes parsed, as they do unparsed: no count needed.
+    packed = {"sampling.stop_token_ids", "prompt_token_ids"}
+    assert set(repeated_paths(gateway_pb2.GenerateRequest.DESCRIPTOR)) == {*COUNTS, *packed}
     uncounted = {k: v for k, v in COUNTS.items() if k != "messages.tool_calls"}
     with pytest.raises(ValueError, match=r"messages\.tool_calls"):
         RequestLimit(gateway_pb2.GenerateRequest, 1024, "X", uncounted)
