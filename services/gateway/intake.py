@@ -127,7 +127,7 @@ class KeyGate:
     def __call__(self, method: str, metadata: Sequence[tuple[str, Any]]) -> None:
         if not method.startswith((SERVICE, BATCHES_SERVICE)):
             return  # health and reflection
-        token = _authorization(metadata)
+        token = authorization_in(metadata)
         if method == f"{SERVICE}PurgeCache":
             self.admin_keys.authorize(token)
         elif self.api_keys.enabled:
@@ -141,7 +141,7 @@ class KeyGate:
     def refused(self, method: str, metadata: Sequence[tuple[str, Any]]) -> None:
         """A call was refused as invalid: it counts toward its key's budget."""
         if method.startswith(SERVICE) and method != f"{SERVICE}PurgeCache":
-            self.refused_http(_authorization(metadata))
+            self.refused_http(authorization_in(metadata))
 
     def refused_http(self, authorization: str | None) -> None:
         if self.invalid_calls.per_minute <= 0 or not self.api_keys.enabled:
@@ -153,6 +153,7 @@ class KeyGate:
         self.invalid_calls.record(key.id)
 
 
-def _authorization(metadata: Sequence[tuple[str, Any]]) -> str | None:
+def authorization_in(metadata: Sequence[tuple[str, Any]]) -> str | None:
+    """A call's `authorization` metadata, when it is text."""
     authorization = next((v for k, v in metadata if k == "authorization"), None)
     return authorization if isinstance(authorization, str) else None

@@ -31,7 +31,7 @@ from services.gateway.batches.store import BatchStore
 from services.gateway.breaker import BreakerConfig, State, TransitionListener
 from services.gateway.core import Delta, Final, Gateway, GatewayConfig, server_timing
 from services.gateway.deadline import Deadline
-from services.gateway.intake import InvalidCallBudget, KeyGate, request_limits
+from services.gateway.intake import InvalidCallBudget, KeyGate, authorization_in, request_limits
 from services.gateway.limits import KeyLimiter
 from services.gateway.messages_api import MessagesApi
 from services.gateway.openai_http import ErrorShape, OpenAiApi, announce, http_api
@@ -94,8 +94,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def _caller(self, context: grpc.aio.ServicerContext, tenant: str) -> Caller:
         """The caller's key, authorized for the tenant the request names; none named: the key's only
         tenant, else "default" (as on HTTP)."""
-        authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
-        return self.api_keys.caller(authorization if isinstance(authorization, str) else None, tenant)
+        return self.api_keys.caller(authorization_in(context.invocation_metadata() or ()), tenant)
 
     def _as_caller(self, context: grpc.aio.ServicerContext, request: Any) -> tuple[Any, Caller]:
         """The request acting for the caller's tenant: one that names none runs, is scoped and is
