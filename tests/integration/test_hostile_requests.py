@@ -354,3 +354,58 @@ async def test_a_key_whose_calls_keep_being_refused_is_refused_on_its_headers() 
             assert 0 < int(throttled.headers["retry-after"]) <= 60
             judged = await http.post("/v1/chat/completions", json=empty, headers={"authorization": f"Bearer {other}"})
             assert judged.status_code == 400
+
+
+class CountingProxy:
+    """A TCP relay in front of a server that counts the bytes a client got through to it:
+    what the server's flow control let the client send."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.sent_to_server = 0
+        self._server: asyncio.Server | None = None
+        self._relays: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> int:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for relay in self._relays:
+            relay.cancel()
+        await asyncio.gather(*self._relays, return_exceptions=True)
+
+    async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection("127.0.0.1", self.target_port)
+        for reader, writer, upstream in ((client_r, server_w, True), (server_r, client_w, False)):
+            relay = asyncio.create_task(self._relay(reader, writer, upstream))
+            self._relays.add(relay)
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, upstream: bool) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(64 * 1024):
+                writer.write(data)
+                await writer.drain()
+                if upstream:
+                    self.sent_to_server += len(data)
+        writer.close()
+
+
+async def test_a_call_refused_on_its_headers_is_not_let_send_its_body() -> None:
+    """Refusing on the metadata is not enough if HTTP/2 flow control has already opened a window
+    of megabytes: the gateway would still receive, and throw away, every byte of each refused
+    call. The server grants a stream window only for the message it reads, so a refused 8 MiB
+    call gets no further than the first window."""
+    payload = filled(gateway_pb2.GenerateRequest.DESCRIPTOR, "messages", SERVER_MAX - 64)
+    async with hosted("gateway", GatewayApp, {**ENV, "LLMESH_API_KEYS": f"{API_KEY}=acme"}) as gw:
+        proxy = CountingProxy(gw.port)
+        async with proxy as port:
+            async with grpc.aio.insecure_channel(
+                f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", SERVER_MAX)]
+            ) as channel:
+                for _ in range(3):  # a first window, then the windows a bandwidth probe would grow
+                    error = await call_raw(channel, "Generate", payload)
+                    assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert proxy.sent_to_server < MB, proxy.sent_to_server
