@@ -1,8 +1,7 @@
-"""The gateway object: its wiring (peers, models and aliases, admission, the cache's health as
-lookups see it, collection versions) and its public entry points (generate, ingest, purge,
-embed, search, the model lists). A request's own way is `pipeline.RequestPath`, over the `Plan`
-that `plan.validate` builds; this module runs one path per attempt (an alias tries its models in
-order) and records the outcome.
+"""The gateway object: its wiring (peers, models and aliases, admission, collection versions)
+and its public entry points (generate, ingest, purge, embed, search, the model lists). A
+request's own way is `pipeline.RequestPath`, over the `Plan` that `plan.validate` builds; this
+module runs one path per attempt (an alias tries its models in order) and records the outcome.
 """
 
 from __future__ import annotations
@@ -23,13 +22,12 @@ from services.gateway import metrics
 from services.gateway.admission import AdmissionController, LoadBook, RedisWeightWindow, WeightWindow
 from services.gateway.auth import Caller
 from services.gateway.breaker import State
-from services.gateway.cache_health import CacheHealth
 from services.gateway.deadline import Deadline
 from services.gateway.embeddings import Embeddings
 from services.gateway.hop_errors import BREAKER_FAILURE_CODES, DOWNSTREAM_ERRORS, PeerCallError
 from services.gateway.ingest import IngestBudget
 from services.gateway.limits import KeyLimitExceeded
-from services.gateway.peers import Peers, inference_peer
+from services.gateway.peers import Peers
 from services.gateway.pipeline import Delta, Final, RequestPath, RequestState, server_timing
 from services.gateway.plan import (
     DEFAULT_SYSTEM_PROMPT,
@@ -41,7 +39,6 @@ from services.gateway.plan import (
     one_turn_form,
     validate,
 )
-from services.gateway.recent_hits import RecentHits
 from services.gateway.request_gateway import ModelRoute
 from services.gateway.shape import cache_scope
 from services.gateway.usage import Metered, UsageMeter
@@ -128,10 +125,8 @@ class Gateway:
         self.predictors: dict[str, InputTokenPredictor] = {}
         self.predictor = self.predictor_for("")
         self.versions = CollectionVersions(peers, config.version_ttl)
-        self.recent_hits = RecentHits()
         self._background: set[asyncio.Task[None]] = set()
         self.stores_skipped = 0
-        self.cache_health = CacheHealth(lambda: self.peers.breakers["cache"].state.value == "closed")
 
     def predictor_for(self, model: str) -> InputTokenPredictor:
         found = self.predictors.get(model)
@@ -323,7 +318,7 @@ class Gateway:
             return
         for i, name in enumerate(chain):
             last = i == len(chain) - 1
-            if not last and self.peers.breakers[inference_peer(name)].state is State.OPEN:
+            if not last and self.peers.model(name).state() is State.OPEN:
                 log.info("alias %s: %s unavailable (breaker open), trying the next model", request.model, name)
                 continue
             state = RequestState(dataclasses.replace(validate(request, self.config), model=name))

@@ -11,11 +11,9 @@ from typing import Protocol
 from llmesh.chat_template import ChatTemplate
 from llmesh.v1 import cache_pb2, gateway_pb2
 from services.gateway.admission import AdmissionController, RedisWeightWindow, WeightWindow
-from services.gateway.cache_health import CacheHealth
 from services.gateway.deadline import Deadline
 from services.gateway.peers import Peers
 from services.gateway.plan import GatewayConfig, InputTokenPredictor, Plan
-from services.gateway.recent_hits import RecentHits
 from services.gateway.versions import CollectionVersions
 
 
@@ -52,8 +50,9 @@ class ModelRoute:
 
 
 class RequestGateway(Protocol):
-    """The gateway's members a request's path uses: its wiring (config, window, admission, peers,
-    collection versions, recent hits, the cache's health, token predictors, chat templates) and
+    """The gateway's members a request's path uses: its wiring (config, window, admission, peers
+    (each downstream's `Upstream`, the one owner of its health), collection versions, token
+    predictors, chat templates) and
     the few services it offers each request."""
 
     config: GatewayConfig
@@ -61,8 +60,6 @@ class RequestGateway(Protocol):
     admission: AdmissionController
     peers: Peers
     versions: CollectionVersions
-    recent_hits: RecentHits
-    cache_health: CacheHealth
     predictor: InputTokenPredictor
     templates: dict[str, ChatTemplate]
     local_templates: dict[str, ChatTemplate]

@@ -42,7 +42,6 @@ from services.gateway.responses_api import ResponsesApi
 from services.gateway.usage import TenantLabels, UsageMeter
 
 log = logging.getLogger("llmesh.gateway")
-BREAKER_STATE_VALUE = {State.CLOSED: 0, State.HALF_OPEN: 1, State.OPEN: 2}
 
 
 def breaker_listener(peer: str) -> TransitionListener:
@@ -67,7 +66,7 @@ def breaker_listener(peer: str) -> TransitionListener:
                 }
             },
         )
-        metrics.BREAKER_STATE.labels(*labels).set(BREAKER_STATE_VALUE[new])
+        metrics.BREAKER_STATE.labels(*labels).set(new.level)
         metrics.BREAKER_TRANSITIONS.labels(*labels, old.value, new.value).inc()
         trace.get_current_span().add_event(
             "llmesh.breaker.transition",
