@@ -140,16 +140,21 @@ class Gateway:
         answers cached from the old ones. A named model's key starts with its name, so
         one model's cached answers never serve another, even on the same weights."""
         route = self.routes[model or self.default_model]
-        now = time.monotonic()
-        if route.learned is None or now - route.learned[0] > MODEL_INFO_TTL_S:
+        if route.learned is None or time.monotonic() - route.learned[0] > MODEL_INFO_TTL_S:
             try:
-                info = await self.peers.model_info(deadline, route.name)
+                return await self._learn(route, deadline)
             except DOWNSTREAM_ERRORS:
                 if route.learned is None:
                     raise
                 return route.learned[1]  # inference down: cached answers for the last known weights still serve
-            prefix = f"{route.name}:" if route.name else ""
-            route.learned = (now, f"{prefix}{model_key_of(info)}")
+        return route.learned[1]
+
+    async def _learn(self, route: ModelRoute, deadline: Deadline) -> str:
+        """Asks the model's inference for its model key now (its upstream's `:info` call)."""
+        now = time.monotonic()
+        info = await self.peers.model_info(deadline, route.name)
+        prefix = f"{route.name}:" if route.name else ""
+        route.learned = (now, f"{prefix}{model_key_of(info)}")
         return route.learned[1]
 
     async def route(self, model: str, deadline: Deadline) -> ModelRoute:
@@ -203,14 +208,12 @@ class Gateway:
         fails or whose breaker is open is listed unavailable, with the key last learned."""
 
         async def entry(route: ModelRoute) -> gateway_pb2.ModelEntry:
-            available = True
             try:
-                route.expire()  # asked again now; on failure the last key is kept, still expired
-                key = await self.model_key(deadline, route.name)
+                key, available = await self._learn(route, deadline), True  # asked again now
             except DOWNSTREAM_ERRORS:
-                key, available = "", False
-            else:
-                available = route.learned is not None and not route.expired()
+                # The last key is listed, and the next request asks again (it serves meanwhile).
+                route.expire()
+                key, available = (route.learned[1] if route.learned is not None else ""), False
             return gateway_pb2.ModelEntry(
                 name=route.public_name() or "",
                 default=route.name == self.default_model,

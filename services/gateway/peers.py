@@ -11,20 +11,17 @@ from typing import TYPE_CHECKING
 import grpc
 
 from llmesh.channels import PeerAccess, peer_channel
-from llmesh.errors import from_rpc_error
 from llmesh.v1 import (
     cache_pb2,
     common_pb2,
     inference_pb2,
-    inference_pb2_grpc,
     retrieval_pb2,
     tokenizer_pb2,
 )
 from services.gateway.breaker import BreakerConfig, CircuitBreaker, TransitionListener
 from services.gateway.deadline import Deadline
 from services.gateway.hop_errors import PeerCallError
-from services.gateway.multiplex import GenerationMux
-from services.gateway.routing import ReplicaRouter, routed
+from services.gateway.routing import ReplicaRouter
 from services.gateway.upstream import (
     EMBED,
     INFO,
@@ -33,6 +30,7 @@ from services.gateway.upstream import (
     CacheUpstream,
     Guard,
     HopBudgets,
+    InferenceUpstream,
     RetrievalUpstream,
     TokenizerUpstream,
     Upstream,
@@ -121,51 +119,43 @@ class Peers:
         self.tokenizer = TokenizerUpstream(channel("tokenizer"), self.budgets.tokenizer, guard)
         self.cache = CacheUpstream(channel("cache"), self.budgets.cache_lookup, self.budgets.cache_store, guard)
         self.retrieval = RetrievalUpstream(channel("retrieval"), self.budgets, guard)
-        # A model with several replicas (`a:1|b:2`, or dns:///name:port) is routed over
-        # them (services/gateway/routing.py); one with a single target keeps its one channel.
-        self.routers = {
-            model: ReplicaRouter(model, target, max_message_bytes, access, routing, loads, multiplex=multiplex)
+        self.models = {
+            model: InferenceUpstream(
+                model,
+                target,
+                max_message_bytes,
+                access,
+                guard,
+                self.budgets.collection_info,
+                routing,
+                loads,
+                multiplex,
+            )
             for model, target in models.items()
-            if routed(target)
         }
-        self.models: dict[str, Upstream] = {}
-        self.inferences: dict[str, inference_pb2_grpc.InferenceStub] = {}
-        self.generators: dict[str, GenerationMux] = {}
-        for model, target in models.items():
-            router = self.routers.get(model)
-            if router is not None:
-                self.models[model] = Upstream(inference_peer(model), None, (INFO,), guard, router.health_stub)
-                continue
-            own = peer_channel(target, max_message_bytes, access)
-            self.models[model] = Upstream(inference_peer(model), own, (INFO,), guard)
-            self.inferences[model] = inference_pb2_grpc.InferenceStub(own)
-            # Each model's generations share one GenerateMany stream (services/gateway/multiplex.py).
-            self.generators[model] = GenerationMux(self.inferences[model], multiplex)
         self.breakers = Breakers(self.upstreams)
 
     def upstreams(self) -> list[Upstream]:
         return [self.tokenizer, self.cache, self.retrieval, *self.models.values()]
 
-    def model(self, model: str) -> Upstream:
+    def model(self, model: str) -> InferenceUpstream:
         """The upstream of a model's inference (a route name; "" the unnamed model)."""
         return self.models[model]
 
+    @property
+    def routers(self) -> dict[str, ReplicaRouter]:
+        """The replica routers of the models served by several replicas (each its upstream's)."""
+        return {model: u.router for model, u in self.models.items() if u.router is not None}
+
     async def start(self) -> None:
-        """Starts the replica routers' health checks, load watches and DNS refreshes."""
-        for router in self.routers.values():
-            await router.start()
+        """Starts what the upstreams run in the background: the replica routers' health checks,
+        load watches and DNS refreshes, and the single-replica models' load watches."""
+        for upstream in self.upstreams():
+            await upstream.start()
 
     async def close(self) -> None:
-        for router in self.routers.values():
-            await router.close()
-        for generator in self.generators.values():
-            await generator.close()
         for upstream in self.upstreams():
             await upstream.close()
-
-    def _inference(self, model: str) -> inference_pb2_grpc.InferenceStub:
-        router = self.routers.get(model)
-        return router.info_stub() if router is not None else self.inferences[model]
 
     # Each call relays the peer's status as a domain error naming the peer.
     async def chat_template(
@@ -189,14 +179,7 @@ class Peers:
         return await self.tokenizer.get_chat_template(deadline, model)
 
     async def model_info(self, deadline: Deadline, model: str = "") -> inference_pb2.ModelInfo:
-        request = inference_pb2.GetModelInfoRequest()
-        stub = self._inference(model)
-        return await self.models[model].unary(
-            lambda timeout: stub.GetModelInfo(request, timeout=timeout),
-            deadline,
-            self.budgets.collection_info,
-            INFO,
-        )
+        return await self.models[model].model_info(deadline)
 
     def generate(
         self,
@@ -218,25 +201,11 @@ class Peers:
             request.text = prompt
         else:
             request.token_ids.ids.extend(prompt)
-        upstream = self.models[model]
-        router = self.routers.get(model)
-        if router is not None:  # over the model's replicas, one retry before the first token
-            return router.generate(request, deadline, upstream.breaker())
-        generator = self.generators[model]
-        return upstream.stream(lambda timeout: generator.generate(request, timeout), deadline)
+        return self.models[model].generate(request, deadline)
 
-    async def watch_load(self, model: str = "") -> AsyncIterator[inference_pb2.LoadReport]:
-        """The model's inference load reports, for as long as the stream lasts: no
-        deadline and no breaker (a long-lived stream that says nothing of a request's health);
-        a failure is a PeerCallError (UNIMPLEMENTED: the backend reports no load)."""
-        call = self.inferences[model].WatchLoad(inference_pb2.WatchLoadRequest())
-        try:
-            async for report in call:
-                yield report
-        except grpc.aio.AioRpcError as err:
-            raise PeerCallError(from_rpc_error(inference_peer(model), err)) from err
-        finally:
-            call.cancel()
+    def watch_load(self, model: str = "") -> AsyncIterator[inference_pb2.LoadReport]:
+        """The model's inference load reports (see `InferenceUpstream.watch_load`)."""
+        return self.models[model].watch_load()
 
     async def cache_lookup(
         self, request: cache_pb2.CacheLookupRequest, deadline: Deadline

@@ -39,9 +39,6 @@ class ModelRoute:
         if self.learned is not None:
             self.learned = (-math.inf, self.learned[1])
 
-    def expired(self) -> bool:
-        return self.learned is not None and self.learned[0] == -math.inf
-
     def public_name(self) -> str | None:
         """The name clients see and route by; for the unnamed model, None until learned."""
         if self.name:

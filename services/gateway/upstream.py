@@ -6,8 +6,9 @@ an upstream for a call, or for its state, and never keeps its own view of an out
 `CacheUpstream` also owns how the cache looks to lookups (when it last answered one in full, and
 whether it failed lately: the "suspect" window) and which requests it answered lately
 (`RecentHits`); `RetrievalUpstream` owns the retrieval breakers (RAG search, a caller's own
-search, ingest, embed); `TokenizerUpstream` the tokenizer's. Each inference model's upstream is
-`services/gateway/peers.py`'s for now, over the same base.
+search, ingest, embed); `TokenizerUpstream` the tokenizer's; `InferenceUpstream` one model's
+inference: its replicas, their health checks and outlier ejection, and its load as admission
+sees it.
 """
 
 from __future__ import annotations
@@ -22,22 +23,29 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmesh import tasks
+from llmesh.channels import PeerAccess, peer_channel
 from llmesh.errors import LlmeshError, Unavailable, from_rpc_error
 from llmesh.settings import HopBudgetSettings
 from llmesh.v1 import (
     cache_pb2,
     cache_pb2_grpc,
     common_pb2,
+    inference_pb2,
+    inference_pb2_grpc,
     retrieval_pb2,
     retrieval_pb2_grpc,
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
+from services.gateway.admission.load import LoadBook, LoadWatcher
 from services.gateway.breaker import BreakerConfig, CircuitBreaker, Permit, State, TransitionListener
 from services.gateway.deadline import CallerDeadline, Deadline
 from services.gateway.hop_errors import BREAKER_FAILURE_CODES, PeerCallError
 from services.gateway.lookups import LookupCoalescer
+from services.gateway.multiplex import GenerationMux
 from services.gateway.recent_hits import RecentHits
+from services.gateway.replicas import RoutingConfig
+from services.gateway.routing import ReplicaRouter, routed
 
 T = TypeVar("T")
 
@@ -205,8 +213,7 @@ class Guard:
 class Upstream:
     """One downstream: its channel (None where the upstream spreads its calls over replicas of
     its own), its breakers (`name` for the main calls, `name:method` for each of `methods`), and
-    the health probe of each breaker while it is open (`health`: where the probe asks, when not
-    the channel).
+    the health probe of each breaker while it is open.
 
     While a breaker is open, the downstream's gRPC health service is checked every
     `probe_seconds` (each check with that timeout); the first SERVING answer half-opens the
@@ -221,14 +228,12 @@ class Upstream:
         channel: grpc.aio.Channel | None,
         methods: Sequence[str] = (),
         guard: Guard | None = None,
-        health: Callable[[], health_pb2_grpc.HealthStub] | None = None,
     ) -> None:
         guard = guard or Guard()
         self.name = name
         self.channel = channel
         self.probe_seconds = guard.probe_seconds
         self.health = health_pb2_grpc.HealthStub(channel) if channel is not None else None
-        self._health_of = health
         names = [name, *(method_breaker(name, m) for m in methods)]
         self.breakers = {
             breaker: CircuitBreaker(
@@ -262,14 +267,18 @@ class Upstream:
         """A server stream through the breaker (see `call_stream`)."""
         return call_stream(self.breaker(method), start, deadline)
 
-    def health_stub(self) -> health_pb2_grpc.HealthStub:
-        """Where the probe asks whether the downstream serves: the channel's health service, or
-        where `health` says (a routed model: one of its replicas)."""
-        if self._health_of is not None:
-            return self._health_of()
+    async def serving(self) -> bool | None:
+        """The probe's question: does the downstream answer its health check now? True (SERVING),
+        False (no answer, or NOT_SERVING), None (no verdict: it serves no health service)."""
         if self.health is None:
-            raise PeerCallError(Unavailable(f"{self.name}: no channel to probe"))
-        return self.health
+            return False
+        try:
+            reply = await self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.probe_seconds)
+        except grpc.aio.AioRpcError as err:
+            if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return False  # no answer: no trials until it answers (or the wait ends)
+            return None
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def start(self) -> None:
         """Background work the upstream owns (replica upstreams: health, load, DNS)."""
@@ -296,22 +305,14 @@ class Upstream:
     async def _probe(self, name: str) -> None:
         """Health-checks the downstream while the breaker is open; a SERVING answer half-opens it."""
         breaker = self.breakers[name]
-        request = health_pb2.HealthCheckRequest(service="")
         while breaker.state is State.OPEN:
             started = time.monotonic()
-            try:
-                reply = await self.health_stub().Check(request, timeout=self.probe_seconds)
-            except PeerCallError:
-                breaker.probe_failed()  # a routed model with no replica known
-            except grpc.aio.AioRpcError as err:
-                if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    breaker.probe_failed()  # no answer: no trials until it answers (or the wait ends)
-            else:
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    if breaker.probe_passed():
-                        return
-                else:
-                    breaker.probe_failed()
+            verdict = await self.serving()
+            if verdict:
+                if breaker.probe_passed():
+                    return
+            elif verdict is False:
+                breaker.probe_failed()
             await asyncio.sleep(max(0.0, self.probe_seconds - (time.monotonic() - started)))
 
 
@@ -465,3 +466,110 @@ class RetrievalUpstream(Upstream):
         self, request: retrieval_pb2.UpsertRequest, deadline: Deadline
     ) -> AsyncIterator[retrieval_pb2.UpsertProgress]:
         return self.stream(lambda timeout: self.stub.Upsert(request, timeout=timeout), deadline, INGEST)
+
+
+class InferenceUpstream(Upstream):
+    """One model's inference (`inference` for the unnamed model, `inference/NAME` for each of
+    several): the one owner of everything the gateway knows of its health and load.
+
+    It owns the model's breakers (its generations', and `:info` for model info, so a cheap call
+    never spends the generations' half-open trials nor closes their breaker while they fail),
+    the probe while one is open, and its replicas: one channel, or a `ReplicaRouter` (a target
+    of several replicas, `a:1|b:2`, or `dns:///name:port`) with each replica's channel, health
+    checks, outlier ejection, load watch and DNS refresh. A routed model's probe asks its own
+    replica set (a replica that passes its health checks and is not ejected) instead of sending
+    checks of its own. The model's load goes into admission's book (`loads`) from here only: a
+    single replica's WatchLoad stream (`watcher`), or the router's reports of the replicas it
+    counts (an ejected, departed or silent replica's room is taken out)."""
+
+    def __init__(
+        self,
+        model: str,
+        target: str,
+        max_message_bytes: int,
+        access: PeerAccess | None = None,
+        guard: Guard | None = None,
+        info_budget: float = HopBudgets.collection_info,
+        routing: RoutingConfig | None = None,
+        loads: LoadBook | None = None,
+        multiplex: bool = True,
+    ) -> None:
+        self.model = model
+        self.info_budget = info_budget
+        self.router: ReplicaRouter | None = None
+        channel: grpc.aio.Channel | None = None
+        if routed(target):
+            self.router = ReplicaRouter(model, target, max_message_bytes, access, routing, loads, multiplex=multiplex)
+        else:
+            channel = peer_channel(target, max_message_bytes, access)
+        super().__init__(inference_peer(model), channel, (INFO,), guard)
+        self.stub = inference_pb2_grpc.InferenceStub(channel) if channel is not None else None
+        # The model's generations share one GenerateMany stream (services/gateway/multiplex.py).
+        self.generator = GenerationMux(self.stub, multiplex) if self.stub is not None else None
+        self.watcher = LoadWatcher(loads, model, self.watch_load) if loads is not None and self.router is None else None
+
+    async def start(self) -> None:
+        """The router's health checks, load watches and DNS refreshes; or the load watch."""
+        if self.router is not None:
+            await self.router.start()
+        if self.watcher is not None:
+            self.watcher.start()
+
+    async def close(self) -> None:
+        if self.watcher is not None:
+            await self.watcher.stop()
+        if self.router is not None:
+            await self.router.close()
+        if self.generator is not None:
+            await self.generator.close()
+        await super().close()
+
+    async def serving(self) -> bool | None:
+        if self.router is None:
+            return await super().serving()
+        # The replicas in service, else any (as a pick would); their own health checks' verdicts.
+        replicas = self.router.set.healthy() or list(self.router.set.replicas.values())
+        if not replicas:
+            return False  # no replica known
+        if any(r.health_ok for r in replicas):
+            return True
+        if all(r.health_ok is None for r in replicas):
+            return None  # no health service (or none answered yet): the breaker's timer decides
+        return False
+
+    def info_stub(self) -> inference_pb2_grpc.InferenceStub:
+        if self.router is not None:
+            return self.router.info_stub()
+        assert self.stub is not None
+        return self.stub
+
+    async def model_info(self, deadline: Deadline) -> inference_pb2.ModelInfo:
+        request = inference_pb2.GetModelInfoRequest()
+        stub = self.info_stub()
+        return await self.unary(
+            lambda timeout: stub.GetModelInfo(request, timeout=timeout), deadline, self.info_budget, INFO
+        )
+
+    def generate(
+        self, request: inference_pb2.InferenceRequest, deadline: Deadline
+    ) -> AsyncIterator[inference_pb2.InferenceResponse]:
+        if self.router is not None:  # over the model's replicas, one retry before the first token
+            return self.router.generate(request, deadline, self.breaker())
+        generator = self.generator
+        assert generator is not None
+        return self.stream(lambda timeout: generator.generate(request, timeout), deadline)
+
+    async def watch_load(self) -> AsyncIterator[inference_pb2.LoadReport]:
+        """The model's inference load reports, for as long as the stream lasts: no
+        deadline and no breaker (a long-lived stream that says nothing of a request's health);
+        a failure is a PeerCallError (UNIMPLEMENTED: the backend reports no load)."""
+        if self.stub is None:
+            raise PeerCallError(Unavailable(f"{self.name}: its replicas' load is watched by its router"))
+        call = self.stub.WatchLoad(inference_pb2.WatchLoadRequest())
+        try:
+            async for report in call:
+                yield report
+        except grpc.aio.AioRpcError as err:
+            raise PeerCallError(from_rpc_error(self.name, err)) from err
+        finally:
+            call.cancel()
