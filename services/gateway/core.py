@@ -42,7 +42,7 @@ from services.gateway.plan import (
 from services.gateway.request_gateway import ModelRoute
 from services.gateway.shape import cache_scope
 from services.gateway.usage import Metered, UsageMeter
-from services.gateway.versions import BACKGROUND_DEADLINE_S, CollectionVersions
+from services.gateway.versions import BACKGROUND_DEADLINE_S
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
@@ -124,7 +124,9 @@ class Gateway:
         # One per model (a tokenizer's rate is wrong for another); "" serves until a model is known.
         self.predictors: dict[str, InputTokenPredictor] = {}
         self.predictor = self.predictor_for("")
-        self.versions = CollectionVersions(peers, config.version_ttl)
+        # The collection versions are the retrieval upstream's; how long one is trusted is ours.
+        self.versions = peers.retrieval.versions
+        self.versions.ttl = config.version_ttl
         self._background: set[asyncio.Task[None]] = set()
         self.stores_skipped = 0
 

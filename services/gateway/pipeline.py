@@ -660,17 +660,16 @@ class RequestPath:
             state.plan = plan.without_retrieval()
             return "", 0
         try:
-            known = await self.gateway.versions.get(plan.collection, plan.tenant, deadline)
+            info, confirmed = await self.gateway.peers.retrieval.version(plan.collection, plan.tenant, deadline)
         except DOWNSTREAM_ERRORS as exc:
             log.warning("retrieval unavailable, answering without context: %s", exc.message)
             state.degrade("retrieval_unavailable")
             state.plan = plan.without_retrieval()
             return "", 0
-        info = known.info
         if not info.exists or info.points == 0:
             state.plan = plan.without_retrieval()
             return "", 0
-        if known.unconfirmed or not self.gateway.peers.retrieval.available():
+        if not confirmed:
             state.degrade("retrieval_unavailable")
         return plan.collection, info.version
 
@@ -728,7 +727,7 @@ class RequestPath:
             cache.failed()
             state.degrade("cache_unavailable")
         if scope.collection and found.collection_version:
-            self.gateway.versions.observe(scope.collection, scope.tenant, found.collection_version)
+            self.gateway.peers.retrieval.versions.observe(scope.collection, scope.tenant, found.collection_version)
         if key is not None:
             if found.hit:
                 cache.recent_hits.hit(key)
@@ -764,7 +763,7 @@ class RequestPath:
         span.set_attribute("llmesh.retrieval.document_ids", [c.document_id for c in found.results])
         span.set_attribute("llmesh.retrieval.scores", [round(c.score, 4) for c in found.results])
         if found.collection_version:
-            self.gateway.versions.observe(collection, plan.tenant, found.collection_version)
+            self.gateway.peers.retrieval.versions.observe(collection, plan.tenant, found.collection_version)
         return list(found.results), found.collection_version
 
     async def _render(self, sources: list[common_pb2.ScoredChunk], tokenizer: str = "") -> tuple[list[int] | str, int]:

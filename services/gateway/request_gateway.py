@@ -14,7 +14,6 @@ from services.gateway.admission import AdmissionController, RedisWeightWindow, W
 from services.gateway.deadline import Deadline
 from services.gateway.peers import Peers
 from services.gateway.plan import GatewayConfig, InputTokenPredictor, Plan
-from services.gateway.versions import CollectionVersions
 
 
 @dataclass
@@ -48,15 +47,14 @@ class ModelRoute:
 
 class RequestGateway(Protocol):
     """The gateway's members a request's path uses: its wiring (config, window, admission, peers
-    (each downstream's `Upstream`, the one owner of its health), collection versions, token
-    predictors, chat templates) and
+    (each downstream's `Upstream`, the one owner of its health; retrieval's also of the collection
+    versions), token predictors, chat templates) and
     the few services it offers each request."""
 
     config: GatewayConfig
     window: WeightWindow | RedisWeightWindow
     admission: AdmissionController
     peers: Peers
-    versions: CollectionVersions
     predictor: InputTokenPredictor
     templates: dict[str, ChatTemplate]
     local_templates: dict[str, ChatTemplate]

@@ -46,6 +46,7 @@ from services.gateway.multiplex import GenerationMux
 from services.gateway.recent_hits import RecentHits
 from services.gateway.replicas import RoutingConfig
 from services.gateway.routing import ReplicaRouter, routed
+from services.gateway.versions import CollectionVersions
 
 T = TypeVar("T")
 
@@ -429,17 +430,31 @@ class CacheUpstream(Upstream):
 
 class RetrievalUpstream(Upstream):
     """Retrieval: the RAG hop's breaker (collection versions, the context search), and one each
-    for a caller's own search, ingest and embed, so none of them opens the RAG hop's."""
+    for a caller's own search, ingest and embed, so none of them opens the RAG hop's; and the
+    collection versions it told (`versions`, refreshed off the hit path; `ttl`: trusted this
+    long), so whether a request's grounding is confirmed is asked here (`version`)."""
 
-    def __init__(self, channel: grpc.aio.Channel, budgets: HopBudgets, guard: Guard | None = None) -> None:
+    def __init__(
+        self, channel: grpc.aio.Channel, budgets: HopBudgets, guard: Guard | None = None, version_ttl: float = 2.0
+    ) -> None:
         super().__init__("retrieval", channel, (INGEST, SEARCH, EMBED), guard)
         self.info_budget = budgets.collection_info
         self.search_budget = budgets.search
         self.stub = retrieval_pb2_grpc.RetrievalStub(channel)
+        self.versions = CollectionVersions(self.collection_info, version_ttl)
 
     def available(self) -> bool:
         """Whether the RAG hop's breaker lets calls through (not open)."""
         return self.state() is not State.OPEN
+
+    async def version(
+        self, collection: str, tenant: str, deadline: Deadline
+    ) -> tuple[retrieval_pb2.CollectionInfo, bool]:
+        """The collection as last known (asked in the request's path the first time: its errors
+        are raised), and whether it is confirmed: not while its last refresh failed or the RAG
+        hop's breaker is open (an answer grounded in it is then degraded)."""
+        known = await self.versions.get(collection, tenant, deadline)
+        return known.info, not known.unconfirmed and self.available()
 
     async def collection_info(self, collection: str, tenant: str, deadline: Deadline) -> retrieval_pb2.CollectionInfo:
         request = retrieval_pb2.CollectionInfoRequest(collection=collection, tenant=tenant)
