@@ -27,7 +27,7 @@ Outcomes of calls admitted under an earlier state (a permit from before a transi
 so a slow call started while CLOSED cannot decide a HALF_OPEN trial. A permit released without an
 outcome (cancelled call, or the caller's own deadline) frees its trial slot. What a call's
 "duration" is belongs to the caller: the gateway reports a stream's time to first message and
-its longest stall between messages, never its whole length (see `services/gateway/peers.py`).
+its longest stall between messages, never its whole length (see `services/gateway/upstream.py`).
 """
 
 from __future__ import annotations
@@ -49,9 +49,21 @@ REASON_CIRCUIT_OPEN = "CIRCUIT_OPEN"
 
 
 class State(enum.StrEnum):
+    """The one vocabulary of a breaker's state: callers compare members (`is State.OPEN`), never
+    their strings; the value is the state's name in logs, spans and metric labels, `level` its
+    value in the state gauge."""
+
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
+
+    @property
+    def level(self) -> int:
+        """The breaker-state gauge's value: 0 closed, 1 half-open, 2 open."""
+        return _LEVELS[self]
+
+
+_LEVELS = {State.CLOSED: 0, State.HALF_OPEN: 1, State.OPEN: 2}
 
 
 # Transition reasons (low cardinality: fit for metric labels).

@@ -1,8 +1,7 @@
-"""The gateway object: its wiring (peers, models and aliases, admission, the cache's health as
-lookups see it, collection versions) and its public entry points (generate, ingest, purge,
-embed, search, the model lists). A request's own way is `pipeline.RequestPath`, over the `Plan`
-that `plan.validate` builds; this module runs one path per attempt (an alias tries its models in
-order) and records the outcome.
+"""The gateway object: its wiring (peers, models and aliases, admission, collection versions)
+and its public entry points (generate, ingest, purge, embed, search, the model lists). A
+request's own way is `pipeline.RequestPath`, over the `Plan` that `plan.validate` builds; this
+module runs one path per attempt (an alias tries its models in order) and records the outcome.
 """
 
 from __future__ import annotations
@@ -23,13 +22,12 @@ from services.gateway import metrics
 from services.gateway.admission import AdmissionController, LoadBook, RedisWeightWindow, WeightWindow
 from services.gateway.auth import Caller
 from services.gateway.breaker import State
-from services.gateway.cache_health import CacheHealth
 from services.gateway.deadline import Deadline
 from services.gateway.embeddings import Embeddings
 from services.gateway.hop_errors import BREAKER_FAILURE_CODES, DOWNSTREAM_ERRORS, PeerCallError
 from services.gateway.ingest import IngestBudget
 from services.gateway.limits import KeyLimitExceeded
-from services.gateway.peers import Peers, inference_peer
+from services.gateway.peers import Peers
 from services.gateway.pipeline import Delta, Final, RequestPath, RequestState, server_timing
 from services.gateway.plan import (
     DEFAULT_SYSTEM_PROMPT,
@@ -41,11 +39,10 @@ from services.gateway.plan import (
     one_turn_form,
     validate,
 )
-from services.gateway.recent_hits import RecentHits
 from services.gateway.request_gateway import ModelRoute
 from services.gateway.shape import cache_scope
 from services.gateway.usage import Metered, UsageMeter
-from services.gateway.versions import BACKGROUND_DEADLINE_S, CollectionVersions
+from services.gateway.versions import BACKGROUND_DEADLINE_S
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
@@ -127,11 +124,11 @@ class Gateway:
         # One per model (a tokenizer's rate is wrong for another); "" serves until a model is known.
         self.predictors: dict[str, InputTokenPredictor] = {}
         self.predictor = self.predictor_for("")
-        self.versions = CollectionVersions(peers, config.version_ttl)
-        self.recent_hits = RecentHits()
+        # The collection versions are the retrieval upstream's; how long one is trusted is ours.
+        self.versions = peers.retrieval.versions
+        self.versions.ttl = config.version_ttl
         self._background: set[asyncio.Task[None]] = set()
         self.stores_skipped = 0
-        self.cache_health = CacheHealth(lambda: self.peers.breakers["cache"].state.value == "closed")
 
     def predictor_for(self, model: str) -> InputTokenPredictor:
         found = self.predictors.get(model)
@@ -145,16 +142,21 @@ class Gateway:
         answers cached from the old ones. A named model's key starts with its name, so
         one model's cached answers never serve another, even on the same weights."""
         route = self.routes[model or self.default_model]
-        now = time.monotonic()
-        if route.learned is None or now - route.learned[0] > MODEL_INFO_TTL_S:
+        if route.learned is None or time.monotonic() - route.learned[0] > MODEL_INFO_TTL_S:
             try:
-                info = await self.peers.model_info(deadline, route.name)
+                return await self._learn(route, deadline)
             except DOWNSTREAM_ERRORS:
                 if route.learned is None:
                     raise
                 return route.learned[1]  # inference down: cached answers for the last known weights still serve
-            prefix = f"{route.name}:" if route.name else ""
-            route.learned = (now, f"{prefix}{model_key_of(info)}")
+        return route.learned[1]
+
+    async def _learn(self, route: ModelRoute, deadline: Deadline) -> str:
+        """Asks the model's inference for its model key now (its upstream's `:info` call)."""
+        now = time.monotonic()
+        info = await self.peers.model_info(deadline, route.name)
+        prefix = f"{route.name}:" if route.name else ""
+        route.learned = (now, f"{prefix}{model_key_of(info)}")
         return route.learned[1]
 
     async def route(self, model: str, deadline: Deadline) -> ModelRoute:
@@ -208,14 +210,12 @@ class Gateway:
         fails or whose breaker is open is listed unavailable, with the key last learned."""
 
         async def entry(route: ModelRoute) -> gateway_pb2.ModelEntry:
-            available = True
             try:
-                route.expire()  # asked again now; on failure the last key is kept, still expired
-                key = await self.model_key(deadline, route.name)
+                key, available = await self._learn(route, deadline), True  # asked again now
             except DOWNSTREAM_ERRORS:
-                key, available = "", False
-            else:
-                available = route.learned is not None and not route.expired()
+                # The last key is listed, and the next request asks again (it serves meanwhile).
+                route.expire()
+                key, available = (route.learned[1] if route.learned is not None else ""), False
             return gateway_pb2.ModelEntry(
                 name=route.public_name() or "",
                 default=route.name == self.default_model,
@@ -323,7 +323,7 @@ class Gateway:
             return
         for i, name in enumerate(chain):
             last = i == len(chain) - 1
-            if not last and self.peers.breakers[inference_peer(name)].state is State.OPEN:
+            if not last and self.peers.model(name).state() is State.OPEN:
                 log.info("alias %s: %s unavailable (breaker open), trying the next model", request.model, name)
                 continue
             state = RequestState(dataclasses.replace(validate(request, self.config), model=name))

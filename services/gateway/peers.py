@@ -1,203 +1,98 @@
-"""The gateway's view of its downstream services: typed calls over the stubs, each with the
-request's remaining deadline, errors turned into domain errors naming the peer."""
+"""The gateway's downstreams, one `Upstream` each (services/gateway/upstream.py): typed calls
+over the stubs, each with the request's remaining deadline, errors turned into domain errors
+naming the peer. `Peers` builds the upstreams and routes each call to its owner; it keeps no
+view of a downstream's health of its own."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmesh import tasks
 from llmesh.channels import PeerAccess, peer_channel
-from llmesh.errors import LlmeshError, from_rpc_error
-from llmesh.settings import HopBudgetSettings
 from llmesh.v1 import (
     cache_pb2,
-    cache_pb2_grpc,
     common_pb2,
     inference_pb2,
-    inference_pb2_grpc,
     retrieval_pb2,
-    retrieval_pb2_grpc,
     tokenizer_pb2,
-    tokenizer_pb2_grpc,
 )
-from services.gateway.breaker import BreakerConfig, CircuitBreaker, Permit, State, TransitionListener
-from services.gateway.deadline import CallerDeadline, Deadline
-from services.gateway.hop_errors import BREAKER_FAILURE_CODES, PeerCallError
-from services.gateway.lookups import LookupCoalescer
-from services.gateway.multiplex import GenerationMux
-from services.gateway.routing import ReplicaRouter, routed
+from services.gateway.breaker import BreakerConfig, CircuitBreaker, TransitionListener
+from services.gateway.deadline import Deadline
+from services.gateway.hop_errors import PeerCallError
+from services.gateway.routing import ReplicaRouter
+from services.gateway.upstream import (
+    EMBED,
+    INFO,
+    INGEST,
+    SEARCH,
+    CacheUpstream,
+    Guard,
+    HopBudgets,
+    InferenceUpstream,
+    RetrievalUpstream,
+    TokenizerUpstream,
+    Upstream,
+    breaker_labels,
+    channel_of,
+    counts_as_failure,
+    inference_peer,
+    method_breaker,
+)
 
 if TYPE_CHECKING:
     from services.gateway.admission.load import LoadBook
     from services.gateway.replicas import RoutingConfig
 
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class HopBudgets:
-    """Seconds each optional hop may take before the gateway goes on without it (as when the
-    service is down). Inference has none: it keeps the caller's deadline, and its breaker judges
-    the time to first token and the stalls between tokens (`BreakerConfig.slow_call_duration`)."""
-
-    cache_lookup: float = 0.25
-    cache_store: float = 0.5
-    collection_info: float = 0.25
-    search: float = 1.0
-    tokenizer: float = 0.25
-
-    @classmethod
-    def from_settings(cls, settings: HopBudgetSettings) -> HopBudgets:
-        """From the gateway's LLMESH_HOP_* settings."""
-        return cls(
-            cache_lookup=settings.cache_lookup_seconds,
-            cache_store=settings.cache_store_seconds,
-            collection_info=settings.collection_info_seconds,
-            search=settings.search_seconds,
-            tokenizer=settings.tokenizer_seconds,
-        )
-
-
-def counts_as_failure(exc: BaseException) -> bool:
-    return isinstance(exc, PeerCallError) and exc.code in BREAKER_FAILURE_CODES
-
-
-async def _unary(
-    breaker: CircuitBreaker, call: Callable[[float], Awaitable[T]], deadline: Deadline, budget: float | None = None
-) -> T:
-    """One unary call with min(the caller's remaining deadline, the hop's budget). The breaker
-    hears the hop's own errors and timeouts; the caller's spent deadline or cancellation gives
-    no verdict (`CallerDeadline` is raised instead of a peer error)."""
-    remaining = deadline.check(breaker.name)
-    caller_bound = budget is None or remaining <= budget
-    permit = breaker.acquire()
-    try:
-        result = await call(remaining if caller_bound else budget)  # type: ignore[arg-type]
-    except grpc.aio.AioRpcError as err:
-        raise _judge(permit, breaker.name, err, caller_bound, deadline) from err
-    except BaseException:
-        permit.release()
-        raise
-    permit.success()
-    return result
-
-
-def _judge(permit: Permit, name: str, err: grpc.aio.AioRpcError, caller_bound: bool, deadline: Deadline) -> LlmeshError:
-    """Reports a failed call to the breaker and returns the error to raise."""
-    if err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED) and (
-        caller_bound or deadline.remaining() <= 0
-    ):
-        permit.release()  # the caller's deadline, not the hop's: no verdict
-        return CallerDeadline(f"{name}: the request's deadline ran out")
-    error = PeerCallError(from_rpc_error(name, err))
-    if counts_as_failure(error):
-        permit.failure()
-    else:
-        permit.success()  # e.g. INVALID_ARGUMENT, RESOURCE_EXHAUSTED: the downstream answered
-    return error
-
-
-async def _stream(breaker: CircuitBreaker, start: Callable[[float], Any], deadline: Deadline) -> AsyncIterator[Any]:
-    """A server stream with the caller's deadline. The breaker judges the hop by its time to first
-    message and the longest stall between messages, not by the stream's length: a wait past
-    `slow_call_duration` is reported slow at once (while the call goes on), so a frozen service is
-    cut off after the breaker's minimum calls; a half-open trial is decided by its first message."""
-    remaining = deadline.check(breaker.name)
-    permit = breaker.acquire()
-    slow_after = breaker.config.slow_call_duration
-    loop = asyncio.get_running_loop()
-    call = start(remaining)
-    last = loop.time()
-    worst = 0.0
-    timer: asyncio.TimerHandle | None = None
-
-    def watch() -> None:
-        # Due `slow_after` past the last message as it was when armed; a message since moves it
-        # on (one timer per stall, not one per message: messages are tokens).
-        nonlocal timer
-        quiet = loop.time() - last
-        if quiet < slow_after:
-            timer = loop.call_at(last + slow_after, watch)
-        else:
-            timer = None  # the next message watches again
-            permit.success(quiet)
-
-    timer = loop.call_at(last + slow_after, watch)
-    try:
-        async for message in call:
-            now = loop.time()
-            worst = max(worst, now - last)
-            last = now
-            if timer is None:
-                timer = loop.call_at(now + slow_after, watch)
-            if permit.trial:
-                permit.success(worst)
-            yield message
-        permit.success(worst)
-    except grpc.aio.AioRpcError as err:
-        raise _judge(permit, breaker.name, err, True, deadline) from err
-    finally:
-        if timer is not None:
-            timer.cancel()
-        permit.release()  # no verdict yet (cancelled, or our caller went away): none is given
-        # Our caller went away (or we failed): cancel downstream now, freeing its resources.
-        call.cancel()
-
+__all__ = [
+    "EMBED",
+    "INFO",
+    "INGEST",
+    "PEERS",
+    "SEARCH",
+    "Deadline",
+    "HopBudgets",
+    "PeerCallError",
+    "Peers",
+    "breaker_labels",
+    "channel_of",
+    "counts_as_failure",
+    "inference_peer",
+    "method_breaker",
+]
 
 PEERS = ("tokenizer", "inference", "cache", "retrieval")
-# Breakers per peer and method where the calls differ: a cheap call (model info)
-# never spends the Generate breaker's half-open trials nor closes it while Generate fails; an
-# Ingest, or a caller's own Search, never opens the breaker the RAG hop relies on. Named
-# "<peer>:<method>"; the peer's own name is the breaker of its main calls.
-INFO = "info"
-INGEST = "ingest"
-SEARCH = "search"
-EMBED = "embed"
 
 
-def method_breaker(peer: str, method: str) -> str:
-    return f"{peer}:{method}"
+class Breakers(Mapping[str, CircuitBreaker]):
+    """Every upstream's breakers by name (`cache`, `retrieval:ingest`, `inference/NAME:info`):
+    a read-only view, each breaker owned by its upstream."""
 
+    def __init__(self, upstreams: Callable[[], Sequence[Upstream]]) -> None:
+        self._upstreams = upstreams
 
-def channel_of(breaker: str) -> str:
-    """The channel (peer) a breaker's calls go to."""
-    return breaker.partition(":")[0]
+    def __getitem__(self, name: str) -> CircuitBreaker:
+        for upstream in self._upstreams():
+            found = upstream.breakers.get(name)
+            if found is not None:
+                return found
+        raise KeyError(name)
 
+    def __iter__(self) -> Iterator[str]:
+        for upstream in self._upstreams():
+            yield from upstream.breakers
 
-def breaker_labels(breaker: str) -> tuple[str, str, str]:
-    """(service, model, method) of a breaker's name, for its gauges: `inference/NAME:info` is
-    ("inference", "NAME", "info"); a peer's main calls have method "" and a single-model
-    inference peer model ""."""
-    peer, _, method = breaker.partition(":")
-    service, _, model = peer.partition("/")
-    return service, model, method
-
-
-def inference_peer(model: str) -> str:
-    """The peer (channel, breaker) of a model's inference service: `inference` for the one model
-    of a deployment that names none, `inference/NAME` for each of several."""
-    return f"inference/{model}" if model else "inference"
+    def __len__(self) -> int:
+        return sum(len(u.breakers) for u in self._upstreams())
 
 
 class Peers:
-    """Stubs to the four downstreams, each behind its own circuit breaker; every call gets the
-    smaller of the request's remaining deadline and its hop's budget. Inference is one peer per
-    model (`models`: name -> target; by default the one unnamed model at targets["inference"]),
-    each with its own channel and breaker.
-
-    While a breaker is open, the peer's gRPC health service is checked every `probe_seconds`
-    (each check with that timeout); the first SERVING answer half-opens the breaker at once, so a
-    service back from a freeze or a restart is tried again within a probe interval instead of the
-    breaker's whole wait (`CircuitBreaker.probe_passed`); no answer (or NOT_SERVING) keeps it
-    open and starts its wait again (`probe_failed`). A peer without a health service
-    (UNIMPLEMENTED) is left to the breaker's timer."""
+    """The four downstreams, one `Upstream` each, and one per inference model (`models`: name
+    -> target; by default the one unnamed model at targets["inference"]); every call gets the
+    smaller of the request's remaining deadline and its hop's budget, through its upstream's
+    breaker. `probe_seconds`: how often an upstream whose breaker is open is health-checked
+    (0: never; see `Upstream`)."""
 
     def __init__(
         self,
@@ -216,103 +111,51 @@ class Peers:
         self.budgets = budgets or HopBudgets()
         self.probe_seconds = probe_seconds
         models = models or {"": targets["inference"]}
-        # A model with several replicas (`a:1|b:2`, or dns:///name:port) is routed over
-        # them (services/gateway/routing.py); one with a single target keeps its one channel.
-        self.routers = {
-            model: ReplicaRouter(model, target, max_message_bytes, access, routing, loads, multiplex=multiplex)
-            for model, target in models.items()
-            if routed(target)
-        }
-        all_targets = {name: targets[name] for name in PEERS if name != "inference"}
-        all_targets.update(
-            {inference_peer(model): target for model, target in models.items() if model not in self.routers}
-        )
-        self.channels = {name: peer_channel(target, max_message_bytes, access) for name, target in all_targets.items()}
-        breaker_names = [*all_targets, *(inference_peer(model) for model in self.routers)]
-        breaker_names += [method_breaker(inference_peer(model), INFO) for model in models]
-        breaker_names += [method_breaker("retrieval", m) for m in (INGEST, SEARCH, EMBED)]
-        self.breakers = {
-            name: CircuitBreaker(
-                name,
-                breaker_config,
-                is_failure=counts_as_failure,
-                on_transition=[*([on_transition(name)] if on_transition else []), self._prober(name)],
+        guard = Guard(breaker_config, on_transition, probe_seconds)
+
+        def channel(name: str) -> grpc.aio.Channel:
+            return peer_channel(targets[name], max_message_bytes, access)
+
+        self.tokenizer = TokenizerUpstream(channel("tokenizer"), self.budgets.tokenizer, guard)
+        self.cache = CacheUpstream(channel("cache"), self.budgets.cache_lookup, self.budgets.cache_store, guard)
+        self.retrieval = RetrievalUpstream(channel("retrieval"), self.budgets, guard)
+        self.models = {
+            model: InferenceUpstream(
+                model,
+                target,
+                max_message_bytes,
+                access,
+                guard,
+                self.budgets.collection_info,
+                routing,
+                loads,
+                multiplex,
             )
-            for name in breaker_names
+            for model, target in models.items()
         }
-        self.health = {name: health_pb2_grpc.HealthStub(channel) for name, channel in self.channels.items()}
-        self._probes: dict[str, asyncio.Task[None]] = {}
-        self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self.channels["tokenizer"])
-        self.inferences = {
-            model: inference_pb2_grpc.InferenceStub(self.channels[inference_peer(model)])
-            for model in models
-            if model not in self.routers
-        }
-        # Each model's generations share one GenerateMany stream (services/gateway/multiplex.py).
-        self.generators = {model: GenerationMux(stub, multiplex) for model, stub in self.inferences.items()}
-        self.cache = cache_pb2_grpc.CacheStub(self.channels["cache"])
-        self.retrieval = retrieval_pb2_grpc.RetrievalStub(self.channels["retrieval"])
-        self.lookups = LookupCoalescer(self._cache_lookup, self._cache_lookup_batch)
+        self.breakers = Breakers(self.upstreams)
+
+    def upstreams(self) -> list[Upstream]:
+        return [self.tokenizer, self.cache, self.retrieval, *self.models.values()]
+
+    def model(self, model: str) -> InferenceUpstream:
+        """The upstream of a model's inference (a route name; "" the unnamed model)."""
+        return self.models[model]
+
+    @property
+    def routers(self) -> dict[str, ReplicaRouter]:
+        """The replica routers of the models served by several replicas (each its upstream's)."""
+        return {model: u.router for model, u in self.models.items() if u.router is not None}
 
     async def start(self) -> None:
-        """Starts the replica routers' health checks, load watches and DNS refreshes."""
-        for router in self.routers.values():
-            await router.start()
+        """Starts what the upstreams run in the background: the replica routers' health checks,
+        load watches and DNS refreshes, and the single-replica models' load watches."""
+        for upstream in self.upstreams():
+            await upstream.start()
 
     async def close(self) -> None:
-        await tasks.stop_all(list(self._probes.values()))
-        for router in self.routers.values():
-            await router.close()
-        for generator in self.generators.values():
-            await generator.close()
-        for channel in self.channels.values():
-            await channel.close()
-
-    def _prober(self, name: str) -> TransitionListener:
-        def on_transition(old: State, new: State, reason: str) -> None:
-            if new is not State.OPEN or not self.probe_seconds or name in self._probes:
-                return
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # a transition outside the loop (tests): nothing to probe with
-                return
-            task = loop.create_task(self._probe(name))
-            self._probes[name] = task
-            task.add_done_callback(lambda _: self._probes.pop(name, None))
-
-        return on_transition
-
-    async def _probe(self, name: str) -> None:
-        """Health-checks the peer while its breaker is open; a SERVING answer half-opens it."""
-        breaker = self.breakers[name]
-        request = health_pb2.HealthCheckRequest(service="")
-        while breaker.state is State.OPEN:
-            started = time.monotonic()
-            try:
-                reply = await self._health_of(channel_of(name)).Check(request, timeout=self.probe_seconds)
-            except PeerCallError:
-                breaker.probe_failed()  # a routed model with no replica known
-            except grpc.aio.AioRpcError as err:
-                if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    breaker.probe_failed()  # no answer: no trials until it answers (or the wait ends)
-            else:
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    if breaker.probe_passed():
-                        return
-                else:
-                    breaker.probe_failed()
-            await asyncio.sleep(max(0.0, self.probe_seconds - (time.monotonic() - started)))
-
-    def _health_of(self, peer: str) -> health_pb2_grpc.HealthStub:
-        found = self.health.get(peer)
-        if found is not None:
-            return found
-        model = next(m for m in self.routers if inference_peer(m) == peer)
-        return self.routers[model].health_stub()
-
-    def _inference(self, model: str) -> inference_pb2_grpc.InferenceStub:
-        router = self.routers.get(model)
-        return router.info_stub() if router is not None else self.inferences[model]
+        for upstream in self.upstreams():
+            await upstream.close()
 
     # Each call relays the peer's status as a domain error naming the peer.
     async def chat_template(
@@ -324,46 +167,19 @@ class Peers:
     ) -> tokenizer_pb2.ApplyChatTemplateResponse:
         """`model`: whose tokenizer ("" = the tokenizer service's default); `tools`: the
         functions the model may call (automatic tool choice)."""
-        request = tokenizer_pb2.ApplyChatTemplateRequest(
-            messages=messages, add_generation_prompt=True, tokenize=True, model=model, tools=tools
-        )
-        return await _unary(
-            self.breakers["tokenizer"],
-            lambda timeout: self.tokenizer.ApplyChatTemplate(request, timeout=timeout),
-            deadline,
-            self.budgets.tokenizer,
-        )
+        return await self.tokenizer.chat_template(messages, deadline, model, tools)
 
     async def encode(self, text: str, deadline: Deadline, model: str = "") -> tokenizer_pb2.EncodeResponse:
         """A raw prompt's token ids, with the special tokens the model's tokenizer adds to a
         text (its BOS, if it has one). `model`: whose tokenizer ("" = the default)."""
-        request = tokenizer_pb2.EncodeRequest(text=text, add_special_tokens=True, model=model)
-        return await _unary(
-            self.breakers["tokenizer"],
-            lambda timeout: self.tokenizer.Encode(request, timeout=timeout),
-            deadline,
-            self.budgets.tokenizer,
-        )
+        return await self.tokenizer.encode(text, deadline, model)
 
     async def get_chat_template(self, deadline: Deadline, model: str = "") -> tokenizer_pb2.GetChatTemplateResponse:
         """The model's chat template itself (`model`: whose tokenizer, "" = the default)."""
-        request = tokenizer_pb2.GetChatTemplateRequest(model=model)
-        return await _unary(
-            self.breakers["tokenizer"],
-            lambda timeout: self.tokenizer.GetChatTemplate(request, timeout=timeout),
-            deadline,
-            self.budgets.tokenizer,
-        )
+        return await self.tokenizer.get_chat_template(deadline, model)
 
     async def model_info(self, deadline: Deadline, model: str = "") -> inference_pb2.ModelInfo:
-        request = inference_pb2.GetModelInfoRequest()
-        stub = self._inference(model)
-        return await _unary(
-            self.breakers[method_breaker(inference_peer(model), INFO)],
-            lambda timeout: stub.GetModelInfo(request, timeout=timeout),
-            deadline,
-            self.budgets.collection_info,
-        )
+        return await self.models[model].model_info(deadline)
 
     def generate(
         self,
@@ -385,108 +201,46 @@ class Peers:
             request.text = prompt
         else:
             request.token_ids.ids.extend(prompt)
-        router = self.routers.get(model)
-        if router is not None:  # over the model's replicas, one retry before the first token
-            return router.generate(request, deadline, self.breakers[inference_peer(model)])
-        generator = self.generators[model]
-        return _stream(
-            self.breakers[inference_peer(model)], lambda timeout: generator.generate(request, timeout), deadline
-        )
+        return self.models[model].generate(request, deadline)
 
-    async def watch_load(self, model: str = "") -> AsyncIterator[inference_pb2.LoadReport]:
-        """The model's inference load reports, for as long as the stream lasts: no
-        deadline and no breaker (a long-lived stream that says nothing of a request's health);
-        a failure is a PeerCallError (UNIMPLEMENTED: the backend reports no load)."""
-        call = self.inferences[model].WatchLoad(inference_pb2.WatchLoadRequest())
-        try:
-            async for report in call:
-                yield report
-        except grpc.aio.AioRpcError as err:
-            raise PeerCallError(from_rpc_error(inference_peer(model), err)) from err
-        finally:
-            call.cancel()
+    def watch_load(self, model: str = "") -> AsyncIterator[inference_pb2.LoadReport]:
+        """The model's inference load reports (see `InferenceUpstream.watch_load`)."""
+        return self.models[model].watch_load()
 
     async def cache_lookup(
         self, request: cache_pb2.CacheLookupRequest, deadline: Deadline
     ) -> cache_pb2.CacheLookupResponse:
-        return await self.lookups.lookup(request, deadline)
-
-    async def _cache_lookup(
-        self, request: cache_pb2.CacheLookupRequest, deadline: Deadline
-    ) -> cache_pb2.CacheLookupResponse:
-        return await _unary(
-            self.breakers["cache"],
-            lambda timeout: self.cache.Lookup(request, timeout=timeout),
-            deadline,
-            self.budgets.cache_lookup,
-        )
-
-    async def _cache_lookup_batch(
-        self, request: cache_pb2.CacheLookupBatchRequest, deadline: Deadline
-    ) -> cache_pb2.CacheLookupBatchResponse:
-        return await _unary(
-            self.breakers["cache"],
-            lambda timeout: self.cache.LookupBatch(request, timeout=timeout),
-            deadline,
-            self.budgets.cache_lookup,
-        )
+        return await self.cache.lookup(request, deadline)
 
     async def cache_store(
         self, request: cache_pb2.CacheStoreRequest, deadline: Deadline
     ) -> cache_pb2.CacheStoreResponse:
-        return await _unary(
-            self.breakers["cache"],
-            lambda timeout: self.cache.Store(request, timeout=timeout),
-            deadline,
-            self.budgets.cache_store,
-        )
+        return await self.cache.store(request, deadline)
 
     async def cache_invalidate(
         self, request: cache_pb2.InvalidateRequest, deadline: Deadline
     ) -> cache_pb2.InvalidateResponse:
         """An admin purge: the caller's whole deadline (not an optional hop)."""
-        return await _unary(
-            self.breakers["cache"], lambda timeout: self.cache.Invalidate(request, timeout=timeout), deadline
-        )
+        return await self.cache.invalidate(request, deadline)
 
     async def collection_info(self, collection: str, tenant: str, deadline: Deadline) -> retrieval_pb2.CollectionInfo:
-        request = retrieval_pb2.CollectionInfoRequest(collection=collection, tenant=tenant)
-        return await _unary(
-            self.breakers["retrieval"],
-            lambda timeout: self.retrieval.GetCollectionInfo(request, timeout=timeout),
-            deadline,
-            self.budgets.collection_info,
-        )
+        return await self.retrieval.collection_info(collection, tenant, deadline)
 
     async def search(
         self, request: retrieval_pb2.RetrievalSearchRequest, deadline: Deadline, optional: bool = True
     ) -> retrieval_pb2.RetrievalSearchResponse:
         """`optional`: context for a generation (the search budget applies); else the caller's own
         search (its whole deadline)."""
-        return await _unary(
-            self.breakers["retrieval" if optional else method_breaker("retrieval", SEARCH)],
-            lambda timeout: self.retrieval.Search(request, timeout=timeout),
-            deadline,
-            self.budgets.search if optional else None,
-        )
+        return await self.retrieval.search(request, deadline, optional)
 
     async def embed(
         self, request: retrieval_pb2.RetrievalEmbedRequest, deadline: Deadline, budget: float | None = None
     ) -> retrieval_pb2.RetrievalEmbedResponse:
         """A caller's embeddings (its own breaker, so a burst of them never opens the RAG hop's);
         `budget`: a bound below the caller's deadline (None: the whole deadline)."""
-        return await _unary(
-            self.breakers[method_breaker("retrieval", EMBED)],
-            lambda timeout: self.retrieval.Embed(request, timeout=timeout),
-            deadline,
-            budget,
-        )
+        return await self.retrieval.embed(request, deadline, budget)
 
     def upsert(
         self, request: retrieval_pb2.UpsertRequest, deadline: Deadline
     ) -> AsyncIterator[retrieval_pb2.UpsertProgress]:
-        return _stream(
-            self.breakers[method_breaker("retrieval", INGEST)],
-            lambda timeout: self.retrieval.Upsert(request, timeout=timeout),
-            deadline,
-        )
+        return self.retrieval.upsert(request, deadline)

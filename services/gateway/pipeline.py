@@ -305,7 +305,7 @@ class RequestPath:
         state, plan = self.state, self.plan
         with state.timed("admission"):
             refusal = self._reserve(waiting_for_cache=True)
-        if refusal is not None and self.gateway.cache_health.suspect():
+        if refusal is not None and self.gateway.peers.cache.suspect():
             raise self._shed(refusal, "shed_early")
         # A request the cache answered lately will almost surely be answered again (it costs
         # the model nothing): it waits longer, while the cache is answering (see `_lookup`).
@@ -660,17 +660,16 @@ class RequestPath:
             state.plan = plan.without_retrieval()
             return "", 0
         try:
-            known = await self.gateway.versions.get(plan.collection, plan.tenant, deadline)
+            info, confirmed = await self.gateway.peers.retrieval.version(plan.collection, plan.tenant, deadline)
         except DOWNSTREAM_ERRORS as exc:
             log.warning("retrieval unavailable, answering without context: %s", exc.message)
             state.degrade("retrieval_unavailable")
             state.plan = plan.without_retrieval()
             return "", 0
-        info = known.info
         if not info.exists or info.points == 0:
             state.plan = plan.without_retrieval()
             return "", 0
-        if known.unconfirmed or self.gateway.peers.breakers["retrieval"].state.value == "open":
+        if not confirmed:
             state.degrade("retrieval_unavailable")
         return plan.collection, info.version
 
@@ -688,32 +687,33 @@ class RequestPath:
         even when every request gives up on it early)."""
         # Attributes go on the request span: the client span of the RPC already times the hop.
         gateway, plan, state, deadline, span = self.gateway, self.plan, self.state, self.deadline, self.span
-        budget = gateway.peers.budgets.cache_lookup
-        patience = KNOWN_HIT_WAIT_S if key is not None and key in gateway.recent_hits else 0.0
+        cache = gateway.peers.cache
+        budget = cache.lookup_budget
+        patience = KNOWN_HIT_WAIT_S if key is not None and key in cache.recent_hits else 0.0
         asked_at = time.monotonic()
         lookup = asyncio.ensure_future(
-            gateway.peers.cache_lookup(
+            cache.lookup(
                 cache_pb2.CacheLookupRequest(prompt=plan.prompt, scope=scope, allow_semantic=plan.semantic), deadline
             )
         )
         lookup.add_done_callback(_consume)
-        lookup.add_done_callback(gateway.cache_health.heard)
+        lookup.add_done_callback(cache.heard)
         try:
             try:
                 found = await asyncio.wait_for(asyncio.shield(lookup), budget if wait is None else min(wait, budget))
             except TimeoutError:
                 if wait is None or wait >= budget:
                     raise
-                found = await gateway.cache_health.wait_while_answering(lookup, asked_at + min(patience, budget))
+                found = await cache.wait_while_answering(lookup, asked_at + min(patience, budget))
         except TimeoutError:
             if wait is not None and wait < budget:
                 return None  # the request decides without the cache; the lookup goes on
-            gateway.cache_health.failed()
+            cache.failed()
             log.warning("cache lookup took its whole budget (%.3fs)", budget)
             state.degrade("cache_unavailable")
             return None
         except DOWNSTREAM_ERRORS as exc:
-            gateway.cache_health.failed()
+            cache.failed()
             log.warning("cache unavailable: %s", exc.message)
             state.degrade("cache_unavailable")
             return None
@@ -724,15 +724,15 @@ class RequestPath:
             state.degrade("cache_unavailable")
             return None
         if found.degraded:
-            gateway.cache_health.failed()
+            cache.failed()
             state.degrade("cache_unavailable")
         if scope.collection and found.collection_version:
-            self.gateway.versions.observe(scope.collection, scope.tenant, found.collection_version)
+            self.gateway.peers.retrieval.versions.observe(scope.collection, scope.tenant, found.collection_version)
         if key is not None:
             if found.hit:
-                gateway.recent_hits.hit(key)
+                cache.recent_hits.hit(key)
             else:
-                gateway.recent_hits.missed(key)
+                cache.recent_hits.missed(key)
         span.set_attribute("llmesh.cache.hit", found.hit)
         if found.hit:
             span.set_attribute("llmesh.cache.tier", common_pb2.CacheTier.Name(found.tier))
@@ -763,7 +763,7 @@ class RequestPath:
         span.set_attribute("llmesh.retrieval.document_ids", [c.document_id for c in found.results])
         span.set_attribute("llmesh.retrieval.scores", [round(c.score, 4) for c in found.results])
         if found.collection_version:
-            self.gateway.versions.observe(collection, plan.tenant, found.collection_version)
+            self.gateway.peers.retrieval.versions.observe(collection, plan.tenant, found.collection_version)
         return list(found.results), found.collection_version
 
     async def _render(self, sources: list[common_pb2.ScoredChunk], tokenizer: str = "") -> tuple[list[int] | str, int]:

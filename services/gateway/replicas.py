@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 from llmesh.retry_budget import RetryBudget
 from llmesh.settings import RoutingSettings
+from services.gateway.load_report import ReplicaReport
 
 PICK_LEAST_WAIT = "least_wait"
 PICK_ROUND_ROBIN = "round_robin"
@@ -125,19 +126,6 @@ class RoutingConfig:
                 raise ValueError(f"{name} must be > 0")
 
 
-@dataclass(frozen=True)
-class Load:
-    """What one replica last reported (the routing view of a LoadReport)."""
-
-    running: int = 0
-    waiting: int = 0
-    max_running: int = 0
-    step_seconds: float | None = None
-    block_tokens: int = 0
-    prefix_hashes: frozenset[int] = frozenset()
-    name: str = ""  # the replica's own name (host:pid)
-
-
 @dataclass(eq=False)
 class Flight:
     """One request in flight on a replica."""
@@ -157,7 +145,7 @@ class Flight:
 class Replica:
     address: str
     flights: list[Flight] = field(default_factory=list)
-    load: Load | None = None
+    load: ReplicaReport | None = None  # what it last reported
     load_at: float = -math.inf
     own_at_report: int = 0  # flights of this gateway when the report came
     seconds_per_token: float | None = None  # as this gateway saw its streams
@@ -398,7 +386,7 @@ class ReplicaSet:
             self.eject(r, EJECT_FAILURES)
 
     # --- signals ------------------------------------------------------------------------------
-    def reported(self, replica: Replica, load: Load) -> None:
+    def reported(self, replica: Replica, load: ReplicaReport) -> None:
         now = self.clock()
         replica.load = load
         replica.load_at = now

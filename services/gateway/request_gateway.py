@@ -11,12 +11,9 @@ from typing import Protocol
 from llmesh.chat_template import ChatTemplate
 from llmesh.v1 import cache_pb2, gateway_pb2
 from services.gateway.admission import AdmissionController, RedisWeightWindow, WeightWindow
-from services.gateway.cache_health import CacheHealth
 from services.gateway.deadline import Deadline
 from services.gateway.peers import Peers
 from services.gateway.plan import GatewayConfig, InputTokenPredictor, Plan
-from services.gateway.recent_hits import RecentHits
-from services.gateway.versions import CollectionVersions
 
 
 @dataclass
@@ -41,9 +38,6 @@ class ModelRoute:
         if self.learned is not None:
             self.learned = (-math.inf, self.learned[1])
 
-    def expired(self) -> bool:
-        return self.learned is not None and self.learned[0] == -math.inf
-
     def public_name(self) -> str | None:
         """The name clients see and route by; for the unnamed model, None until learned."""
         if self.name:
@@ -52,17 +46,15 @@ class ModelRoute:
 
 
 class RequestGateway(Protocol):
-    """The gateway's members a request's path uses: its wiring (config, window, admission, peers,
-    collection versions, recent hits, the cache's health, token predictors, chat templates) and
+    """The gateway's members a request's path uses: its wiring (config, window, admission, peers
+    (each downstream's `Upstream`, the one owner of its health; retrieval's also of the collection
+    versions), token predictors, chat templates) and
     the few services it offers each request."""
 
     config: GatewayConfig
     window: WeightWindow | RedisWeightWindow
     admission: AdmissionController
     peers: Peers
-    versions: CollectionVersions
-    recent_hits: RecentHits
-    cache_health: CacheHealth
     predictor: InputTokenPredictor
     templates: dict[str, ChatTemplate]
     local_templates: dict[str, ChatTemplate]

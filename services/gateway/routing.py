@@ -28,8 +28,9 @@ from services.gateway.admission.load import LoadBook
 from services.gateway.breaker import CircuitBreaker
 from services.gateway.deadline import CallerDeadline, Deadline
 from services.gateway.hop_errors import BREAKER_FAILURE_CODES, PeerCallError
+from services.gateway.load_report import ReplicaReport
 from services.gateway.multiplex import GenerationMux
-from services.gateway.replicas import Flight, Load, Replica, ReplicaSet, RoutingConfig
+from services.gateway.replicas import Flight, Replica, ReplicaSet, RoutingConfig
 
 log = logging.getLogger("llmesh.gateway.routing")
 
@@ -160,8 +161,7 @@ class ReplicaRouter:
             channel = self.channels.pop(r.address, None)
             if channel is not None:
                 self._closing.append(channel)
-            if self.loads is not None and r.load is not None and r.load.name:
-                self.loads.model(self.model).drop(r.load.name)
+            self._unbook(r)
             with contextlib.suppress(KeyError):
                 metrics.REPLICA_EJECTED.remove(self.label, r.address)
         for r in added:
@@ -277,37 +277,30 @@ class ReplicaRouter:
         if not report.reported:
             self._unreport(r)
             return
-        name = r.load.name if r.load is not None else ""
-        if name and name != report.replica and self.loads is not None:
-            self.loads.model(self.model).drop(name)  # restarted: its old self reports no more
-        self.set.reported(
-            r,
-            Load(
-                running=report.running,
-                waiting=report.waiting,
-                max_running=report.max_running,
-                step_seconds=report.step_seconds or None,
-                block_tokens=report.block_tokens,
-                prefix_hashes=frozenset(report.prefix_hashes),
-                name=report.replica,
-            ),
-        )
+        load = ReplicaReport.from_message(report, self.set.clock(), prefix_hashes=True)
+        if r.load is not None and r.load.replica != load.replica:
+            self._unbook(r)  # restarted: its old self reports no more
+        self.set.reported(r, load)
         if self.loads is not None and not r.ejected:
-            self.loads.update(self.model, report)  # admission counts the healthy replicas' room
+            self.loads.model(self.model).update(load)  # admission counts the healthy replicas' room
         self.connected.set()
         self._notify()
 
+    def _unbook(self, r: Replica) -> None:
+        """Admission stops counting the replica's room (it left, restarted, stopped reporting or
+        was ejected): the book holds only what this router says is there."""
+        if self.loads is not None and r.load is not None and r.load.replica:
+            self.loads.model(self.model).drop(r.load.replica)
+
     def _unreport(self, r: Replica) -> None:
-        if self.loads is not None and r.load is not None and r.load.name:
-            self.loads.model(self.model).drop(r.load.name)
+        self._unbook(r)
         self.set.unreported(r)
 
     def _ejected(self, r: Replica, reason: str) -> None:
         log.warning("model %s: replica %s ejected (%s, #%d)", self.label, r.address, reason, r.ejections + 1)
         metrics.REPLICA_EJECTED.labels(self.label, r.address).set(1)
         metrics.REPLICA_EJECTIONS.labels(self.label, r.address, reason).inc()
-        if self.loads is not None and r.load is not None and r.load.name:
-            self.loads.model(self.model).drop(r.load.name)
+        self._unbook(r)
         self._notify()
 
     def _returned(self, r: Replica) -> None:

@@ -20,7 +20,6 @@ from llmesh.v1 import batches_pb2, batches_pb2_grpc, gateway_pb2, gateway_pb2_gr
 from services.gateway import metrics
 from services.gateway.admin import AdminKeys
 from services.gateway.admission import AdmissionConfig, LoadBook, RedisWeightWindow, WeightWindow, connect_redis
-from services.gateway.admission.load import LoadWatcher
 from services.gateway.auth import Caller, KeyRing
 from services.gateway.batches.api import BatchApi
 from services.gateway.batches.grpc_api import BatchesServicer
@@ -42,7 +41,6 @@ from services.gateway.responses_api import ResponsesApi
 from services.gateway.usage import TenantLabels, UsageMeter
 
 log = logging.getLogger("llmesh.gateway")
-BREAKER_STATE_VALUE = {State.CLOSED: 0, State.HALF_OPEN: 1, State.OPEN: 2}
 
 
 def breaker_listener(peer: str) -> TransitionListener:
@@ -67,7 +65,7 @@ def breaker_listener(peer: str) -> TransitionListener:
                 }
             },
         )
-        metrics.BREAKER_STATE.labels(*labels).set(BREAKER_STATE_VALUE[new])
+        metrics.BREAKER_STATE.labels(*labels).set(new.level)
         metrics.BREAKER_TRANSITIONS.labels(*labels, old.value, new.value).inc()
         trace.get_current_span().add_event(
             "llmesh.breaker.transition",
@@ -211,11 +209,8 @@ class GatewayApp:
             multiplex=s.routing.multiplex,
         )
         admission = AdmissionConfig.from_settings(s.admission)
-        self.load_watchers = [
-            LoadWatcher(self.loads, name, lambda name=name: self.peers.watch_load(name))  # type: ignore[misc]
-            for name in models
-            if name not in self.peers.routers
-        ]
+        # The single-replica models' load watches (each its upstream's, started and stopped with it).
+        self.load_watchers = [u.watcher for u in self.peers.models.values() if u.watcher is not None]
         # The admission window and the per-key limits are cluster-wide through one Redis, when set.
         shared_url = s.admission.redis_url
         self.window: WeightWindow | RedisWeightWindow = (
@@ -327,8 +322,6 @@ class GatewayApp:
             self._watch = asyncio.get_running_loop().create_task(self.api_keys.watch())
         self.limiter.start()
         await self.peers.start()
-        for watcher in self.load_watchers:
-            watcher.start()
         announce(await self.http.start() if self.http is not None else 0)
         if self.batch_runner is not None:
             self.batch_runner.start()
@@ -347,8 +340,6 @@ class GatewayApp:
         return {}
 
     async def stop(self) -> None:
-        for watcher in self.load_watchers:
-            await watcher.stop()
         await self.gateway.settle()
         await tasks.stop(self._watch)
         await self.limiter.close()

@@ -1,24 +1,28 @@
 """Collection versions as the gateway knows them, off the hit path (`CollectionVersions`): the
-gateway's wiring owns one, and each request's path reads and updates it."""
+retrieval upstream owns one (services/gateway/upstream.py), and each request's path reads it
+through that upstream and updates it."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from llmesh.errors import LlmeshError
 from llmesh.v1 import retrieval_pb2
 from services.gateway.deadline import Deadline
 from services.gateway.hop_errors import DOWNSTREAM_ERRORS
-from services.gateway.peers import Peers
 
 log = logging.getLogger("llmesh.gateway")
 
 # Background calls (version refresh, cache store) have no caller: a deadline well past any hop
 # budget, so the budget bounds them and its timeout counts against the hop.
 BACKGROUND_DEADLINE_S = 30.0
+
+# Retrieval's GetCollectionInfo: (collection, tenant, deadline) -> its info.
+AskInfo = Callable[[str, str, Deadline], Awaitable[retrieval_pb2.CollectionInfo]]
 
 
 @dataclass
@@ -42,8 +46,10 @@ class CollectionVersions:
 
     MAX_ENTRIES = 4096
 
-    def __init__(self, peers: Peers, ttl: float) -> None:
-        self.peers = peers
+    def __init__(
+        self, ask: Callable[[str, str, Deadline], Awaitable[retrieval_pb2.CollectionInfo]], ttl: float
+    ) -> None:
+        self.ask = ask  # retrieval's GetCollectionInfo (collection, tenant, deadline)
         self.ttl = ttl
         self.known: dict[tuple[str, str], KnownVersion] = {}
 
@@ -53,7 +59,7 @@ class CollectionVersions:
         key = (tenant, collection)
         known = self.known.get(key)
         if known is None:
-            info = await self.peers.collection_info(collection, tenant, deadline)
+            info = await self.ask(collection, tenant, deadline)
             if len(self.known) >= self.MAX_ENTRIES:
                 self.known.pop(next(iter(self.known)))
             known = self.known[key] = KnownVersion(info, time.monotonic())
@@ -69,7 +75,7 @@ class CollectionVersions:
         tenant, collection = key
         try:
             # No caller waits: the hop's own budget bounds the call, and its timeout is a verdict.
-            info = await self.peers.collection_info(collection, tenant, Deadline.after(BACKGROUND_DEADLINE_S))
+            info = await self.ask(collection, tenant, Deadline.after(BACKGROUND_DEADLINE_S))
         except (*DOWNSTREAM_ERRORS, LlmeshError) as exc:
             known.unconfirmed = True
             log.warning("collection version refresh failed, keeping version %d: %s", known.info.version, exc.message)

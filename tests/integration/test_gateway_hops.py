@@ -30,7 +30,7 @@ from llmesh.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
-from services.gateway import cache_health, pipeline
+from services.gateway import pipeline, upstream
 from services.gateway.core import Delta, Final
 from services.gateway.peers import Deadline
 from services.gateway.servicer import GatewayApp
@@ -570,7 +570,7 @@ async def test_under_overload_a_request_the_cache_answered_lately_waits_for_its_
     # for a whole second.
     monkeypatch.setattr(pipeline, "SHED_RISK_LOOKUP_S", 0.3)
     monkeypatch.setattr(pipeline, "KNOWN_HIT_WAIT_S", 4.0)
-    monkeypatch.setattr(cache_health, "CACHE_ALIVE_S", 1.0)  # read by CacheHealth.wait_while_answering
+    monkeypatch.setattr(upstream, "CACHE_ALIVE_S", 1.0)  # read by CacheUpstream.wait_while_answering
     env = {"LLMESH_HOP_CACHE_LOOKUP_SECONDS": "5", "LLMESH_ADMISSION_INITIAL_IN_FLIGHT": "640"}
     async with fake_mesh(**env) as (fake, app, _):
         known_prompt = ask().prompt

@@ -99,7 +99,7 @@ async def test_a_failed_batch_fails_each_of_its_callers_and_a_cancelled_caller_i
 
 
 class DeadlineCache(Cache):
-    """Like Cache, but a call runs only until its deadline, as `peers._unary` does: then it fails
+    """Like Cache, but a call runs only until its deadline, as `upstream.call_unary` does: then it fails
     with CallerDeadline. Batches wait for `batch_release`."""
 
     def __init__(self) -> None:

@@ -10,13 +10,13 @@ import pytest
 
 from llmesh.prefix_hash import block_hashes
 from llmesh.retry_budget import RetryBudget
+from services.gateway.load_report import ReplicaReport
 from services.gateway.replicas import (
     AFFINITY_HIT,
     AFFINITY_MISS,
     AFFINITY_NONE,
     AFFINITY_OVERLOADED,
     Choice,
-    Load,
     Replica,
     ReplicaSet,
     RoutingConfig,
@@ -40,7 +40,7 @@ def replica_set(n: int = 3, **config: object) -> tuple[ReplicaSet, Clock, list[R
 
 
 def report(rs: ReplicaSet, r: Replica, running: int = 0, waiting: int = 0, rows: int = 4, **extra: object) -> None:
-    rs.reported(r, Load(running=running, waiting=waiting, max_running=rows, step_seconds=0.01, **extra))  # type: ignore[arg-type]
+    rs.reported(r, ReplicaReport(running=running, waiting=waiting, max_running=rows, step_seconds=0.01, **extra))  # type: ignore[arg-type]
 
 
 def busy(rs: ReplicaSet, r: Replica, count: int, tokens: int, started: bool = True) -> list:  # type: ignore[type-arg]

@@ -33,6 +33,8 @@ import grpc
 
 from llmesh import tasks
 from llmesh.errors import LlmeshError
+from llmesh.v1 import inference_pb2
+from services.gateway.load_report import ReplicaReport
 
 log = logging.getLogger("llmesh.gateway.admission")
 
@@ -54,46 +56,6 @@ KV_FULL_SHARE = 0.02
 #: without load reports: the fallback admits meanwhile).
 RETRY_S = 0.5
 UNIMPLEMENTED_RETRY_S = 30.0
-
-
-@dataclass(frozen=True)
-class ReplicaReport:
-    """One replica's latest report (LoadReport as plain data), and when it came."""
-
-    replica: str
-    running: int
-    max_running: int
-    waiting: int
-    kv_blocks_free: int
-    kv_blocks_total: int
-    block_tokens: int
-    waiting_prompt_tokens: int
-    step_seconds: float | None
-    prefill_tokens_per_second: float | None
-    prefix_hit_rate: float
-    received_at: float
-
-    @classmethod
-    def from_message(cls, message: object, now: float) -> ReplicaReport:
-        m = message
-        return cls(
-            replica=m.replica,  # type: ignore[attr-defined]
-            running=m.running,  # type: ignore[attr-defined]
-            max_running=m.max_running,  # type: ignore[attr-defined]
-            waiting=m.waiting,  # type: ignore[attr-defined]
-            kv_blocks_free=m.kv_blocks_free,  # type: ignore[attr-defined]
-            kv_blocks_total=m.kv_blocks_total,  # type: ignore[attr-defined]
-            block_tokens=m.block_tokens,  # type: ignore[attr-defined]
-            waiting_prompt_tokens=m.waiting_prompt_tokens,  # type: ignore[attr-defined]
-            step_seconds=m.step_seconds or None,  # type: ignore[attr-defined]
-            prefill_tokens_per_second=m.prefill_tokens_per_second or None,  # type: ignore[attr-defined]
-            prefix_hit_rate=m.prefix_hit_rate,  # type: ignore[attr-defined]
-            received_at=now,
-        )
-
-    @property
-    def occupied(self) -> int:
-        return self.running + self.waiting
 
 
 @dataclass(frozen=True)
@@ -230,11 +192,11 @@ class LoadBook:
             found = self.models[name] = ModelLoad(self.clock)
         return found
 
-    def update(self, name: str, message: object) -> None:
+    def update(self, name: str, message: inference_pb2.LoadReport) -> None:
         """A LoadReport from `name`'s inference (one with `reported` False drops that replica)."""
         load = self.model(name)
-        if not message.reported:  # type: ignore[attr-defined]
-            load.drop(message.replica)  # type: ignore[attr-defined]
+        if not message.reported:
+            load.drop(message.replica)
             return
         load.update(ReplicaReport.from_message(message, self.clock()))
 
@@ -248,7 +210,7 @@ class LoadWatcher:
     stream is opened again after RETRY_S (the stale reports stop counting meanwhile), a backend
     without the RPC is asked again after UNIMPLEMENTED_RETRY_S."""
 
-    def __init__(self, book: LoadBook, name: str, watch: Callable[[], AsyncIterator[object]]) -> None:
+    def __init__(self, book: LoadBook, name: str, watch: Callable[[], AsyncIterator[inference_pb2.LoadReport]]) -> None:
         self.book = book
         self.name = name
         self.watch = watch
