@@ -38,7 +38,7 @@ def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 def cmd_up(args: argparse.Namespace) -> int:
     """Starts the mesh and supervises it: a service that dies is restarted (see Supervision);
     Ctrl-C or SIGTERM stops the mesh (status 0), so does a service that keeps dying (status 1)."""
-    from llmesh.redis_server import EmbeddedRedisError, redacted
+    from llmesh.redis_server import EmbeddedRedisError, redacted, up_state_default
     from llmesh.settings import DEFAULT_PORTS, CliSettings, load_or_exit
     from llmesh.supervisor import LogEcho, Supervision
     from llmesh.supervisor import Mesh as Processes
@@ -47,6 +47,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     # The mesh's credential, new for each start: the internal services answer only the processes
     # started here (any other local process reaches their ports, but not their methods).
     os.environ.setdefault("LLMESH_MESH_TOKEN", secrets.token_urlsafe(32))
+    # The gateway's durable state (batch jobs, stored responses) in the embedded state Redis,
+    # unless one is named; the admission window stays per process (see llmesh/redis_server.py).
+    os.environ.update(up_state_default(os.environ))
     supervision = Supervision.from_settings(load_or_exit(CliSettings))
     procs = Processes(ports=DEFAULT_PORTS, echo_logs=not args.quiet, supervision=supervision)
     say = (procs.echo or LogEcho(os.environ.get("LLMESH_LOG_FORMAT", "auto"))).say
@@ -73,6 +76,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         gateway=procs.target("gateway"),
         openai_api=openai_api,
         redis=redacted(procs.redis.url) if procs.redis else "LLMESH_REDIS_URL",
+        state_redis=redacted(procs.redis_state.url) if procs.redis_state else "LLMESH_STATE_REDIS_URL",
         metrics=f"{supervision.metrics_host}:{procs.metrics.port}" if procs.metrics else "off",
     )
     if procs.models:

@@ -11,9 +11,17 @@ opposite memory policies:
   under `$LLMESH_DATA_DIR/redis`; capped at LLMESH_EMBEDDED_REDIS_MAXMEMORY, past which it evicts
   the least recently used cached answers (keys with a TTL: the answers; their index sets are
   written on every store, so they stay recent).
-- `state` (LLMESH_ADMISSION_REDIS_URL=embedded): the gateways' shared admission window and
-  per-key limits, on LLMESH_EMBEDDED_REDIS_STATE_PORT, under `$LLMESH_DATA_DIR/redis-state`;
-  never evicts (noeviction): a cache filling up cannot push out a window.
+- `state` (LLMESH_STATE_REDIS_URL=embedded, what `llmesh up` uses unless a state Redis is named;
+  or LLMESH_ADMISSION_REDIS_URL=embedded): the gateways' durable state (batch jobs, their files
+  and results, stored responses) and, when asked for, their shared admission window and per-key
+  limits, on LLMESH_EMBEDDED_REDIS_STATE_PORT, under `$LLMESH_DATA_DIR/redis-state`; never
+  evicts (noeviction): a cache filling up cannot push out a job.
+
+The two uses of the state server are separate settings because a shared window costs a single
+gateway something: each admission is then a Redis round trip (a Lua script) and the key limits
+sync every LLMESH_KEY_LIMIT_SYNC_SECONDS, where the per-process window decides in memory. So
+`llmesh up` gives the gateway the state server for what must outlive a process, and leaves the
+window per process unless LLMESH_ADMISSION_REDIS_URL asks for it.
 
 Each starts with a password generated on its first start and kept in `<its folder>/password`
 (the folder 0700, the file 0600: readable by its owner only), given to the server in a config
@@ -49,12 +57,13 @@ from llmesh.settings import (
     redact_url,
 )
 
-#: LLMESH_ADMISSION_REDIS_URL value that points the gateway's shared window at the embedded server.
+#: LLMESH_STATE_REDIS_URL / LLMESH_ADMISSION_REDIS_URL value naming the embedded state server.
 EMBEDDED = "embedded"
 CACHE, STATE = "cache", "state"
 FOLDERS = {CACHE: "redis", STATE: "redis-state"}
 PORT_SETTING = {CACHE: "LLMESH_EMBEDDED_REDIS_PORT", STATE: "LLMESH_EMBEDDED_REDIS_STATE_PORT"}
-URL_SETTING = {CACHE: "LLMESH_REDIS_URL", STATE: "LLMESH_ADMISSION_REDIS_URL"}
+URL_SETTING = {CACHE: "LLMESH_REDIS_URL", STATE: "LLMESH_STATE_REDIS_URL"}
+STATE_URL, ADMISSION_URL = "LLMESH_STATE_REDIS_URL", "LLMESH_ADMISSION_REDIS_URL"
 PASSWORD_FILE = "password"
 CONFIG_FILE = "valkey.conf"
 # A snapshot when at least one key changed in 60 s, and on shutdown; between snapshots the
@@ -112,11 +121,26 @@ def embedded_url(settings: RedisUsers, role: str = CACHE) -> str:
 
 def resolve_url(configured: str, settings: RedisUsers) -> str:
     """The Redis URL a service dials: the configured one, or an embedded server's when the
-    setting is empty (LLMESH_REDIS_URL: the cache role) or `embedded` (LLMESH_ADMISSION_REDIS_URL:
-    the state role)."""
+    setting is empty (LLMESH_REDIS_URL: the cache role) or `embedded` (LLMESH_STATE_REDIS_URL,
+    LLMESH_ADMISSION_REDIS_URL: the state role)."""
     if configured == EMBEDDED:
         return embedded_url(settings, STATE)
     return embedded_url(settings, CACHE) if configured == "" else configured
+
+
+def state_url(settings: GatewayServiceSettings | CliSettings) -> str:
+    """The URL of the gateway's durable state (batch jobs, stored responses) as configured:
+    LLMESH_STATE_REDIS_URL, else the shared admission Redis; "" for none."""
+    return settings.batch.state_redis_url or settings.admission.redis_url
+
+
+def up_state_default(env: Mapping[str, str]) -> dict[str, str]:
+    """What `llmesh up` adds to its environment so that its gateway has a state Redis: the
+    embedded one, unless a state Redis is named (LLMESH_STATE_REDIS_URL set, even empty, which
+    turns it off; or LLMESH_ADMISSION_REDIS_URL, which the state then follows)."""
+    if STATE_URL in env or env.get(ADMISSION_URL):
+        return {}
+    return {STATE_URL: EMBEDDED}
 
 
 def wanted_roles(env: Mapping[str, str], services: tuple[str, ...]) -> tuple[str, ...]:
@@ -124,7 +148,8 @@ def wanted_roles(env: Mapping[str, str], services: tuple[str, ...]) -> tuple[str
     roles: list[str] = []
     if ("cache" in services or "retrieval" in services) and not env.get("LLMESH_REDIS_URL"):
         roles.append(CACHE)
-    if "gateway" in services and env.get("LLMESH_ADMISSION_REDIS_URL") == EMBEDDED:
+    state = env.get(STATE_URL) or env.get(ADMISSION_URL)
+    if "gateway" in services and EMBEDDED in (state, env.get(ADMISSION_URL)):
         roles.append(STATE)
     return tuple(roles)
 

@@ -676,8 +676,8 @@ class HttpSettings(Section):
     responses_ttl_seconds: int = setting(
         "LLMESH_RESPONSES_TTL_SECONDS",
         "86400",
-        "Lifetime of a stored /v1/responses answer (`store`, the default), kept per tenant in the shared Redis of"
-        " LLMESH_ADMISSION_REDIS_URL (without one: in this gateway's memory, at most 64 MiB): what"
+        "Lifetime of a stored /v1/responses answer (`store`, the default), kept per tenant in the gateways' state"
+        " Redis (LLMESH_STATE_REDIS_URL; without one: in this gateway's memory, at most 64 MiB): what"
         " `previous_response_id`, GET and DELETE /v1/responses/{id} find.",
         parse_positive_int,
     )
@@ -731,7 +731,19 @@ class RequestLimitSettings(Section):
 
 
 class BatchSettings(Section):
-    """The Batch API: jobs, files and results in the state Redis (LLMESH_ADMISSION_REDIS_URL)."""
+    """The Batch API, and the state Redis it keeps its jobs, files and results in (stored
+    Responses-API answers too)."""
+
+    state_redis_url: str = setting(
+        "LLMESH_STATE_REDIS_URL",
+        "",
+        "Redis for the gateways' durable state: batch jobs, their files and results, stored /v1/responses answers "
+        "(redis:// or rediss://; it must not evict: `maxmemory-policy noeviction`). `embedded`: the embedded state "
+        "Redis on LLMESH_EMBEDDED_REDIS_STATE_PORT, which `llmesh up` runs and uses when neither this nor "
+        "LLMESH_ADMISSION_REDIS_URL is set. Empty: the Redis of LLMESH_ADMISSION_REDIS_URL where that is set, else "
+        "none (the Batch API answers UNAVAILABLE, stored responses stay in the gateway's memory).",
+        secret=True,
+    )
 
     max_file_bytes: int = setting(
         "LLMESH_BATCH_MAX_FILE_BYTES",
@@ -802,8 +814,9 @@ class AdmissionSettings(Section):
     redis_url: str = setting(
         "LLMESH_ADMISSION_REDIS_URL",
         "",
-        "Redis shared by all gateway replicas for one cluster-wide budget (empty: per-process window; `embedded`: the"
-        " embedded Redis).",
+        "Redis shared by all gateway replicas for one cluster-wide budget and the per-key limits (empty: per-process"
+        " window; `embedded`: the embedded state Redis). Also the gateways' durable state where LLMESH_STATE_REDIS_URL"
+        " is empty.",
         secret=True,
     )
     adaptive: bool = setting(
@@ -1218,9 +1231,9 @@ class EmbeddedRedisSettings(Section):
     state_port: int = setting(
         "LLMESH_EMBEDDED_REDIS_STATE_PORT",
         "6381",
-        "Loopback port of the embedded Redis for the gateways' shared admission window and key limits "
-        "(LLMESH_ADMISSION_REDIS_URL=embedded): its own server, which never evicts, under "
-        "$LLMESH_DATA_DIR/redis-state.",
+        "Loopback port of the embedded state Redis: the gateways' durable state (LLMESH_STATE_REDIS_URL=embedded, "
+        "what `llmesh up` uses by default) and, with LLMESH_ADMISSION_REDIS_URL=embedded, their shared admission "
+        "window and key limits. Its own server, append-only and never evicting, under $LLMESH_DATA_DIR/redis-state.",
         parse_positive_int,
     )
 

@@ -359,7 +359,8 @@ class Mesh:
         self.procs: dict[str, ServiceProcess] = {}
         #: The embedded Redis, when LLMESH_REDIS_URL is unset (started first, stopped last).
         self.redis: redis_server.EmbeddedRedis | None = None
-        #: The embedded Redis of the gateways' shared state, when LLMESH_ADMISSION_REDIS_URL=embedded.
+        #: The embedded state Redis of the gateways (batch jobs, stored responses; the shared window
+        #: too with LLMESH_ADMISSION_REDIS_URL=embedded), when LLMESH_STATE_REDIS_URL=embedded.
         self.redis_state: redis_server.EmbeddedRedis | None = None
         #: LLMESH_MODELS: one inference service per model (process `inference/NAME`) instead of one.
         try:

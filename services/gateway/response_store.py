@@ -2,8 +2,8 @@
 continues from and what GET and DELETE /v1/responses/{id} find.
 
 Each record is kept per tenant, with a fixed lifetime, in the gateway replicas' shared state Redis
-(LLMESH_ADMISSION_REDIS_URL, the one the admission window and the key limits use), so that any
-replica finds what another stored. Without that Redis the records live in this process, bounded
+(LLMESH_STATE_REDIS_URL, else LLMESH_ADMISSION_REDIS_URL; the one batch jobs are kept in), so
+that any replica finds what another stored. Without that Redis the records live in this process, bounded
 in bytes (the oldest go first). A tenant's key never reads another tenant's record: the tenant is
 part of the key, and a record of another tenant is "not found", never "forbidden".
 

@@ -267,10 +267,10 @@ class GatewayApp:
         self.call_refused = self.admit_call.refused
         # The Batch API: jobs in the state Redis (a longer timeout than the window's: files are
         # large), their lines run here and on every other replica (services/gateway/batches/).
+        # Its own setting: a durable store does not turn on the shared admission window.
+        state_url = redis_server.state_url(s)
         self.batch_redis = (
-            connect_redis(redis_server.resolve_url(s.admission.redis_url, s), socket_timeout=10.0)
-            if s.admission.redis_url
-            else None
+            connect_redis(redis_server.resolve_url(state_url, s), socket_timeout=10.0) if state_url else None
         )
         store = BatchStore(self.batch_redis) if self.batch_redis is not None else None
         self.batch_lines = LineEndpoints(self.gateway, s.requests.default_deadline_seconds)
@@ -292,11 +292,11 @@ class GatewayApp:
             self.batches.on_created.append(self.batch_runner.wake)
         self.batches_servicer = BatchesServicer(self.batches, self.api_keys)
         # The OpenAI-compatible HTTP API: another adapter over the same Gateway.
-        # Stored Responses-API answers: in the replicas' shared state Redis where there is one.
+        # Stored Responses-API answers: in the replicas' state Redis where there is one.
         ttl = s.http.responses_ttl_seconds
         self.responses: ResponseStore = (
-            RedisResponses(connect_redis(redis_server.resolve_url(shared_url, s)), ttl)
-            if shared_url
+            RedisResponses(connect_redis(redis_server.resolve_url(state_url, s)), ttl)
+            if state_url
             else MemoryResponses(ttl)
         )
         self.http = http_api(

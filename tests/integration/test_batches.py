@@ -60,8 +60,8 @@ async def backends(
                     "LLMESH_CACHE_TARGET": f"127.0.0.1:{cache.port}",
                     "LLMESH_RETRIEVAL_TARGET": f"127.0.0.1:{rag.port}",
                     "LLMESH_API_KEYS": f"{KEY}=*;{ACME_KEY}=acme",
-                    # The jobs' store: the state Redis the admission window shares.
-                    "LLMESH_ADMISSION_REDIS_URL": module_redis_url,
+                    # The jobs' store (the admission window stays per process, as on `llmesh up`).
+                    "LLMESH_STATE_REDIS_URL": module_redis_url,
                 }
     finally:
         client = redis.Redis.from_url(module_redis_url)
@@ -200,7 +200,7 @@ async def test_malformed_lines_go_to_the_error_file_and_the_others_complete(gate
 def own_store(backends: dict[str, str], redis_url: str, **settings: str) -> dict[str, str]:
     """A gateway's settings with a state Redis of the test's own: the module's gateway, which works
     on every job of its store as any replica does, takes no part."""
-    return {**backends, "LLMESH_ADMISSION_REDIS_URL": redis_url, **settings}
+    return {**backends, "LLMESH_STATE_REDIS_URL": redis_url, **settings}
 
 
 async def test_cancel_stops_the_remaining_lines(backends: dict[str, str], redis_url: str) -> None:
@@ -313,6 +313,16 @@ async def test_limits_and_bad_requests_answer_in_openais_error_shape(backends: d
         assert deleted.deleted
         with pytest.raises(openai.NotFoundError):
             await client.files.retrieve(uploaded.id)
+
+
+async def test_without_a_state_redis_the_batch_api_answers_503_naming_the_setting(
+    backends: dict[str, str],
+) -> None:
+    env = {k: v for k, v in backends.items() if k != "LLMESH_STATE_REDIS_URL"}
+    async with hosted("gateway", GatewayApp, env) as gw, client_of(gw) as client:
+        with pytest.raises(openai.InternalServerError, match="LLMESH_STATE_REDIS_URL") as refused:
+            await client.files.create(file=("x.jsonl", io.BytesIO(jsonl([chat_line("a", "hi")]))), purpose="batch")
+        assert refused.value.status_code == 503
 
 
 async def test_the_same_calls_on_grpc(gateway: ServiceHost) -> None:

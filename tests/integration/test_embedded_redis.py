@@ -149,6 +149,18 @@ def test_which_redis_each_part_uses(tmp_path: Path) -> None:
     )
     assert not redis_server.wanted({}, ("tokenizer", "inference"))
     assert redis_server.wanted({}, ("tokenizer", "retrieval"))  # retrieval keeps collection versions there
+    # The gateway's durable state: its own setting, the admission Redis where it is empty.
+    assert redis_server.wanted_roles({"LLMESH_STATE_REDIS_URL": "embedded"}, ("gateway",)) == ("state",)
+    assert redis_server.wanted_roles({"LLMESH_STATE_REDIS_URL": "redis://r:6379/1"}, ("gateway",)) == ()
+    assert redis_server.state_url(gateway) == ""
+    assert redis_server.state_url(load("gateway", {"LLMESH_ADMISSION_REDIS_URL": "embedded"})) == "embedded"
+    both = {"LLMESH_ADMISSION_REDIS_URL": "redis://a:6379/1", "LLMESH_STATE_REDIS_URL": "redis://s:6379/2"}
+    assert redis_server.state_url(load("gateway", both)) == "redis://s:6379/2"
+    # `llmesh up` runs the embedded state server unless a state Redis is named (empty: none).
+    assert redis_server.up_state_default({}) == {"LLMESH_STATE_REDIS_URL": "embedded"}
+    assert redis_server.up_state_default({"LLMESH_ADMISSION_REDIS_URL": ""}) == {"LLMESH_STATE_REDIS_URL": "embedded"}
+    assert redis_server.up_state_default({"LLMESH_ADMISSION_REDIS_URL": "redis://a:6379/1"}) == {}
+    assert redis_server.up_state_default({"LLMESH_STATE_REDIS_URL": ""}) == {}
 
 
 async def test_gateway_shared_window_finds_the_embedded_server(tmp_path: Path) -> None:
@@ -175,3 +187,32 @@ async def test_gateway_shared_window_finds_the_embedded_server(tmp_path: Path) -
         await app.window.redis.aclose()
         assert app.limiter.redis is not None
         await app.limiter.redis.aclose()
+
+
+async def test_gateway_state_in_the_embedded_server_leaves_admission_per_process(tmp_path: Path) -> None:
+    """What `llmesh up` gives the gateway: the state server for batch jobs and stored responses,
+    while the admission window and key limits stay in the process (no Redis round trip to admit)."""
+    from services.gateway.admission import WeightWindow
+    from services.gateway.response_store import RedisResponses
+    from services.gateway.servicer import GatewayApp
+
+    port = free_port()
+    settings = load(
+        "gateway",
+        {
+            "LLMESH_STATE_REDIS_URL": "embedded",
+            "LLMESH_EMBEDDED_REDIS_STATE_PORT": str(port),
+            "LLMESH_DATA_DIR": str(tmp_path),
+            "LLMESH_LISTEN": "127.0.0.1:0",
+        },
+    )
+    with EmbeddedRedis(port, tmp_path / "redis-state", role=redis_server.STATE) as server:
+        app = GatewayApp(settings)
+        assert type(app.window) is WeightWindow and app.limiter.redis is None
+        assert app.batch_runner is not None and isinstance(app.responses, RedisResponses)
+        assert app.batch_redis is not None
+        await app.batch_redis.set("probe", "1")
+        with redis.Redis.from_url(server.url) as client:
+            assert client.get("probe") == b"1"
+        await app.batch_redis.aclose()
+        await app.responses.redis.aclose()

@@ -176,6 +176,7 @@ def test_every_setting_that_holds_a_key_password_or_url_is_secret() -> None:
         "LLMESH_BACKEND_API_KEY",
         "LLMESH_BACKEND_URLS",
         "LLMESH_REDIS_URL",
+        "LLMESH_STATE_REDIS_URL",
         "LLMESH_MESH_TOKEN",
         "QDRANT_URL",
         "QDRANT_API_KEY",

@@ -67,8 +67,8 @@ class BatchService:
     def store(self) -> BatchStore:
         if self._store is None:
             raise Unavailable(
-                "the Batch API keeps its jobs in the state Redis: set LLMESH_ADMISSION_REDIS_URL "
-                "(`embedded` for the embedded one)",
+                "the Batch API keeps its jobs in the state Redis, and this gateway has none: set "
+                "LLMESH_STATE_REDIS_URL (`embedded` for the one `llmesh up` runs, its default)",
                 reason="BATCH_STORE_MISSING",
             )
         return self._store
