@@ -345,12 +345,17 @@ class ReplicaRouter:
         raise PeerCallError(Unavailable(f"inference/{self.label}: no replica is known"))
 
     async def generate(
-        self, request: inference_pb2.InferenceRequest, deadline: Deadline, breaker: CircuitBreaker
+        self,
+        request: inference_pb2.InferenceRequest,
+        deadline: Deadline,
+        breaker: CircuitBreaker,
+        patient: bool = False,
     ) -> AsyncIterator[inference_pb2.InferenceResponse]:
         """Generate on the replica the set picks; a failure, refusal or timeout before the first
         token is tried once more on another replica (within the deadline and the retry budget);
         after the first token, never. `breaker`: the model's own, told how the model as a whole
-        answered (the replicas' failures are the set's business)."""
+        answered (the replicas' failures are the set's business); a `patient` call's wait for its
+        first token is not judged (see upstream.call_stream)."""
         deadline.check(f"inference/{self.label}")
         permit = breaker.acquire()
         loop = asyncio.get_running_loop()
@@ -374,12 +379,12 @@ class ReplicaRouter:
                 try:
                     async for message in self._attempt(choice.replica, request, deadline, attempt, flight):
                         if ttft is None:
-                            ttft = loop.time() - started
+                            ttft = 0.0 if patient else loop.time() - started
                             if permit.trial:
                                 permit.success(ttft)
                         yield message
                     verdict = False
-                    permit.success(ttft if ttft is not None else loop.time() - started)
+                    permit.success(ttft if ttft is not None else 0.0 if patient else loop.time() - started)
                     return
                 except _Retry as retry:
                     verdict = retry.failed

@@ -14,6 +14,7 @@ sees it.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -153,14 +154,20 @@ def judge(permit: Permit, name: str, err: grpc.aio.AioRpcError, caller_bound: bo
     return error
 
 
-async def call_stream(breaker: CircuitBreaker, start: Callable[[float], Any], deadline: Deadline) -> AsyncIterator[Any]:
+async def call_stream(
+    breaker: CircuitBreaker, start: Callable[[float], Any], deadline: Deadline, patient: bool = False
+) -> AsyncIterator[Any]:
     """A server stream with the caller's deadline. The breaker judges the hop by its time to first
     message and the longest stall between messages, not by the stream's length: a wait past
     `slow_call_duration` is reported slow at once (while the call goes on), so a frozen service is
-    cut off after the breaker's minimum calls; a half-open trial is decided by its first message."""
+    cut off after the breaker's minimum calls; a half-open trial is decided by its first message.
+
+    `patient`: a call that is meant to wait (batch work, queued behind interactive requests and
+    preempted by them) is judged by its errors alone: its waits say nothing of the service's health,
+    and counting them would open the breaker on the interactive traffic the waiting protects."""
     remaining = deadline.check(breaker.name)
     permit = breaker.acquire()
-    slow_after = breaker.config.slow_call_duration
+    slow_after = math.inf if patient else breaker.config.slow_call_duration
     loop = asyncio.get_running_loop()
     call = start(remaining)
     last = loop.time()
@@ -178,14 +185,15 @@ async def call_stream(breaker: CircuitBreaker, start: Callable[[float], Any], de
             timer = None  # the next message watches again
             permit.success(quiet)
 
-    timer = loop.call_at(last + slow_after, watch)
+    timer = None if patient else loop.call_at(last + slow_after, watch)
     try:
         async for message in call:
             now = loop.time()
-            worst = max(worst, now - last)
+            if not patient:
+                worst = max(worst, now - last)
+                if timer is None:
+                    timer = loop.call_at(now + slow_after, watch)
             last = now
-            if timer is None:
-                timer = loop.call_at(now + slow_after, watch)
             if permit.trial:
                 permit.success(worst)
             yield message
@@ -264,9 +272,11 @@ class Upstream:
         caller's whole deadline)."""
         return call_unary(self.breaker(method), call, deadline, budget)
 
-    def stream(self, start: Callable[[float], Any], deadline: Deadline, method: str = "") -> AsyncIterator[Any]:
+    def stream(
+        self, start: Callable[[float], Any], deadline: Deadline, method: str = "", patient: bool = False
+    ) -> AsyncIterator[Any]:
         """A server stream through the breaker (see `call_stream`)."""
-        return call_stream(self.breaker(method), start, deadline)
+        return call_stream(self.breaker(method), start, deadline, patient)
 
     async def serving(self) -> bool | None:
         """The probe's question: does the downstream answer its health check now? True (SERVING),
@@ -568,11 +578,12 @@ class InferenceUpstream(Upstream):
     def generate(
         self, request: inference_pb2.InferenceRequest, deadline: Deadline
     ) -> AsyncIterator[inference_pb2.InferenceResponse]:
+        patient = request.priority > 0  # batch work waits behind interactive work by design
         if self.router is not None:  # over the model's replicas, one retry before the first token
-            return self.router.generate(request, deadline, self.breaker())
+            return self.router.generate(request, deadline, self.breaker(), patient)
         generator = self.generator
         assert generator is not None
-        return self.stream(lambda timeout: generator.generate(request, timeout), deadline)
+        return self.stream(lambda timeout: generator.generate(request, timeout), deadline, patient=patient)
 
     async def watch_load(self) -> AsyncIterator[inference_pb2.LoadReport]:
         """The model's inference load reports, for as long as the stream lasts: no

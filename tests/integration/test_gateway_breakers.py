@@ -115,3 +115,28 @@ async def test_a_stream_that_stalls_then_fails_counts_as_a_failure(monkeypatch: 
     finally:
         await peers.close()
         await server.stop(None)
+
+
+class Queued(Fake):
+    """Answers after a wait longer than the breaker's slow-call duration, as a batch line queued
+    behind interactive work does."""
+
+    async def Generate(self, request, context):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.4)  # simulated work: the engine's queue ahead of this request
+        yield inference_pb2.InferenceResponse(token_ids=[1], text="a")
+
+
+@pytest.mark.parametrize(("priority", "slow"), [(1, 0), (0, 1)])
+async def test_batch_work_waiting_is_never_a_slow_call(priority: int, slow: int) -> None:
+    """Batch lines wait behind interactive work (queued, preempted) by design: their waits must not
+    open the breaker interactive traffic relies on. The same wait on an interactive call is slow."""
+    config = BreakerConfig(slow_call_duration=0.2, consecutive_failures=0, minimum_calls=5)
+    peers, server = await peers_on(Queued(), config)
+    try:
+        sampling = common_pb2.SamplingParams()
+        await drain(peers.generate([1, 2], sampling, "r", Deadline.after(10), priority=priority))
+        breaker = peers.breakers["inference"]
+        assert breaker.metrics().calls == 1 and breaker.metrics().slow == slow
+    finally:
+        await peers.close()
+        await server.stop(None)
