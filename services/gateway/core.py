@@ -7,7 +7,6 @@ module runs one path per attempt (an alias tries its models in order) and record
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -317,8 +316,9 @@ class Gateway:
         # An alias tries its models in order (model_fallback).
         chain = self.aliases.get(request.model)
         if chain is None:
-            attempts.append(RequestState(validate(request, self.config)))
-            async for event in self._attempt(attempts[-1], deadline):
+            path = RequestPath(self, validate(request, self.config), deadline)
+            attempts.append(path.state)
+            async for event in self._attempt(path):
                 yield event
             return
         for i, name in enumerate(chain):
@@ -326,13 +326,11 @@ class Gateway:
             if not last and self.peers.model(name).state() is State.OPEN:
                 log.info("alias %s: %s unavailable (breaker open), trying the next model", request.model, name)
                 continue
-            state = RequestState(dataclasses.replace(validate(request, self.config), model=name))
-            attempts.append(state)
-            if name != chain[0]:
-                state.degrade("model_fallback")
+            path = RequestPath(self, validate(request, self.config).for_model(name), deadline, None, name != chain[0])
+            attempts.append(path.state)
             answered = False
             try:
-                async for event in self._attempt(state, deadline):
+                async for event in self._attempt(path):
                     answered = True
                     yield event
                 return
@@ -341,10 +339,10 @@ class Gateway:
                     raise
                 log.info("alias %s: %s could not answer (%s), trying the next model", request.model, name, exc)
 
-    async def _attempt(self, state: RequestState, deadline: Deadline) -> AsyncIterator[Delta | Final]:
-        started = time.perf_counter()
+    async def _attempt(self, path: RequestPath) -> AsyncIterator[Delta | Final]:
+        started, state = time.perf_counter(), path.state
         try:
-            async for event in RequestPath(self, state, deadline).run():
+            async for event in path.run():
                 yield event
         except ResourceExhausted as exc:
             # A shed caller sees where the time went before the refusal, as a served one does.

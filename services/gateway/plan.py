@@ -130,6 +130,10 @@ class Plan:
         sampling.max_new_tokens = max_new_tokens
         return dataclasses.replace(self, sampling=sampling)
 
+    def for_model(self, model: str) -> Plan:
+        """The plan for one model of an alias (each tries the same ask on its own model)."""
+        return dataclasses.replace(self, model=model)
+
     def without_retrieval(self) -> Plan:
         return self if not self.use_retrieval else dataclasses.replace(self, use_retrieval=False)
 
