@@ -394,7 +394,7 @@ class RequestPath:
             raise InvalidArgument(
                 [
                     (
-                        "messages" if self.plan.turns else "prompt",
+                        "messages" if self.plan.turns_wire else "prompt",
                         f"{self.state.input_tokens} tokens rendered; the limit is {limit}",
                     )
                 ]
