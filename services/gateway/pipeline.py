@@ -8,8 +8,8 @@ record, `RequestState`: what the stages found, hop timings, degradations, the ad
 ticket, the tokens spent. The asked plan is never replaced: a narrowing (context given up,
 max_new_tokens capped) is recorded in the state and the plan followed is derived from both. Every
 optional hop degrades instead of failing: no cache when the cache is down, no context when
-retrieval is down, and the response lists what was left out. Every refusal is recorded by the one
-`_shed`.
+retrieval is down, and the response lists what was left out. Every admission decision, and the
+record of every refusal, is the request's `RequestAdmission`'s.
 """
 
 from __future__ import annotations
@@ -31,7 +31,16 @@ from llmesh.errors import InvalidArgument, ResourceExhausted
 from llmesh.telemetry import current_trace_id
 from llmesh.v1 import cache_pb2, common_pb2, gateway_pb2, inference_pb2, retrieval_pb2
 from services.gateway import metrics
-from services.gateway.admission import BATCH, REASON_DEADLINE, Admission, Ask, Hold, RequestTooHeavy, Ticket
+from services.gateway.admission import (
+    BATCH,
+    REASON_DEADLINE,
+    Admission,
+    AdmissionController,
+    Ask,
+    Hold,
+    RequestTooHeavy,
+    Ticket,
+)
 from services.gateway.deadline import CallerDeadline, Deadline
 from services.gateway.hop_errors import BREAKER_FAILURE_CODES, DOWNSTREAM_ERRORS, PeerCallError
 from services.gateway.plan import (
@@ -235,6 +244,94 @@ def _consume(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
+class RequestAdmission:
+    """Every admission decision of one request, in one place: the predicted weight reserved before
+    the expensive hops (`reserve`, asked again after a cache miss), the exact weight admitted
+    (`admit`), and the one record of each refusal (`shed`: metric, span, retry advice). It is given
+    its collaborators, not the gateway: the admission controller that judges, the request's
+    record (where the hold and the ticket live), its deadline and its span."""
+
+    def __init__(
+        self, controller: AdmissionController, state: RequestState, deadline: Deadline, span: trace.Span
+    ) -> None:
+        self.controller = controller
+        self.state = state
+        self.deadline = deadline
+        self.span = span
+
+    def ask(self, plan: Plan) -> Ask:
+        # n answers weigh n times one: n x max_new_tokens tokens to generate over the prompt.
+        state = self.state
+        return Ask(plan.tenant, plan.lane, state.model, state.route_name, plan.sampling.max_new_tokens * plan.n)
+
+    def reserve(
+        self, plan: Plan, predictor: InputTokenPredictor, waiting_for_cache: bool = False
+    ) -> ResourceExhausted | None:
+        """None when the request may go on to its hops (it may then hold its prediction until its
+        exact weight is admitted); else the refusal, for the caller to `shed` (or to let a cache
+        hit make moot). Decided by `AdmissionController.reserve`: the engines' reported load, or
+        the fallback."""
+        state = self.state
+        predicted = predictor.predict(plan) + plan.grammar_tokens()
+        if state.hold is not None:
+            state.hold.release()
+            state.hold = None
+        hold, refusal = self.controller.reserve(
+            self.ask(plan), predicted, self.deadline.remaining(), waiting_for_cache=waiting_for_cache
+        )
+        state.hold = hold
+        if refusal is not None:
+            self.span.set_attribute("llmesh.admission.predicted_input_tokens", predicted)
+        return refusal
+
+    async def admit(self, plan: Plan, input_tokens: int) -> Admission:
+        """The exact weight admitted (replacing the hold), its ticket kept in the state; a
+        request too heavy ever to fit is InvalidArgument, any other refusal shed."""
+        state, span = self.state, self.span
+        capacity = self.controller.capacity(state.model)
+        try:
+            admission: Admission = await self.controller.admit(
+                self.ask(plan), input_tokens + plan.grammar_tokens(), state.hold, self.deadline.remaining()
+            )
+        except RequestTooHeavy as exc:
+            self.shed(plan, exc, "refused_too_heavy")
+            raise InvalidArgument(
+                [
+                    (
+                        "sampling.max_new_tokens",
+                        f"{input_tokens} input tokens x {plan.sampling.max_new_tokens} new tokens"
+                        f"{f' x n={plan.n}' if plan.n > 1 else ''} exceeds the largest admissible "
+                        f"weight ({exc.metadata.get('max_weight', '?')})",
+                    )
+                ]
+            ) from exc
+        except ResourceExhausted as exc:
+            raise self.shed(plan, exc, "shed_deadline" if exc.reason == REASON_DEADLINE else "shed") from None
+        metrics.ADMISSION_WEIGHT.set(admission.occupancy)
+        metrics.ADMISSION_IN_FLIGHT_LIMIT.set(capacity.limit())
+        metrics.ADMISSION_IN_FLIGHT.set(capacity.in_flight)
+        metrics.ADMISSION_THROUGHPUT.set(capacity.throughput)
+        span.set_attribute("llmesh.admission.in_flight_limit", capacity.limit())
+        span.set_attribute("llmesh.admission.decision", "capped" if admission.degraded else "admitted")
+        span.set_attribute("llmesh.admission.weight", admission.weight)
+        span.set_attribute("llmesh.admission.occupancy", admission.occupancy)
+        span.set_attribute("llmesh.admission.budget", admission.budget)
+        state.ticket = admission.ticket
+        return admission
+
+    def shed(self, plan: Plan, exc: ResourceExhausted, decision: str) -> ResourceExhausted:
+        """The one record of a refusal (metric and span); returns it for the caller to raise,
+        with its retry advice spread when many callers are being refused (not for a request
+        too heavy ever to fit: no retry helps it)."""
+        if not isinstance(exc, RequestTooHeavy):
+            exc = self.controller.shed(self.ask(plan), exc)
+        metrics.SHED.labels(exc.reason).inc()
+        self.span.set_attribute("llmesh.admission.decision", decision)
+        self.span.set_attribute("llmesh.admission.reason", exc.reason)
+        self.span.set_attribute("llmesh.admission.retry_after_s", exc.retry_after)
+        return exc
+
+
 class RequestPath:
     """One request's way through the gateway (see the module); `run` yields its events."""
 
@@ -256,6 +353,7 @@ class RequestPath:
         self.deadline = deadline
         self.span = trace.get_current_span()
         self.state = RequestState(route=route)
+        self.admission = RequestAdmission(gateway.admission, self.state, deadline, self.span)
         if fallback:
             self.state.degrade("model_fallback")
 
@@ -305,11 +403,11 @@ class RequestPath:
 
     def _precheck(self) -> None:
         """Sheds before the expensive hops (retrieval search, tokenizer) when the request's
-        predicted weight does not fit or could not start or finish in time (see `_reserve`)."""
+        predicted weight does not fit or could not start or finish in time."""
         with self.state.timed("admission"):
-            refusal = self._reserve()
+            refusal = self.admission.reserve(self.plan, self._predictor())
             if refusal is not None:
-                raise self._shed(refusal, "shed_early")
+                raise self.admission.shed(self.plan, refusal, "shed_early")
 
     async def _scope(self) -> None:
         """The collection and version the answer will be grounded in, and the cache scope."""
@@ -327,9 +425,9 @@ class RequestPath:
         all while the cache is failing."""
         state, plan = self.state, self.plan
         with state.timed("admission"):
-            refusal = self._reserve(waiting_for_cache=True)
+            refusal = self.admission.reserve(plan, self._predictor(), waiting_for_cache=True)
         if refusal is not None and self.gateway.peers.cache.suspect():
-            raise self._shed(refusal, "shed_early")
+            raise self.admission.shed(plan, refusal, "shed_early")
         # A request the cache answered lately will almost surely be answered again (it costs
         # the model nothing): it waits longer, while the cache is answering (see `_lookup`).
         wait = SHED_RISK_LOOKUP_S if refusal is not None else None
@@ -387,9 +485,7 @@ class RequestPath:
                 self.state.prompt, self.state.input_tokens = await self._render(self.state.sources, tokenizer)
         if "tokenizer_estimate" not in state.degradations and not self.plan.raw:
             # Learned from templated prompts only: a raw one has no template's overhead.
-            (state.predictor or self.gateway.predictor).observe(
-                self.plan, self.state.input_tokens, context_bytes(self.state.sources)
-            )
+            self._predictor().observe(self.plan, self.state.input_tokens, context_bytes(self.state.sources))
         if self.state.input_tokens > limit:
             raise InvalidArgument(
                 [
@@ -403,37 +499,9 @@ class RequestPath:
     async def _admit(self) -> None:
         """The exact weight admitted (it replaces the prediction held since the precheck); a
         capped admission narrows the plan's max_new_tokens."""
-        state, plan, span = self.state, self.plan, self.span
-        capacity = self.gateway.admission.capacity(self.state.model)
+        plan, state = self.plan, self.state
         with state.timed("admission"):
-            try:
-                admission: Admission = await self.gateway.admission.admit(
-                    self._ask(), self.state.input_tokens + plan.grammar_tokens(), state.hold, self.deadline.remaining()
-                )
-            except RequestTooHeavy as exc:
-                self._shed(exc, "refused_too_heavy")
-                raise InvalidArgument(
-                    [
-                        (
-                            "sampling.max_new_tokens",
-                            f"{self.state.input_tokens} input tokens x {plan.sampling.max_new_tokens} new tokens"
-                            f"{f' x n={plan.n}' if plan.n > 1 else ''} exceeds the largest admissible "
-                            f"weight ({exc.metadata.get('max_weight', '?')})",
-                        )
-                    ]
-                ) from exc
-            except ResourceExhausted as exc:
-                raise self._shed(exc, "shed_deadline" if exc.reason == REASON_DEADLINE else "shed") from None
-            metrics.ADMISSION_WEIGHT.set(admission.occupancy)
-            metrics.ADMISSION_IN_FLIGHT_LIMIT.set(capacity.limit())
-            metrics.ADMISSION_IN_FLIGHT.set(capacity.in_flight)
-            metrics.ADMISSION_THROUGHPUT.set(capacity.throughput)
-            span.set_attribute("llmesh.admission.in_flight_limit", capacity.limit())
-            span.set_attribute("llmesh.admission.decision", "capped" if admission.degraded else "admitted")
-            span.set_attribute("llmesh.admission.weight", admission.weight)
-            span.set_attribute("llmesh.admission.occupancy", admission.occupancy)
-            span.set_attribute("llmesh.admission.budget", admission.budget)
-        state.ticket = admission.ticket
+            admission = await self.admission.admit(plan, state.input_tokens)
         if admission.degraded:
             if admission.max_new_tokens:
                 capped = admission.max_new_tokens // plan.n  # the cap is over all n answers
@@ -628,6 +696,10 @@ class RequestPath:
 
     # ------------------------------------------------------------------ what the stages call
 
+    def _predictor(self) -> InputTokenPredictor:
+        """The prompt-length predictor of the request's model (the gateway's until it is routed)."""
+        return self.state.predictor or self.gateway.predictor
+
     def _narrow(self, drop_retrieval: bool = False, max_new_tokens: int = 0) -> None:
         """Records a narrowing (the context given up, admission's cap) and derives the plan the
         path follows from the asked one and every narrowing recorded."""
@@ -651,42 +723,6 @@ class RequestPath:
         tokenizer = self.state.route.tokenizer if self.state.route is not None else ""
         template = self.gateway.templates.get(tokenizer) or self.gateway.local_templates.get(tokenizer)
         return template.tool_format if template is not None else "hermes"
-
-    def _shed(self, exc: ResourceExhausted, decision: str) -> ResourceExhausted:
-        """The one record of a refusal (metric and span); returns it for the caller to raise,
-        with its retry advice spread when many callers are being refused (not for a request
-        too heavy ever to fit: no retry helps it)."""
-        if not isinstance(exc, RequestTooHeavy):
-            exc = self.gateway.admission.shed(self._ask(), exc)
-        metrics.SHED.labels(exc.reason).inc()
-        self.span.set_attribute("llmesh.admission.decision", decision)
-        self.span.set_attribute("llmesh.admission.reason", exc.reason)
-        self.span.set_attribute("llmesh.admission.retry_after_s", exc.retry_after)
-        return exc
-
-    def _ask(self) -> Ask:
-        # n answers weigh n times one: n x max_new_tokens tokens to generate over the prompt.
-        plan = self.plan
-        return Ask(
-            plan.tenant, plan.lane, self.state.model, self.state.route_name, plan.sampling.max_new_tokens * plan.n
-        )
-
-    def _reserve(self, waiting_for_cache: bool = False) -> ResourceExhausted | None:
-        """The precheck without raising: None when the request may go on to its hops (it may then
-        hold its prediction until its exact weight is admitted); else the refusal. Decided by
-        `AdmissionController.reserve`: the engines' reported load, or the fallback."""
-        state = self.state
-        predicted = (state.predictor or self.gateway.predictor).predict(self.plan) + self.plan.grammar_tokens()
-        if state.hold is not None:
-            state.hold.release()
-            state.hold = None
-        hold, refusal = self.gateway.admission.reserve(
-            self._ask(), predicted, self.deadline.remaining(), waiting_for_cache=waiting_for_cache
-        )
-        state.hold = hold
-        if refusal is not None:
-            self.span.set_attribute("llmesh.admission.predicted_input_tokens", predicted)
-        return refusal
 
     async def _retrieval_scope(self) -> tuple[str, int]:
         """(collection, version) the answer will be grounded in, or ("", 0) without retrieval.
@@ -823,7 +859,7 @@ class RequestPath:
             log.warning("tokenizer unavailable, rendering and estimating tokens locally: %s", exc.message)
             state.degrade("tokenizer_estimate")
             text = self._render_locally(messages, tokenizer)
-            return text, (state.predictor or gateway.predictor).estimate(plan, context_bytes(sources), text)
+            return text, self._predictor().estimate(plan, context_bytes(sources), text)
         gateway.learn_template(tokenizer)
         self.state.tool_format = rendered.tool_format or "hermes"
         self.state.template_renders_tools = rendered.template_renders_tools
@@ -844,7 +880,7 @@ class RequestPath:
                 raise
             log.warning("tokenizer unavailable, estimating a raw prompt's tokens locally: %s", exc.message)
             state.degrade("tokenizer_estimate")
-            return text, (state.predictor or gateway.predictor).estimate(plan, context_bytes(sources), text)
+            return text, self._predictor().estimate(plan, context_bytes(sources), text)
         return list(encoded.ids), len(encoded.ids)
 
     def _render_locally(self, messages: list[common_pb2.ChatMessage], tokenizer: str) -> str:

@@ -77,6 +77,7 @@ def bare_gateway(peers: object) -> Gateway:
     gateway.templates, gateway.local_templates, gateway._learning = {}, {}, {}
     gateway._background = set()
     gateway.predictor = InputTokenPredictor()
+    gateway.admission = None  # type: ignore[assignment]  # the render stage alone never asks it
     return gateway
 
 
