@@ -7,7 +7,6 @@ module runs one path per attempt (an alias tries its models in order) and record
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -39,7 +38,7 @@ from services.gateway.plan import (
     one_turn_form,
     validate,
 )
-from services.gateway.request_gateway import ModelRoute
+from services.gateway.request_gateway import ModelChoice, ModelRoute
 from services.gateway.shape import cache_scope
 from services.gateway.usage import Metered, UsageMeter
 from services.gateway.versions import BACKGROUND_DEADLINE_S
@@ -51,6 +50,7 @@ __all__ = [
     "Gateway",
     "GatewayConfig",
     "InputTokenPredictor",
+    "ModelChoice",
     "ModelRoute",
     "build_messages",
     "model_key_of",
@@ -179,6 +179,14 @@ class Gateway:
             metadata={"model": model},
         )
 
+    async def resolve(self, model: str, deadline: Deadline) -> ModelChoice:
+        """The model a request names resolved once: an alias's routes in order, or the one
+        model's route (`route`: NotFound naming the models served)."""
+        chain = self.aliases.get(model)
+        if chain is not None:
+            return ModelChoice(model, tuple(self.routes[name] for name in chain), alias=True)
+        return ModelChoice(model, (await self.route(model, deadline),))
+
     async def served_models(self, deadline: Deadline) -> list[str]:
         """Names of the models this gateway answers with, the default first: the one list every
         API shows. The unnamed model of a one-model deployment shows the id its inference reports."""
@@ -254,10 +262,16 @@ class Gateway:
         )
 
     async def generate(
-        self, request: gateway_pb2.GenerateRequest, deadline: Deadline, caller: Caller | None = None
+        self,
+        request: gateway_pb2.GenerateRequest,
+        deadline: Deadline,
+        caller: Caller | None = None,
+        choice: ModelChoice | None = None,
     ) -> AsyncIterator[Delta | Final]:
         """Streams text deltas, then one Final with the whole response; records the outcome.
-        `caller`: the API key and tenant it comes from (its limits and usage; None: anonymous)."""
+        `caller`: the API key and tenant it comes from (its limits and usage; None: anonymous).
+        `choice`: the request's model as the caller resolved it already (`resolve`), else the
+        path resolves it."""
         started = time.perf_counter()
         tier = "none"
         outcome = "error"
@@ -275,7 +289,7 @@ class Gateway:
                     metadata={"model": requested},
                 )
             await self.usage.admit(caller)
-            async for event in self._generate(request, deadline, attempts):
+            async for event in self._generate(request, deadline, attempts, choice):
                 if isinstance(event, Final):
                     tier = (
                         "none"
@@ -311,28 +325,41 @@ class Gateway:
             self.usage.finish(caller, request.tenant or "default", label, outcome, tier, response, error, elapsed)
 
     async def _generate(
-        self, request: gateway_pb2.GenerateRequest, deadline: Deadline, attempts: list[RequestState] | None = None
+        self,
+        request: gateway_pb2.GenerateRequest,
+        deadline: Deadline,
+        attempts: list[RequestState] | None = None,
+        choice: ModelChoice | None = None,
     ) -> AsyncIterator[Delta | Final]:
         attempts = [] if attempts is None else attempts
-        # An alias tries its models in order (model_fallback).
-        chain = self.aliases.get(request.model)
-        if chain is None:
-            attempts.append(RequestState(validate(request, self.config)))
-            async for event in self._attempt(attempts[-1], deadline):
+        plan = validate(request, self.config)
+        if choice is None or choice.asked != request.model:  # not resolved by the caller
+            chain = self.aliases.get(request.model)
+            if chain is None:
+                # Resolved by the path itself, after the lane is checked.
+                path = RequestPath(self, plan, deadline)
+                attempts.append(path.state)
+                async for event in self._attempt(path):
+                    yield event
+                return
+            choice = ModelChoice(request.model, tuple(self.routes[name] for name in chain), alias=True)
+        if not choice.alias:
+            path = RequestPath(self, plan, deadline, choice.routes[0])
+            attempts.append(path.state)
+            async for event in self._attempt(path):
                 yield event
             return
-        for i, name in enumerate(chain):
-            last = i == len(chain) - 1
+        # An alias tries its models in order (model_fallback).
+        for i, route in enumerate(choice.routes):
+            name, last = route.name, i == len(choice.routes) - 1
             if not last and self.peers.model(name).state() is State.OPEN:
                 log.info("alias %s: %s unavailable (breaker open), trying the next model", request.model, name)
                 continue
-            state = RequestState(dataclasses.replace(validate(request, self.config), model=name))
-            attempts.append(state)
-            if name != chain[0]:
-                state.degrade("model_fallback")
+            path = RequestPath(self, plan.for_model(name), deadline, route, fallback=i > 0)
+            attempts.append(path.state)
             answered = False
             try:
-                async for event in self._attempt(state, deadline):
+                async for event in self._attempt(path):
                     answered = True
                     yield event
                 return
@@ -341,10 +368,10 @@ class Gateway:
                     raise
                 log.info("alias %s: %s could not answer (%s), trying the next model", request.model, name, exc)
 
-    async def _attempt(self, state: RequestState, deadline: Deadline) -> AsyncIterator[Delta | Final]:
-        started = time.perf_counter()
+    async def _attempt(self, path: RequestPath) -> AsyncIterator[Delta | Final]:
+        started, state = time.perf_counter(), path.state
         try:
-            async for event in RequestPath(self, state, deadline).run():
+            async for event in path.run():
                 yield event
         except ResourceExhausted as exc:
             # A shed caller sees where the time went before the refusal, as a served one does.

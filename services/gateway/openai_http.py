@@ -44,7 +44,7 @@ from llmesh.tool_calls import CallDelta
 from llmesh.v1 import common_pb2, gateway_pb2
 from services.gateway import metrics
 from services.gateway.auth import ApiKeys, Caller, KeyRing
-from services.gateway.core import Delta, Final, Gateway, server_timing
+from services.gateway.core import Delta, Final, Gateway, ModelChoice, server_timing
 from services.gateway.deadline import Deadline
 from services.gateway.embeddings import same_model
 from services.gateway.intake import KeyGate
@@ -411,13 +411,18 @@ class OpenAiApi:
             await self.check_model(model, deadline)
         return Response(_json(model_card(model)), 200, media_type="application/json")
 
-    async def check_model(self, model: str, deadline: Deadline) -> None:
+    async def check_model(self, model: str, deadline: Deadline) -> ModelChoice:
+        """The model a request names, resolved once: the request goes on with this resolution
+        (`Gateway.generate`'s `choice`), never resolved again. A model not served (or none
+        named) is NotFound, naming the models that are."""
+        if model:
+            with contextlib.suppress(NotFound):
+                return await self.gateway.resolve(model, deadline)
         served = await self.gateway.served_models(deadline)
-        if model not in served:
-            raise NotFound(
-                f"The model {model!r} does not exist; this gateway serves {', '.join(served)}",
-                reason="MODEL_NOT_FOUND",
-            )
+        raise NotFound(
+            f"The model {model!r} does not exist; this gateway serves {', '.join(served)}",
+            reason="MODEL_NOT_FOUND",
+        )
 
     async def complete_batch(self, request: Request, body: CompletionRequest) -> Response:
         """Several prompts in one completions request, answered whole: each is its own request
@@ -430,9 +435,10 @@ class OpenAiApi:
         caller = self.api_keys.caller(request.headers.get("authorization"), body.llmesh.tenant)
         parts = [body.model_copy(update={"prompt": prompt}) for prompt in body.prompts()]
         generates = [part.to_generate(caller.tenant) for part in parts]
-        await self.check_model(body.model, deadline)
+        choice = await self.check_model(body.model, deadline)
         streams = [
-            cast(AsyncGenerator[Delta | Final, None], self.gateway.generate(g, deadline, caller)) for g in generates
+            cast(AsyncGenerator[Delta | Final, None], self.gateway.generate(g, deadline, caller, choice))
+            for g in generates
         ]
         finals = await self._whole_all(request, streams)
         n = max(1, body.n or 1)
@@ -475,10 +481,10 @@ class OpenAiApi:
         deadline = Deadline.after(self.default_deadline)
         caller = self.api_keys.caller(request.headers.get("authorization"), body.llmesh.tenant)
         generate: gateway_pb2.GenerateRequest = translate(caller.tenant)
-        await self.check_model(body.model, deadline)
+        choice = await self.check_model(body.model, deadline)
         answer = self._answer(request, body, generate, chat)
         # An async generator: closed (the pipeline cancelled) when the caller goes away mid-stream.
-        events = cast(AsyncGenerator[Delta | Final, None], self.gateway.generate(generate, deadline, caller))
+        events = cast(AsyncGenerator[Delta | Final, None], self.gateway.generate(generate, deadline, caller, choice))
         if not body.stream:
             final = await self._whole(request, events)
             headers = {"server-timing": server_timing(final.timings)}
@@ -495,9 +501,9 @@ class OpenAiApi:
         self, request: Request, generate: gateway_pb2.GenerateRequest, caller: Caller
     ) -> AsyncGenerator[Delta | Final, None]:
         """The gateway's events for a request another API translated (the model checked first)."""
-        await self.check_model(generate.model, Deadline.after(self.default_deadline))
+        choice = await self.check_model(generate.model, Deadline.after(self.default_deadline))
         deadline = Deadline.after(self.default_deadline)
-        return cast(AsyncGenerator[Delta | Final, None], self.gateway.generate(generate, deadline, caller))
+        return cast(AsyncGenerator[Delta | Final, None], self.gateway.generate(generate, deadline, caller, choice))
 
     async def whole(self, request: Request, events: AsyncGenerator[Delta | Final, None]) -> Final:
         """The final event of a non-streaming answer (the client going away cancels it)."""

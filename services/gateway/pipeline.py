@@ -3,12 +3,13 @@
     route -> precheck -> scope -> cache -> retrieve -> cache_without_context -> render_prompt
     -> admit -> infer -> response -> store -> reply
 
-`RequestPath.run` reads as that list; each stage is one method. What changes while a request goes
-(its hop timings, degradations, the admission hold and ticket, the tokens spent) is its
-`RequestState`; the plan itself is immutable and narrowed with `dataclasses.replace`. Every
+`RequestPath.run` reads as that list; each stage is one method. The path owns its request's one
+record, `RequestState`: what the stages found, hop timings, degradations, the admission hold and
+ticket, the tokens spent. The asked plan is never replaced: a narrowing (context given up,
+max_new_tokens capped) is recorded in the state and the plan followed is derived from both. Every
 optional hop degrades instead of failing: no cache when the cache is down, no context when
-retrieval is down, and the response lists what was left out. Every refusal is recorded by the one
-`_shed`.
+retrieval is down, and the response lists what was left out. Every admission decision, and the
+record of every refusal, is the request's `RequestAdmission`'s.
 """
 
 from __future__ import annotations
@@ -30,7 +31,16 @@ from llmesh.errors import InvalidArgument, ResourceExhausted
 from llmesh.telemetry import current_trace_id
 from llmesh.v1 import cache_pb2, common_pb2, gateway_pb2, inference_pb2, retrieval_pb2
 from services.gateway import metrics
-from services.gateway.admission import BATCH, REASON_DEADLINE, Admission, Ask, Hold, RequestTooHeavy, Ticket
+from services.gateway.admission import (
+    BATCH,
+    REASON_DEADLINE,
+    Admission,
+    AdmissionController,
+    Ask,
+    Hold,
+    RequestTooHeavy,
+    Ticket,
+)
 from services.gateway.deadline import CallerDeadline, Deadline
 from services.gateway.hop_errors import BREAKER_FAILURE_CODES, DOWNSTREAM_ERRORS, PeerCallError
 from services.gateway.plan import (
@@ -65,44 +75,6 @@ CACHEABLE_FINISH = (
 
 
 @dataclass
-class RequestState:
-    """What changes while one request (one attempt: an alias's model each) goes its path."""
-
-    plan: Plan
-    degradations: list[str] = field(default_factory=list)
-    # The predicted weight reserved from the precheck until the exact admission.
-    hold: Hold | None = None
-    # The admitted reservation: progress reported as tokens arrive, finished on every exit path.
-    ticket: Ticket | None = None
-    # The prompt-length predictor of the model the request goes to (one per model).
-    predictor: InputTokenPredictor | None = None
-    # Milliseconds spent per hop, returned to the caller as `server-timing` metadata.
-    timings: dict[str, float] = field(default_factory=dict)
-    # Tokens spent so far, counted for a request that ends without its final message.
-    spent: common_pb2.Usage = field(default_factory=common_pb2.Usage)
-
-    @contextlib.contextmanager
-    def timed(self, hop: str) -> Iterator[None]:
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.timings[hop] = self.timings.get(hop, 0.0) + (time.perf_counter() - started) * 1000
-
-    def degrade(self, what: str) -> None:
-        if what not in self.degradations:
-            self.degradations.append(what)
-            metrics.DEGRADED.labels(what).inc()
-
-    def release(self) -> None:
-        """Every exit path: what was held or reserved and not generated goes back."""
-        if self.hold is not None:
-            self.hold.release()
-        if self.ticket is not None:
-            self.ticket.finish()
-
-
-@dataclass
 class Delta:
     text: str
     # The answer it belongs to (n > 1) and its tokens' log probabilities (SamplingParams.logprobs).
@@ -134,6 +106,74 @@ class Answer:
         return "".join(self.pieces)
 
 
+@dataclass
+class RequestState:
+    """The one record of what happens to one request (one attempt: an alias's model each) on its
+    path: what the stages found (route, model key, scope, context, prompt, answers), how the asked
+    plan was narrowed, hop timings, degradations, the admission hold and ticket, the tokens spent.
+    Its `RequestPath` is its only writer; the gateway reads it when the attempt ends (timings,
+    spent tokens) and releases what it holds."""
+
+    degradations: list[str] = field(default_factory=list)
+    # The predicted weight reserved from the precheck until the exact admission.
+    hold: Hold | None = None
+    # The admitted reservation: progress reported as tokens arrive, finished on every exit path.
+    ticket: Ticket | None = None
+    # The prompt-length predictor of the model the request goes to (one per model).
+    predictor: InputTokenPredictor | None = None
+    # Milliseconds spent per hop, returned to the caller as `server-timing` metadata.
+    timings: dict[str, float] = field(default_factory=dict)
+    # Tokens spent so far, counted for a request that ends without its final message.
+    spent: common_pb2.Usage = field(default_factory=common_pb2.Usage)
+    # How the asked plan was narrowed (the path derives the plan it follows from these): the
+    # context given up, and admission's cap on max_new_tokens (0: none).
+    retrieval_dropped: bool = False
+    max_new_tokens_cap: int = 0
+    # Set by the stages, in order.
+    route: ModelRoute | None = None
+    model: str = ""  # the model key
+    collection: str = ""
+    version: int = 0
+    scope: cache_pb2.CacheScope = field(default_factory=cache_pb2.CacheScope)
+    sources: list[common_pb2.ScoredChunk] = field(default_factory=list)
+    prompt: list[int] | str = ""
+    input_tokens: int = 0
+    answers: list[Answer] = field(default_factory=list)
+    # How the rendered prompt shows tools (automatic tool choice): the format the model's
+    # calls come in, and whether the template showed them (else the preamble did, and the
+    # answer decodes under the grammar of text or calls).
+    tool_format: str = "hermes"
+    template_renders_tools: bool = False
+
+    @contextlib.contextmanager
+    def timed(self, hop: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[hop] = self.timings.get(hop, 0.0) + (time.perf_counter() - started) * 1000
+
+    def degrade(self, what: str) -> None:
+        if what not in self.degradations:
+            self.degradations.append(what)
+            metrics.DEGRADED.labels(what).inc()
+
+    def release(self) -> None:
+        """Every exit path: what was held or reserved and not generated goes back."""
+        if self.hold is not None:
+            self.hold.release()
+        if self.ticket is not None:
+            self.ticket.finish()
+
+    @property
+    def route_name(self) -> str:
+        return self.route.name if self.route is not None else ""
+
+    @property
+    def answered_by(self) -> str:
+        return (self.route.public_name() if self.route is not None else None) or ""
+
+
 def total_usage(answers: Sequence[Answer], input_tokens: int) -> common_pb2.Usage:
     """The request's usage: every answer's as inference reported it (n > 1: the prompt was
     processed once per answer), `input_tokens` for an answer that never reported any."""
@@ -159,7 +199,7 @@ def server_timing(timings: dict[str, float]) -> str:
 
 
 def from_cache(
-    state: RequestState, hit: cache_pb2.CacheLookupResponse, model: str, answered_by: str, tool_format: str = "hermes"
+    plan: Plan, state: RequestState, hit: cache_pb2.CacheLookupResponse, tool_format: str = "hermes"
 ) -> tuple[Delta, Final]:
     """The events of a cache hit; it carries what this request degraded (how it reached the
     scope it was answered under, e.g. without retrieval) and the model that answers for it. Its
@@ -178,12 +218,12 @@ def from_cache(
         cache=gateway_pb2.CacheInfo(hit=True, tier=hit.tier, similarity=hit.similarity),
         sources=answer.sources,
         trace_id=current_trace_id(),
-        model=model,
+        model=state.model,
         degradations=state.degradations,
-        answered_by=answered_by,
+        answered_by=state.answered_by,
     )
-    as_tool_calls(state.plan, response, tool_format)
-    if state.plan.tool_mode == "auto":  # the stream shows what the answer shows: text and calls
+    as_tool_calls(plan, response, tool_format)
+    if plan.tool_mode == "auto":  # the stream shows what the answer shows: text and calls
         calls = [tool_calls.CallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(response.tool_calls)]
         return Delta(response.text, tool_calls=calls), Final(response, state.timings)
     return Delta(answer.text), Final(response, state.timings)
@@ -204,40 +244,118 @@ def _consume(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
+class RequestAdmission:
+    """Every admission decision of one request, in one place: the predicted weight reserved before
+    the expensive hops (`reserve`, asked again after a cache miss), the exact weight admitted
+    (`admit`), and the one record of each refusal (`shed`: metric, span, retry advice). It is given
+    its collaborators, not the gateway: the admission controller that judges, the request's
+    record (where the hold and the ticket live), its deadline and its span."""
+
+    def __init__(
+        self, controller: AdmissionController, state: RequestState, deadline: Deadline, span: trace.Span
+    ) -> None:
+        self.controller = controller
+        self.state = state
+        self.deadline = deadline
+        self.span = span
+
+    def ask(self, plan: Plan) -> Ask:
+        # n answers weigh n times one: n x max_new_tokens tokens to generate over the prompt.
+        state = self.state
+        return Ask(plan.tenant, plan.lane, state.model, state.route_name, plan.sampling.max_new_tokens * plan.n)
+
+    def reserve(
+        self, plan: Plan, predictor: InputTokenPredictor, waiting_for_cache: bool = False
+    ) -> ResourceExhausted | None:
+        """None when the request may go on to its hops (it may then hold its prediction until its
+        exact weight is admitted); else the refusal, for the caller to `shed` (or to let a cache
+        hit make moot). Decided by `AdmissionController.reserve`: the engines' reported load, or
+        the fallback."""
+        state = self.state
+        predicted = predictor.predict(plan) + plan.grammar_tokens()
+        if state.hold is not None:
+            state.hold.release()
+            state.hold = None
+        hold, refusal = self.controller.reserve(
+            self.ask(plan), predicted, self.deadline.remaining(), waiting_for_cache=waiting_for_cache
+        )
+        state.hold = hold
+        if refusal is not None:
+            self.span.set_attribute("llmesh.admission.predicted_input_tokens", predicted)
+        return refusal
+
+    async def admit(self, plan: Plan, input_tokens: int) -> Admission:
+        """The exact weight admitted (replacing the hold), its ticket kept in the state; a
+        request too heavy ever to fit is InvalidArgument, any other refusal shed."""
+        state, span = self.state, self.span
+        capacity = self.controller.capacity(state.model)
+        try:
+            admission: Admission = await self.controller.admit(
+                self.ask(plan), input_tokens + plan.grammar_tokens(), state.hold, self.deadline.remaining()
+            )
+        except RequestTooHeavy as exc:
+            self.shed(plan, exc, "refused_too_heavy")
+            raise InvalidArgument(
+                [
+                    (
+                        "sampling.max_new_tokens",
+                        f"{input_tokens} input tokens x {plan.sampling.max_new_tokens} new tokens"
+                        f"{f' x n={plan.n}' if plan.n > 1 else ''} exceeds the largest admissible "
+                        f"weight ({exc.metadata.get('max_weight', '?')})",
+                    )
+                ]
+            ) from exc
+        except ResourceExhausted as exc:
+            raise self.shed(plan, exc, "shed_deadline" if exc.reason == REASON_DEADLINE else "shed") from None
+        metrics.ADMISSION_WEIGHT.set(admission.occupancy)
+        metrics.ADMISSION_IN_FLIGHT_LIMIT.set(capacity.limit())
+        metrics.ADMISSION_IN_FLIGHT.set(capacity.in_flight)
+        metrics.ADMISSION_THROUGHPUT.set(capacity.throughput)
+        span.set_attribute("llmesh.admission.in_flight_limit", capacity.limit())
+        span.set_attribute("llmesh.admission.decision", "capped" if admission.degraded else "admitted")
+        span.set_attribute("llmesh.admission.weight", admission.weight)
+        span.set_attribute("llmesh.admission.occupancy", admission.occupancy)
+        span.set_attribute("llmesh.admission.budget", admission.budget)
+        state.ticket = admission.ticket
+        return admission
+
+    def shed(self, plan: Plan, exc: ResourceExhausted, decision: str) -> ResourceExhausted:
+        """The one record of a refusal (metric and span); returns it for the caller to raise,
+        with its retry advice spread when many callers are being refused (not for a request
+        too heavy ever to fit: no retry helps it)."""
+        if not isinstance(exc, RequestTooHeavy):
+            exc = self.controller.shed(self.ask(plan), exc)
+        metrics.SHED.labels(exc.reason).inc()
+        self.span.set_attribute("llmesh.admission.decision", decision)
+        self.span.set_attribute("llmesh.admission.reason", exc.reason)
+        self.span.set_attribute("llmesh.admission.retry_after_s", exc.retry_after)
+        return exc
+
+
 class RequestPath:
     """One request's way through the gateway (see the module); `run` yields its events."""
 
-    def __init__(self, gateway: RequestGateway, state: RequestState, deadline: Deadline) -> None:
+    def __init__(
+        self,
+        gateway: RequestGateway,
+        plan: Plan,
+        deadline: Deadline,
+        route: ModelRoute | None = None,
+        fallback: bool = False,
+    ) -> None:
+        """`route`: the model's route when the caller resolved it already (else `_route` resolves
+        `plan.model`); `fallback`: an alias's later model answers."""
         self.gateway = gateway
-        self.state = state
+        # What was asked, never replaced; `plan` is what the path follows, derived from it and the
+        # narrowing the state records (`_narrow`).
+        self.asked = plan
+        self.plan = plan
         self.deadline = deadline
         self.span = trace.get_current_span()
-        # Set by the stages, in order.
-        self.route: ModelRoute | None = None
-        self.model = ""  # the model key
-        self.collection, self.version = "", 0
-        self.scope = cache_pb2.CacheScope()
-        self.sources: list[common_pb2.ScoredChunk] = []
-        self.prompt: list[int] | str = ""
-        self.input_tokens = 0
-        self.answers: list[Answer] = []
-        # How the rendered prompt shows tools (automatic tool choice): the format the model's
-        # calls come in, and whether the template showed them (else the preamble did, and the
-        # answer decodes under the grammar of text or calls).
-        self.tool_format = "hermes"
-        self.template_renders_tools = False
-
-    @property
-    def plan(self) -> Plan:
-        return self.state.plan
-
-    @property
-    def route_name(self) -> str:
-        return self.route.name if self.route is not None else ""
-
-    @property
-    def answered_by(self) -> str:
-        return (self.route.public_name() if self.route is not None else None) or ""
+        self.state = RequestState(route=route)
+        self.admission = RequestAdmission(gateway.admission, self.state, deadline, self.span)
+        if fallback:
+            self.state.degrade("model_fallback")
 
     async def run(self) -> AsyncIterator[Delta | Final]:
         await self._route()
@@ -276,25 +394,28 @@ class RequestPath:
         if self.gateway.config.log_prompts:
             span.set_attribute("llmesh.prompt", plan.prompt)
         with state.timed("model"):
-            self.route = await self.gateway.route(plan.model, self.deadline)
-            self.model = await self.gateway.model_key(self.deadline, self.route.name)
-        state.predictor = self.gateway.predictor_for(self.route.name)
-        span.set_attribute("gen_ai.request.model", self.route.public_name() or self.model)
-        span.set_attribute("llmesh.model_key", self.model)
+            if state.route is None:  # not resolved by the caller
+                state.route = await self.gateway.route(plan.model, self.deadline)
+            state.model = await self.gateway.model_key(self.deadline, state.route.name)
+        state.predictor = self.gateway.predictor_for(state.route.name)
+        span.set_attribute("gen_ai.request.model", state.route.public_name() or state.model)
+        span.set_attribute("llmesh.model_key", state.model)
 
     def _precheck(self) -> None:
         """Sheds before the expensive hops (retrieval search, tokenizer) when the request's
-        predicted weight does not fit or could not start or finish in time (see `_reserve`)."""
+        predicted weight does not fit or could not start or finish in time."""
         with self.state.timed("admission"):
-            refusal = self._reserve()
+            refusal = self.admission.reserve(self.plan, self._predictor())
             if refusal is not None:
-                raise self._shed(refusal, "shed_early")
+                raise self.admission.shed(self.plan, refusal, "shed_early")
 
     async def _scope(self) -> None:
         """The collection and version the answer will be grounded in, and the cache scope."""
         with self.state.timed("retrieval"):
-            self.collection, self.version = await self._retrieval_scope()
-        self.scope = self.gateway.cache_scope(self.plan, self.model, self.collection, self.version)
+            self.state.collection, self.state.version = await self._retrieval_scope()
+        self.state.scope = self.gateway.cache_scope(
+            self.plan, self.state.model, self.state.collection, self.state.version
+        )
 
     async def _cache(self) -> tuple[Delta, Final] | None:
         """The first lookup, under the scope with retrieval. Admission is decided before it, as
@@ -304,16 +425,16 @@ class RequestPath:
         all while the cache is failing."""
         state, plan = self.state, self.plan
         with state.timed("admission"):
-            refusal = self._reserve(waiting_for_cache=True)
+            refusal = self.admission.reserve(plan, self._predictor(), waiting_for_cache=True)
         if refusal is not None and self.gateway.peers.cache.suspect():
-            raise self._shed(refusal, "shed_early")
+            raise self.admission.shed(plan, refusal, "shed_early")
         # A request the cache answered lately will almost surely be answered again (it costs
         # the model nothing): it waits longer, while the cache is answering (see `_lookup`).
         wait = SHED_RISK_LOOKUP_S if refusal is not None else None
         with state.timed("cache"):
-            hit = await self._lookup(self.scope, wait, request_key(plan.prompt, self.scope))
+            hit = await self._lookup(self.state.scope, wait, request_key(plan.prompt, self.state.scope))
         if hit is not None:
-            return from_cache(state, hit, self.model, self.answered_by, self._known_tool_format())
+            return from_cache(self.plan, state, hit, self._known_tool_format())
         # Missed. It did not fit before the lookup, or it fit but holds nothing (where engines
         # report their load, a request holds nothing while its lookup waits) and the engines may
         # have filled meanwhile (a lookup can take its whole budget): decided again now, before
@@ -326,53 +447,51 @@ class RequestPath:
     async def _retrieve(self) -> None:
         """The context. The answer is stored under the retrieval it really had: without context
         (a failed search, or retrieval down) its scope is not the RAG one."""
-        if "retrieval_unavailable" in self.state.degradations and self.collection:
+        if "retrieval_unavailable" in self.state.degradations and self.state.collection:
             # Only a cached answer could use the last known version: generate without context.
-            self.sources, self.collection, self.version = [], "", 0
+            self.state.sources, self.state.collection, self.state.version = [], "", 0
             return
         with self.state.timed("retrieval"):
-            retrieved = await self._search(self.collection)
+            retrieved = await self._search(self.state.collection)
         # A failed or timed-out search: no context, so the RAG scope is not this answer's.
-        self.sources, self.version = retrieved if retrieved is not None else ([], 0)
-        self.collection = self.collection if retrieved is not None else ""
+        self.state.sources, self.state.version = retrieved if retrieved is not None else ([], 0)
+        self.state.collection = self.state.collection if retrieved is not None else ""
 
     async def _cache_without_context(self) -> tuple[Delta, Final] | None:
         """The context was meant but lost: the scope without it, and an answer made without
         context earlier serves (the second lookup), saying what it lacks."""
-        if self.collection or not self.scope.collection:
+        if self.state.collection or not self.state.scope.collection:
             return None
-        self.state.plan = self.plan.without_retrieval()
-        self.scope = self.gateway.cache_scope(self.plan, self.model, "", 0)
+        self._narrow(drop_retrieval=True)
+        self.state.scope = self.gateway.cache_scope(self.plan, self.state.model, "", 0)
         if not self.plan.use_cache:
             return None
         with self.state.timed("cache"):
-            hit = await self._lookup(self.scope)
+            hit = await self._lookup(self.state.scope)
         if hit is None:
             return None
-        return from_cache(self.state, hit, self.model, self.answered_by, self._known_tool_format())
+        return from_cache(self.plan, self.state, hit, self._known_tool_format())
 
     async def _render_prompt(self) -> None:
         """The prompt rendered and counted. Over the prompt limit: the retrieved chunks go first
         (the lowest-scored first), and only a prompt over it without any context is refused."""
         state, limit = self.state, self.gateway.config.max_prompt_tokens
-        tokenizer = self.route.tokenizer if self.route is not None else ""
+        tokenizer = self.state.route.tokenizer if self.state.route is not None else ""
         with state.timed("tokenizer"):
-            self.prompt, self.input_tokens = await self._render(self.sources, tokenizer)
-            while self.input_tokens > limit and self.sources:
-                self.sources = self.sources[:-1]
+            self.state.prompt, self.state.input_tokens = await self._render(self.state.sources, tokenizer)
+            while self.state.input_tokens > limit and self.state.sources:
+                self.state.sources = self.state.sources[:-1]
                 state.degrade("context_trimmed")
-                self.prompt, self.input_tokens = await self._render(self.sources, tokenizer)
+                self.state.prompt, self.state.input_tokens = await self._render(self.state.sources, tokenizer)
         if "tokenizer_estimate" not in state.degradations and not self.plan.raw:
             # Learned from templated prompts only: a raw one has no template's overhead.
-            (state.predictor or self.gateway.predictor).observe(
-                self.plan, self.input_tokens, context_bytes(self.sources)
-            )
-        if self.input_tokens > limit:
+            self._predictor().observe(self.plan, self.state.input_tokens, context_bytes(self.state.sources))
+        if self.state.input_tokens > limit:
             raise InvalidArgument(
                 [
                     (
-                        "messages" if self.plan.turns else "prompt",
-                        f"{self.input_tokens} tokens rendered; the limit is {limit}",
+                        "messages" if self.plan.turns_wire else "prompt",
+                        f"{self.state.input_tokens} tokens rendered; the limit is {limit}",
                     )
                 ]
             )
@@ -380,41 +499,13 @@ class RequestPath:
     async def _admit(self) -> None:
         """The exact weight admitted (it replaces the prediction held since the precheck); a
         capped admission narrows the plan's max_new_tokens."""
-        state, plan, span = self.state, self.plan, self.span
-        capacity = self.gateway.admission.capacity(self.model)
+        plan, state = self.plan, self.state
         with state.timed("admission"):
-            try:
-                admission: Admission = await self.gateway.admission.admit(
-                    self._ask(), self.input_tokens + plan.grammar_tokens(), state.hold, self.deadline.remaining()
-                )
-            except RequestTooHeavy as exc:
-                self._shed(exc, "refused_too_heavy")
-                raise InvalidArgument(
-                    [
-                        (
-                            "sampling.max_new_tokens",
-                            f"{self.input_tokens} input tokens x {plan.sampling.max_new_tokens} new tokens"
-                            f"{f' x n={plan.n}' if plan.n > 1 else ''} exceeds the largest admissible "
-                            f"weight ({exc.metadata.get('max_weight', '?')})",
-                        )
-                    ]
-                ) from exc
-            except ResourceExhausted as exc:
-                raise self._shed(exc, "shed_deadline" if exc.reason == REASON_DEADLINE else "shed") from None
-            metrics.ADMISSION_WEIGHT.set(admission.occupancy)
-            metrics.ADMISSION_IN_FLIGHT_LIMIT.set(capacity.limit())
-            metrics.ADMISSION_IN_FLIGHT.set(capacity.in_flight)
-            metrics.ADMISSION_THROUGHPUT.set(capacity.throughput)
-            span.set_attribute("llmesh.admission.in_flight_limit", capacity.limit())
-            span.set_attribute("llmesh.admission.decision", "capped" if admission.degraded else "admitted")
-            span.set_attribute("llmesh.admission.weight", admission.weight)
-            span.set_attribute("llmesh.admission.occupancy", admission.occupancy)
-            span.set_attribute("llmesh.admission.budget", admission.budget)
-        state.ticket = admission.ticket
+            admission = await self.admission.admit(plan, state.input_tokens)
         if admission.degraded:
             if admission.max_new_tokens:
                 capped = admission.max_new_tokens // plan.n  # the cap is over all n answers
-                state.plan = plan.with_max_new_tokens(max(1, capped))
+                self._narrow(max_new_tokens=max(1, capped))
             state.degrade("max_new_tokens_capped")
 
     async def _infer(self) -> AsyncIterator[Delta]:
@@ -423,14 +514,14 @@ class RequestPath:
         their deltas as they come; each answer's text, log probabilities, finish and usage are
         kept in `answers`. Leaving early (the caller cancelled or went away, a stream failed)
         cancels every stream still running."""
-        plan, state, input_tokens = self.plan, self.state, self.input_tokens
-        self.answers = answers = [Answer(i) for i in range(plan.n)]
+        plan, state, input_tokens = self.plan, self.state, self.state.input_tokens
+        self.state.answers = answers = [Answer(i) for i in range(plan.n)]
         form = plan.response_format if plan.response_format.type else None
         if plan.tool_mode == "auto":
             names = tool_calls.names_of(plan.tools)
             for answer in answers:
-                answer.calls = tool_calls.CallStream(self.tool_format, names)
-            if not self.template_renders_tools:
+                answer.calls = tool_calls.CallStream(self.state.tool_format, names)
+            if not self.state.template_renders_tools:
                 form = common_pb2.ResponseFormat(type="grammar", grammar=tool_calls.auto_grammar(plan.tools))
         generated = 0
 
@@ -477,7 +568,13 @@ class RequestPath:
 
         def stream(answer: Answer) -> AsyncIterator[inference_pb2.InferenceResponse]:
             return self.gateway.peers.generate(
-                self.prompt, sampling_of(answer), uuid.uuid4().hex, self.deadline, self.route_name, form, priority
+                self.state.prompt,
+                sampling_of(answer),
+                uuid.uuid4().hex,
+                self.deadline,
+                self.state.route_name,
+                form,
+                priority,
             )
 
         if len(answers) == 1:
@@ -524,7 +621,7 @@ class RequestPath:
     def _held_back(self) -> Iterator[Delta]:
         """Automatic tool choice, once the answers are complete: what each held back while it
         could still become a call (text that was not one after all, a call the end completed)."""
-        for answer in self.answers:
+        for answer in self.state.answers:
             if answer.calls is not None:
                 text, calls = answer.calls.finish()
                 if text or calls:
@@ -533,20 +630,20 @@ class RequestPath:
     def _response(self) -> gateway_pb2.GenerateResponse:
         """The generated answer (the first of n) as the response, its usage on the span; the
         weight not generated goes back before the caller hears."""
-        usage = total_usage(self.answers, self.input_tokens)
+        usage = total_usage(self.state.answers, self.state.input_tokens)
         self.span.set_attribute("gen_ai.usage.input_tokens", usage.input_tokens)
         self.span.set_attribute("gen_ai.usage.output_tokens", usage.output_tokens)
-        first = self.answers[0]
+        first = self.state.answers[0]
         response = gateway_pb2.GenerateResponse(
             text=first.text,
             finish_reason=first.finish,
             usage=usage,
             cache=gateway_pb2.CacheInfo(hit=False),
-            sources=self.sources,
+            sources=self.state.sources,
             trace_id=current_trace_id(),
-            model=self.model,
+            model=self.state.model,
             degradations=self.state.degradations,
-            answered_by=self.answered_by,
+            answered_by=self.state.answered_by,
             logprobs=first.logprobs,
             prompt_logprobs=first.prompt_logprobs,
         )
@@ -566,9 +663,9 @@ class RequestPath:
             and response.text
             and "tokenizer_estimate" not in self.state.degradations
         ):
-            version = self.version or self.scope.collection_version
+            version = self.state.version or self.state.scope.collection_version
             self.gateway.store_later(
-                plan, self.gateway.cache_scope(plan, self.model, self.collection, version), response
+                plan, self.gateway.cache_scope(plan, self.state.model, self.state.collection, version), response
             )
 
     def _reply(self, response: gateway_pb2.GenerateResponse) -> Final:
@@ -578,9 +675,9 @@ class RequestPath:
         if plan.tool_mode:
             stored, response = response, gateway_pb2.GenerateResponse()
             response.CopyFrom(stored)
-            self._calls_of(self.answers[0], response)
+            self._calls_of(self.state.answers[0], response)
         if plan.n > 1:
-            for answer in self.answers:
+            for answer in self.state.answers:
                 choice = gateway_pb2.GenerateResponse(
                     text=answer.text, finish_reason=answer.finish, logprobs=answer.logprobs
                 )
@@ -599,6 +696,19 @@ class RequestPath:
 
     # ------------------------------------------------------------------ what the stages call
 
+    def _predictor(self) -> InputTokenPredictor:
+        """The prompt-length predictor of the request's model (the gateway's until it is routed)."""
+        return self.state.predictor or self.gateway.predictor
+
+    def _narrow(self, drop_retrieval: bool = False, max_new_tokens: int = 0) -> None:
+        """Records a narrowing (the context given up, admission's cap) and derives the plan the
+        path follows from the asked one and every narrowing recorded."""
+        state = self.state
+        state.retrieval_dropped = state.retrieval_dropped or drop_retrieval
+        state.max_new_tokens_cap = max_new_tokens or state.max_new_tokens_cap
+        plan = self.asked.without_retrieval() if state.retrieval_dropped else self.asked
+        self.plan = plan.with_max_new_tokens(state.max_new_tokens_cap) if state.max_new_tokens_cap else plan
+
     def _calls_of(self, answer: Answer, response: gateway_pb2.GenerateResponse) -> None:
         """An answer's tool calls into its response: for automatic tool choice the ones streamed
         (same ids, same text around them), else the constrained call its text is."""
@@ -610,43 +720,9 @@ class RequestPath:
     def _known_tool_format(self) -> str:
         """The call format of the route's model as far as this gateway knows it before rendering
         (a cache hit is never rendered): its template's, learned or local, else Hermes."""
-        tokenizer = self.route.tokenizer if self.route is not None else ""
+        tokenizer = self.state.route.tokenizer if self.state.route is not None else ""
         template = self.gateway.templates.get(tokenizer) or self.gateway.local_templates.get(tokenizer)
         return template.tool_format if template is not None else "hermes"
-
-    def _shed(self, exc: ResourceExhausted, decision: str) -> ResourceExhausted:
-        """The one record of a refusal (metric and span); returns it for the caller to raise,
-        with its retry advice spread when many callers are being refused (not for a request
-        too heavy ever to fit: no retry helps it)."""
-        if not isinstance(exc, RequestTooHeavy):
-            exc = self.gateway.admission.shed(self._ask(), exc)
-        metrics.SHED.labels(exc.reason).inc()
-        self.span.set_attribute("llmesh.admission.decision", decision)
-        self.span.set_attribute("llmesh.admission.reason", exc.reason)
-        self.span.set_attribute("llmesh.admission.retry_after_s", exc.retry_after)
-        return exc
-
-    def _ask(self) -> Ask:
-        # n answers weigh n times one: n x max_new_tokens tokens to generate over the prompt.
-        plan = self.plan
-        return Ask(plan.tenant, plan.lane, self.model, self.route_name, plan.sampling.max_new_tokens * plan.n)
-
-    def _reserve(self, waiting_for_cache: bool = False) -> ResourceExhausted | None:
-        """The precheck without raising: None when the request may go on to its hops (it may then
-        hold its prediction until its exact weight is admitted); else the refusal. Decided by
-        `AdmissionController.reserve`: the engines' reported load, or the fallback."""
-        state = self.state
-        predicted = (state.predictor or self.gateway.predictor).predict(self.plan) + self.plan.grammar_tokens()
-        if state.hold is not None:
-            state.hold.release()
-            state.hold = None
-        hold, refusal = self.gateway.admission.reserve(
-            self._ask(), predicted, self.deadline.remaining(), waiting_for_cache=waiting_for_cache
-        )
-        state.hold = hold
-        if refusal is not None:
-            self.span.set_attribute("llmesh.admission.predicted_input_tokens", predicted)
-        return refusal
 
     async def _retrieval_scope(self) -> tuple[str, int]:
         """(collection, version) the answer will be grounded in, or ("", 0) without retrieval.
@@ -657,17 +733,17 @@ class RequestPath:
         if len(plan.prompt.encode("utf-8", "surrogatepass")) > RETRIEVAL_MAX_QUERY_BYTES:
             # Retrieval cannot search with it: answered (and cached) without context, and says so.
             state.degrade("retrieval_query_too_long")
-            state.plan = plan.without_retrieval()
+            self._narrow(drop_retrieval=True)
             return "", 0
         try:
             info, confirmed = await self.gateway.peers.retrieval.version(plan.collection, plan.tenant, deadline)
         except DOWNSTREAM_ERRORS as exc:
             log.warning("retrieval unavailable, answering without context: %s", exc.message)
             state.degrade("retrieval_unavailable")
-            state.plan = plan.without_retrieval()
+            self._narrow(drop_retrieval=True)
             return "", 0
         if not info.exists or info.points == 0:
-            state.plan = plan.without_retrieval()
+            self._narrow(drop_retrieval=True)
             return "", 0
         if not confirmed:
             state.degrade("retrieval_unavailable")
@@ -783,10 +859,10 @@ class RequestPath:
             log.warning("tokenizer unavailable, rendering and estimating tokens locally: %s", exc.message)
             state.degrade("tokenizer_estimate")
             text = self._render_locally(messages, tokenizer)
-            return text, (state.predictor or gateway.predictor).estimate(plan, context_bytes(sources), text)
+            return text, self._predictor().estimate(plan, context_bytes(sources), text)
         gateway.learn_template(tokenizer)
-        self.tool_format = rendered.tool_format or "hermes"
-        self.template_renders_tools = rendered.template_renders_tools
+        self.state.tool_format = rendered.tool_format or "hermes"
+        self.state.template_renders_tools = rendered.template_renders_tools
         return list(rendered.ids), len(rendered.ids)
 
     async def _render_raw(self, sources: list[common_pb2.ScoredChunk], tokenizer: str) -> tuple[list[int] | str, int]:
@@ -804,7 +880,7 @@ class RequestPath:
                 raise
             log.warning("tokenizer unavailable, estimating a raw prompt's tokens locally: %s", exc.message)
             state.degrade("tokenizer_estimate")
-            return text, (state.predictor or gateway.predictor).estimate(plan, context_bytes(sources), text)
+            return text, self._predictor().estimate(plan, context_bytes(sources), text)
         return list(encoded.ids), len(encoded.ids)
 
     def _render_locally(self, messages: list[common_pb2.ChatMessage], tokenizer: str) -> str:
@@ -813,9 +889,9 @@ class RequestPath:
             # Neither learned nor on this host: ChatML, the template most chat models use, and
             # the response says the model's own was not known.
             self.state.degrade("chat_template_unknown")
-            self.tool_format, self.template_renders_tools = "hermes", False
+            self.state.tool_format, self.state.template_renders_tools = "hermes", False
             return render_chatml(messages, self.plan.tools)
-        self.tool_format, self.template_renders_tools = template.tool_format, template.renders_tools
+        self.state.tool_format, self.state.template_renders_tools = template.tool_format, template.renders_tools
         try:
             return template.render(messages, tools=self.plan.tools)
         except TemplateRefused as exc:

@@ -1,8 +1,10 @@
 """What one request asks for: the `Plan`, built once from the request by `validate` (every field
 checked, all problems reported at once, defaults filled, equal requests spelled one way) and
-immutable after; a later stage narrows it with `dataclasses.replace` (`Plan.with_max_new_tokens`,
-retrieval turned off), never in place. Also what is computed from a plan alone: the model's turns
-(`build_messages`), a tool call's answer (`as_tool_calls`) and the prompt-length prediction
+frozen plain data after: its protobuf parts are kept as their wire bytes, and each read of
+`sampling`, `turns`, `tools` or `response_format` is a fresh message, so no holder can change
+the plan through one. A narrower plan is derived, never made in place (`Plan.with_max_new_tokens`,
+`Plan.without_retrieval`, `Plan.for_model`). Also what is computed from a plan alone: the model's
+turns (`build_messages`), a tool call's answer (`as_tool_calls`) and the prompt-length prediction
 (`InputTokenPredictor`). The request's own changing state is `pipeline.RequestState`'s."""
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import math
 import re
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from llmesh import tool_calls
@@ -65,16 +67,21 @@ class GatewayConfig:
     cache_store_budget: float = 2.0
 
 
+def _wire(message: Any) -> bytes:
+    return bytes(message.SerializeToString(deterministic=True))
+
+
 @dataclass(frozen=True)
 class Plan:
-    """What one request will do, after validation and defaults (immutable: see the module)."""
+    """What one request will do, after validation and defaults (frozen plain data: see the
+    module; hashable, and equal for equal asks)."""
 
     # The question: the one-turn prompt, or a conversation's last user turn (what retrieval
     # searches with and the cache keys on).
     prompt: str
     system_prompt: str
-    # Never changed in place (a copy is made by `with_max_new_tokens`).
-    sampling: common_pb2.SamplingParams
+    # common_pb2.SamplingParams, as its (deterministic) wire bytes: read it as `sampling`.
+    sampling_wire: bytes
     use_cache: bool
     use_retrieval: bool
     top_k: int
@@ -87,14 +94,17 @@ class Plan:
     # whether a similar earlier question may answer it (the cache's semantic tier).
     shape: bytes = b""
     semantic: bool = True
-    # The conversation as given (empty for the one-turn shorthand: system_prompt + prompt).
-    turns: tuple[common_pb2.ChatMessage, ...] = ()
-    response_format: common_pb2.ResponseFormat = field(default_factory=common_pb2.ResponseFormat)
+    # The conversation as given (empty for the one-turn shorthand: system_prompt + prompt), each
+    # turn a ChatMessage's wire bytes: read them as `turns`.
+    turns_wire: tuple[bytes, ...] = ()
+    # common_pb2.ResponseFormat's wire bytes: read it as `response_format`.
+    response_format_wire: bytes = b""
     # A tool call is the answer: the function named ("" with tool_mode "required": one of them);
     # "auto": the model answers in text or calls `tools` (rendered with the turns).
     tool_mode: str = ""
     tool_function: str = ""
-    tools: tuple[common_pb2.Tool, ...] = ()
+    # Each a common_pb2.Tool's wire bytes: read them as `tools`.
+    tools_wire: tuple[bytes, ...] = ()
     # Independent answers to generate (GenerateRequest.n; 1 when unset). n > 1 is never cached.
     n: int = 1
     # A raw completion (GenerateRequest.raw): the prompt, or its token ids, is the model's whole
@@ -102,15 +112,31 @@ class Plan:
     raw: bool = False
     prompt_token_ids: tuple[int, ...] = ()
 
+    @property
+    def sampling(self) -> common_pb2.SamplingParams:
+        """The sampling asked for (a fresh message: changing it changes no plan)."""
+        return common_pb2.SamplingParams.FromString(self.sampling_wire)
+
+    @property
+    def turns(self) -> tuple[common_pb2.ChatMessage, ...]:
+        return tuple(common_pb2.ChatMessage.FromString(turn) for turn in self.turns_wire)
+
+    @property
+    def tools(self) -> tuple[common_pb2.Tool, ...]:
+        return tuple(common_pb2.Tool.FromString(tool) for tool in self.tools_wire)
+
+    @property
+    def response_format(self) -> common_pb2.ResponseFormat:
+        return common_pb2.ResponseFormat.FromString(self.response_format_wire)
+
     def text_bytes(self) -> int:
         """Bytes of the text the model is given before retrieval (every turn, or the question and
         the effective system prompt)."""
         if self.raw:  # no system prompt; token ids weigh about four bytes each
             return len(self.prompt.encode()) + 4 * len(self.prompt_token_ids)
-        if self.turns:
-            return sum(turn_bytes(t) for t in self.turns) + (
-                0 if self.turns[0].role == "system" else len(DEFAULT_SYSTEM_PROMPT)
-            )
+        turns = self.turns
+        if turns:
+            return sum(turn_bytes(t) for t in turns) + (0 if turns[0].role == "system" else len(DEFAULT_SYSTEM_PROMPT))
         return len(self.prompt.encode()) + len((self.system_prompt or DEFAULT_SYSTEM_PROMPT).encode())
 
     def grammar_tokens(self) -> int:
@@ -124,11 +150,14 @@ class Plan:
         return size // 4
 
     def with_max_new_tokens(self, max_new_tokens: int) -> Plan:
-        """The plan with another max_new_tokens (admission capped it), on a copy of its sampling."""
-        sampling = common_pb2.SamplingParams()
-        sampling.CopyFrom(self.sampling)
+        """The plan with another max_new_tokens (admission capped it)."""
+        sampling = self.sampling
         sampling.max_new_tokens = max_new_tokens
-        return dataclasses.replace(self, sampling=sampling)
+        return dataclasses.replace(self, sampling_wire=_wire(sampling))
+
+    def for_model(self, model: str) -> Plan:
+        """The plan for one model of an alias (each tries the same ask on its own model)."""
+        return dataclasses.replace(self, model=model)
 
     def without_retrieval(self) -> Plan:
         return self if not self.use_retrieval else dataclasses.replace(self, use_retrieval=False)
@@ -499,7 +528,7 @@ def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Pla
         system_prompt=request.system_prompt,
         shape=answer_shape(request, request.system_prompt or DEFAULT_SYSTEM_PROMPT),
         semantic=semantic_allowed(request),
-        sampling=sampling,
+        sampling_wire=_wire(sampling),
         use_cache=use_cache,
         use_retrieval=use_retrieval,
         top_k=request.top_k or config.default_top_k,
@@ -507,11 +536,11 @@ def validate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> Pla
         tenant=request.tenant or "default",
         lane=request.lane or INTERACTIVE,
         model=request.model,
-        turns=tuple(request.messages),
-        response_format=tool_format(request, tool_mode) if tool_mode else request.response_format,
+        turns_wire=tuple(_wire(turn) for turn in request.messages),
+        response_format_wire=_wire(tool_format(request, tool_mode) if tool_mode else request.response_format),
         tool_mode=tool_mode,
         tool_function=request.tool_choice.function if tool_mode == "function" else "",
-        tools=tuple(request.tools) if tool_mode == "auto" else (),
+        tools_wire=tuple(_wire(tool) for tool in request.tools) if tool_mode == "auto" else (),
         n=n,
         raw=request.raw,
         prompt_token_ids=tuple(request.prompt_token_ids),
@@ -531,8 +560,8 @@ def build_messages(plan: Plan, sources: list[common_pb2.ScoredChunk]) -> list[co
     appended to the first turn, the system turn, after the system prompt. A conversation without
     a system turn, like a prompt without a system prompt, gets the default one
     (DEFAULT_SYSTEM_PROMPT). Every other turn is given as it is, in order."""
-    if plan.turns:
-        turns = [copy_turn(t) for t in plan.turns]
+    if plan.turns_wire:
+        turns = list(plan.turns)  # fresh messages
         if turns[0].role != "system":
             turns.insert(0, common_pb2.ChatMessage(role="system", content=DEFAULT_SYSTEM_PROMPT))
     else:
@@ -553,12 +582,6 @@ def raw_prompt(plan: Plan, sources: Sequence[common_pb2.ScoredChunk]) -> str:
         return plan.prompt
     context = "\n\n".join(f"[{i + 1}] {chunk.text.strip()}" for i, chunk in enumerate(sources))
     return f"{CONTEXT_INSTRUCTION}{context}\n\n{plan.prompt}"
-
-
-def copy_turn(turn: common_pb2.ChatMessage) -> common_pb2.ChatMessage:
-    copied = common_pb2.ChatMessage()
-    copied.CopyFrom(turn)
-    return copied
 
 
 class InputTokenPredictor:

@@ -45,6 +45,17 @@ class ModelRoute:
         return self.learned[1].rpartition("@")[0] if self.learned is not None else None
 
 
+@dataclass(frozen=True)
+class ModelChoice:
+    """A request's `model` resolved once (`Gateway.resolve`): the route of the model it names, or
+    an alias's routes in the order they are tried. An adapter that checks the model before the
+    request goes (the HTTP API) hands this on, and the path does not resolve it again."""
+
+    asked: str
+    routes: tuple[ModelRoute, ...]
+    alias: bool = False
+
+
 class RequestGateway(Protocol):
     """The gateway's members a request's path uses: its wiring (config, window, admission, peers
     (each downstream's `Upstream`, the one owner of its health; retrieval's also of the collection

@@ -161,6 +161,33 @@ async def test_model_list_names_every_served_model(client: openai.AsyncOpenAI, g
         await client.models.retrieve("gpt-4o")
 
 
+async def test_a_request_resolves_its_model_once(
+    client: openai.AsyncOpenAI, gateway: ServiceHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The adapter's model check resolves it, and the request path goes on with that resolution.
+    core = gateway.app.gateway  # type: ignore[attr-defined]
+    resolved: list[str] = []
+    route, served_models = core.route, core.served_models
+
+    async def counted(model: str, deadline: Any) -> Any:
+        resolved.append(model)
+        return await route(model, deadline)
+
+    async def listed(deadline: Any) -> Any:
+        resolved.append("(the list)")
+        return await served_models(deadline)
+
+    monkeypatch.setattr(core, "route", counted)
+    monkeypatch.setattr(core, "served_models", listed)
+    await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": f"Once {uuid.uuid4().hex}?"}],
+        max_tokens=2,
+        extra_body=NO_RETRIEVAL,
+    )
+    assert resolved == [MODEL]
+
+
 def _deadline() -> Any:
     from services.gateway.peers import Deadline
 

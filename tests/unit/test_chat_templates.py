@@ -13,7 +13,7 @@ from llmesh.errors import InvalidArgument, Unavailable
 from llmesh.v1 import common_pb2, gateway_pb2, tokenizer_pb2
 from services.gateway.core import Gateway, GatewayConfig, InputTokenPredictor, validate
 from services.gateway.peers import Deadline, PeerCallError
-from services.gateway.pipeline import RequestPath, RequestState
+from services.gateway.pipeline import RequestPath
 from services.tokenizer.core import TokenizerCore
 
 # A Llama-3-like template: nothing like ChatML, so a ChatML fallback would show.
@@ -77,12 +77,13 @@ def bare_gateway(peers: object) -> Gateway:
     gateway.templates, gateway.local_templates, gateway._learning = {}, {}, {}
     gateway._background = set()
     gateway.predictor = InputTokenPredictor()
+    gateway.admission = None  # type: ignore[assignment]  # the render stage alone never asks it
     return gateway
 
 
 def path_of(gateway: Gateway, request: gateway_pb2.GenerateRequest) -> RequestPath:
     """The request's path through `gateway` (its `_render` stage alone is run here)."""
-    return RequestPath(gateway, RequestState(validate(request, CONFIG)), Deadline.after(5))
+    return RequestPath(gateway, validate(request, CONFIG), Deadline.after(5))
 
 
 async def test_while_the_tokenizer_is_away_the_gateway_renders_with_the_template_it_learned() -> None:

@@ -29,6 +29,27 @@ def test_defaults_are_filled() -> None:
     assert plan.sampling.max_new_tokens == 64
 
 
+def test_a_plan_is_frozen_plain_data() -> None:
+    # What a plan hands out is a copy: changing it changes no plan. Equal asks are equal plans
+    # (hashable), and a narrower plan is derived, the asked one left as it was.
+    request = gateway_pb2.GenerateRequest(
+        messages=[
+            common_pb2.ChatMessage(role="user", content="hi"),
+            common_pb2.ChatMessage(role="assistant", content="yo"),
+            common_pb2.ChatMessage(role="user", content="again"),
+        ],
+        sampling=common_pb2.SamplingParams(temperature=0.5, logit_bias={7: 1.0, 3: -1.0}),
+    )
+    plan = validate(request, CONFIG)
+    plan.sampling.max_new_tokens = 1
+    plan.turns[0].content = "changed"
+    assert plan.sampling.max_new_tokens == 64 and plan.turns[0].content == "hi"
+    assert plan == validate(request, CONFIG) and hash(plan) == hash(validate(request, CONFIG))
+    capped = plan.with_max_new_tokens(8).without_retrieval().for_model("other")
+    assert (capped.sampling.max_new_tokens, capped.use_retrieval, capped.model) == (8, False, "other")
+    assert (plan.sampling.max_new_tokens, plan.use_retrieval, plan.model) == (64, True, "")
+
+
 def test_explicit_false_is_honoured() -> None:
     plan = validate(gateway_pb2.GenerateRequest(prompt="hi", use_cache=False, use_retrieval=False), CONFIG)
     assert not plan.use_cache and not plan.use_retrieval
