@@ -106,7 +106,7 @@ def up_mesh() -> Iterator[UpMesh]:
             "LLMESH_MODELS_DIR": str(real_models_dir()),
             "LLMESH_EMBEDDED_REDIS_PORT": str(free_port()),
             "LLMESH_EMBEDDED_REDIS_STATE_PORT": str(free_port()),
-            "LLMESH_LOG_LEVEL": "WARNING",
+            "LLMESH_LOG_LEVEL": os.environ.get("LLMESH_LOG_LEVEL", "WARNING"),
         }
         for var in ("LLMESH_REDIS_URL", "LLMESH_ADMISSION_REDIS_URL", "LLMESH_STATE_REDIS_URL"):
             # A Redis named in the caller's environment would not be the default mesh (the

@@ -1098,6 +1098,14 @@ class EngineSettings(Section):
     max_queue: int = setting(
         "LLMESH_MAX_QUEUE", "256", "Requests waiting for a batch slot before RESOURCE_EXHAUSTED.", parse_positive_int
     )
+    batch_rows_beside_interactive: int = setting(
+        "LLMESH_BATCH_ROWS_BESIDE_INTERACTIVE",
+        "4",
+        "Most rows batch work (priority 1, the Batch API's lines) holds while interactive requests run or arrived "
+        "within the last second; the rest are preempted and wait. Batch work fills every row otherwise. On CPU each "
+        "extra row lengthens every step; a GPU's step barely grows with rows, so raise it there.",
+        parse_non_negative_int,
+    )
     queue_timeout_seconds: float = setting(
         "LLMESH_QUEUE_TIMEOUT_SECONDS", "30", "Longest a request waits for a batch slot.", parse_positive_float
     )

@@ -143,3 +143,25 @@ async def test_equal_priorities_preempt_nobody_for_a_row(loaded: LoadedModel) ->
         assert sample("llmesh_inference_preemptions_total", {"reason": "priority"}) == before
     finally:
         eng.close()
+
+
+async def test_batch_rows_beside_interactive_work_are_held_to_their_cap(loaded: LoadedModel) -> None:
+    """Batch work fills every row while it is alone; once an interactive request arrives, batch
+    rows past `batch_rows_beside_interactive` are preempted (each step on a CPU grows with its
+    rows, the interactive request's first token too) and resume later to the same tokens."""
+    eng = side_engine(loaded, max_batch_size=8, batch_rows_beside_interactive=1)
+    try:
+        prompts = [[1, *loaded.encode(t)] for t in ("Summarise the report", "List the files", "Tell me", "Why")]
+        alone = [(await run(eng, p, LONG, PRIORITY_BATCH, [], "")) for p in prompts]
+        assert eng.drain(30.0)
+        before = sample("llmesh_inference_preemptions_total", {"reason": "priority"})
+        batch = [await started(eng, p, LONG, PRIORITY_BATCH, 2) for p in prompts]
+        for _, going in batch:
+            await going.wait()
+        assert eng.load().running == 4  # alone, batch work takes every row it needs
+        interactive = await run(eng, [1, *loaded.encode("Hi")], SHORT, PRIORITY_INTERACTIVE, [], "")
+        assert len(interactive) == 4
+        assert sample("llmesh_inference_preemptions_total", {"reason": "priority"}) >= before + 3
+        assert [await task for task, _ in batch] == alone
+    finally:
+        eng.close()

@@ -42,9 +42,11 @@ from services.gateway.openai_http import error_body
 log = logging.getLogger("llmesh.gateway.batch")
 tracer = trace.get_tracer("llmesh.gateway.batch")
 
-# The share of an engine's rows batch lines may fill (with what else runs there): the rest is
-# headroom an interactive request finds free on arrival, with no batch row to wait behind.
-BATCH_ROW_SHARE = 0.75
+# The share of an engine's rows batch lines may fill (with what else runs there). All of them:
+# the builtin engine preempts a batch row for an interactive request that needs it, and holds
+# batch work to LLMESH_BATCH_ROWS_BESIDE_INTERACTIVE rows while interactive work is about, so
+# idle rows are batch work's to fill.
+BATCH_ROW_SHARE = 1.0
 # Refusals that mean "not now": the line goes back and is run again later.
 LOAD_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
 # A line whose attempt ran out of time (engines too busy) is tried again, as a refused one, up

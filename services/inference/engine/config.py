@@ -66,6 +66,8 @@ class EngineConfig:
     cuda_graphs: bool = True
     #: Longest a response format's grammar may take to compile (LLMESH_GRAMMAR_COMPILE_SECONDS).
     grammar_compile_s: float = 2.0
+    #: Rows batch work may hold while interactive work is about (LLMESH_BATCH_ROWS_BESIDE_INTERACTIVE).
+    batch_rows_beside_interactive: int = 4
 
     @classmethod
     def from_settings(cls, engine: EngineSettings, limits: GenerationLimits, **overrides: Any) -> EngineConfig:
@@ -85,6 +87,7 @@ class EngineConfig:
             prefix_caching=engine.prefix_caching,
             quantize=engine.quantize,
             grammar_compile_s=engine.grammar_compile_seconds,
+            batch_rows_beside_interactive=engine.batch_rows_beside_interactive,
         )
         return replace(config, **overrides) if overrides else config
 

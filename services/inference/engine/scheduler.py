@@ -77,6 +77,11 @@ log = logging.getLogger("llmesh.inference.engine")
 #: Waiting requests per extra step's worth of prefill budget.
 QUEUE_PER_BUDGET_STEP = 2
 
+#: How long after interactive work was last seen batch work stays held to its rows beside
+#: interactive work: a closed-loop client's next request comes a moment after its last answer, and
+#: batch rows admitted in that gap would only be preempted again when it arrives.
+INTERACTIVE_HOLD_S = 1.0
+
 #: Why a row was preempted (the label of llmesh_inference_preemptions).
 PREEMPTED_FOR_BLOCKS = "kv_blocks"
 PREEMPTED_FOR_PRIORITY = "priority"
@@ -220,6 +225,8 @@ class Scheduler:
         self.membership_changed = False
         #: Rows requeued to give their room to others (KV blocks or priority).
         self.preemptions = 0
+        #: When an interactive (priority 0) request last waited or ran (monotonic seconds).
+        self.interactive_seen = -INTERACTIVE_HOLD_S
         self._phase = self._DONE
         self._admitted: list[SequenceState] = []
 
@@ -369,14 +376,18 @@ class Scheduler:
         prompt as the chunked prefill (one at a time), while rows and blocks last, taking them
         from rows of a higher priority number when the head of the queue needs them."""
         admission = Admission()
+        batch_cap = self._batch_cap(admission)
         chunk = self.chunk_tokens(speeds)
         budget = self.prefill_budget(speeds)
         bt = self.kv.block_tokens
         chunking = self.chunking is not None
         rows = self.batch_rows
+        batch_rows = sum(1 for s in self.holding() if s.priority > 0)
         tokens = 0
         while self.waiting:
             seq = self.waiting[0]
+            if seq.priority > 0 and batch_rows >= batch_cap:
+                break  # the queue is in priority order: only batch work is left
             if rows >= self.config.max_batch_size:
                 if self._preempt_for(seq, admission):
                     chunking = self.chunking is not None
@@ -416,12 +427,33 @@ class Scheduler:
             if seq.cached_prompt_tokens is None:  # the first admission's: a requeue's is no prompt reuse
                 seq.cached_prompt_tokens = min(table.cached_tokens, len(seq.prompt_ids))
             rows += 1
+            batch_rows += seq.priority > 0
             if long:
                 admission.chunked = seq
             else:
                 admission.group.append(seq)
                 tokens += n
         return admission
+
+    def _batch_cap(self, admission: Admission) -> int | float:
+        """Rows batch work may hold now: every row, unless interactive work waits or runs or did
+        within INTERACTIVE_HOLD_S; then `batch_rows_beside_interactive`, the newest batch rows past
+        it preempted. On a CPU each row lengthens every step, the interactive ones' too."""
+        now = time.monotonic()
+        if any(s.priority == 0 for s in self.waiting) or any(s.priority == 0 for s in self.holding()):
+            self.interactive_seen = now
+        if now - self.interactive_seen >= INTERACTIVE_HOLD_S:
+            return float("inf")
+        cap = self.config.batch_rows_beside_interactive
+        batch = [s for s in self.holding() if s.priority > 0]
+        if len(batch) > cap:
+            # The prompt being chunked first (its prefill is the longest step), then the newest rows.
+            batch.sort(key=lambda s: (s is self.chunking, self.running.index(s) if s in self.running else 0))
+            victims = batch[cap:]
+            log.info("preempting %d batch rows beside interactive work", len(victims))
+            admission.preempted.extend(victims)
+            self.requeue(victims, PREEMPTED_FOR_PRIORITY)
+        return cap
 
     def _preempt_for(self, seq: SequenceState, admission: Admission) -> bool:
         """Requeues the newest row (or the prompt being chunked) of the highest priority number
