@@ -133,7 +133,7 @@ class WatchLoadRequest(_message.Message):
     def __init__(self, min_interval_seconds: _Optional[float] = ..., max_interval_seconds: _Optional[float] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("model_id", "version", "replica", "reported", "running", "max_running", "waiting", "kv_blocks_free", "kv_blocks_total", "block_tokens", "waiting_prompt_tokens", "step_seconds", "prefill_tokens_per_second", "prefix_hit_rate", "prefix_hashes", "sequence")
+    __slots__ = ("model_id", "version", "replica", "reported", "running", "max_running", "waiting", "kv_blocks_free", "kv_blocks_total", "block_tokens", "waiting_prompt_tokens", "step_seconds", "prefill_tokens_per_second", "prefix_hit_rate", "prefix_hashes", "sequence", "running_batch", "waiting_batch", "waiting_batch_prompt_tokens")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,9 @@ class LoadReport(_message.Message):
     PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_BATCH_FIELD_NUMBER: _ClassVar[int]
+    WAITING_BATCH_FIELD_NUMBER: _ClassVar[int]
+    WAITING_BATCH_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     version: str
     replica: str
@@ -166,4 +169,7 @@ class LoadReport(_message.Message):
     prefix_hit_rate: float
     prefix_hashes: _containers.RepeatedScalarFieldContainer[int]
     sequence: int
-    def __init__(self, model_id: _Optional[str] = ..., version: _Optional[str] = ..., replica: _Optional[str] = ..., reported: _Optional[bool] = ..., running: _Optional[int] = ..., max_running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., block_tokens: _Optional[int] = ..., waiting_prompt_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., prefill_tokens_per_second: _Optional[float] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., sequence: _Optional[int] = ...) -> None: ...
+    running_batch: int
+    waiting_batch: int
+    waiting_batch_prompt_tokens: int
+    def __init__(self, model_id: _Optional[str] = ..., version: _Optional[str] = ..., replica: _Optional[str] = ..., reported: _Optional[bool] = ..., running: _Optional[int] = ..., max_running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., block_tokens: _Optional[int] = ..., waiting_prompt_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., prefill_tokens_per_second: _Optional[float] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., sequence: _Optional[int] = ..., running_batch: _Optional[int] = ..., waiting_batch: _Optional[int] = ..., waiting_batch_prompt_tokens: _Optional[int] = ...) -> None: ...

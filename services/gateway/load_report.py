@@ -4,7 +4,7 @@ model's replica choice (`replicas.py`) alike."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmesh.v1 import inference_pb2
 
@@ -28,6 +28,10 @@ class ReplicaReport:
     received_at: float = 0.0
     # The prefix blocks it holds (kept only where a replica is chosen by them: a routed model).
     prefix_hashes: frozenset[int] = frozenset()
+    # Batch work's share of running, waiting and waiting_prompt_tokens (see `for_interactive`).
+    running_batch: int = 0
+    waiting_batch: int = 0
+    waiting_batch_prompt_tokens: int = 0
 
     @classmethod
     def from_message(cls, message: inference_pb2.LoadReport, now: float, prefix_hashes: bool = False) -> ReplicaReport:
@@ -46,6 +50,24 @@ class ReplicaReport:
             prefix_hit_rate=m.prefix_hit_rate,
             received_at=now,
             prefix_hashes=frozenset(m.prefix_hashes) if prefix_hashes else frozenset(),
+            running_batch=m.running_batch,
+            waiting_batch=m.waiting_batch,
+            waiting_batch_prompt_tokens=m.waiting_batch_prompt_tokens,
+        )
+
+    def for_interactive(self) -> ReplicaReport:
+        """The replica as an interactive request finds it: batch work waiting is behind it, and
+        the rows batch work runs in are its to take (the engine preempts them)."""
+        if not (self.running_batch or self.waiting_batch):
+            return self
+        return replace(
+            self,
+            running=max(0, self.running - self.running_batch),
+            waiting=max(0, self.waiting - self.waiting_batch),
+            waiting_prompt_tokens=max(0, self.waiting_prompt_tokens - self.waiting_batch_prompt_tokens),
+            running_batch=0,
+            waiting_batch=0,
+            waiting_batch_prompt_tokens=0,
         )
 
     @property

@@ -159,6 +159,9 @@ def load_report(load: EngineLoad | None, desc: ModelDescription, replica: str) -
     report.prefill_tokens_per_second = load.prefill_tokens_per_second or 0.0
     report.prefix_hit_rate = load.prefix_hit_rate
     report.prefix_hashes.extend(h & ((1 << 64) - 1) for h in load.prefix_hashes)
+    report.running_batch = load.running_batch
+    report.waiting_batch = load.waiting_batch
+    report.waiting_batch_prompt_tokens = load.waiting_batch_prompt_tokens
     return report
 
 

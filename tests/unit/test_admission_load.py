@@ -269,3 +269,20 @@ async def test_both_deadline_refusals_advise_one_retry_after(monkeypatch: pytest
     expected_advice = [0.05, 1.25, min(window_s, round(finish, 3))]
     assert from_reports == pytest.approx(expected_advice, abs=1e-3)
     assert from_throughput == pytest.approx([0.05, 1.25, window_s], abs=1e-3)
+
+
+def test_an_interactive_request_goes_ahead_of_batch_work_a_batch_line_waits_behind() -> None:
+    """Rows full of batch work and a queue of batch lines: an interactive request takes a batch
+    row (the engine preempts it) and is admitted at once; another batch line would queue behind
+    them all, past the target, and is refused."""
+    clock = FakeClock()
+    admission, book = controller(clock)
+    book.update("", report(running=4, running_batch=4, waiting=400, waiting_batch=400, waiting_prompt_tokens=40000))
+    interactive = admission.predicted_wait(ASK, 100)
+    assert interactive is not None and interactive.seconds == 0
+    batch_line = admission.predicted_wait(Ask("t", "batch", "m@1", "", 256), 100)
+    assert batch_line is not None and batch_line.seconds > 3.0
+    # Interactive work waiting is waited for by an interactive request too.
+    book.update("", report(running=4, running_batch=2, waiting=6, waiting_batch=4, sequence=2))
+    again = admission.predicted_wait(ASK, 100)
+    assert again is not None and again.seconds > 0

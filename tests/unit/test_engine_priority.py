@@ -158,7 +158,7 @@ async def test_batch_rows_beside_interactive_work_are_held_to_their_cap(loaded: 
         batch = [await started(eng, p, LONG, PRIORITY_BATCH, 2) for p in prompts]
         for _, going in batch:
             await going.wait()
-        assert eng.load().running == 4  # alone, batch work takes every row it needs
+        assert eng.load().running == eng.load().running_batch == 4  # alone, batch work takes every row it needs
         interactive = await run(eng, [1, *loaded.encode("Hi")], SHORT, PRIORITY_INTERACTIVE, [], "")
         assert len(interactive) == 4
         assert sample("llmesh_inference_preemptions_total", {"reason": "priority"}) >= before + 3

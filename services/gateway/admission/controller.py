@@ -30,6 +30,7 @@ from typing import Protocol
 from llmesh.errors import ResourceExhausted
 from services.gateway.admission.capacity import CapacityLimit
 from services.gateway.admission.config import (
+    BATCH,
     REASON_DEADLINE,
     REASON_QUEUE_WAIT,
     Admission,
@@ -122,7 +123,7 @@ class AdmissionController:
 
     def predicted_wait(self, ask: Ask, input_tokens: int) -> Wait | None:
         """The soonest start the route's replicas offer (None: none reports its load)."""
-        return self.loads.predict(ask.route, input_tokens, ask.max_new_tokens)
+        return self.loads.predict(ask.route, input_tokens, ask.max_new_tokens, batch=ask.lane == BATCH)
 
     # ------------------------------------------------------------------ the two calls
 

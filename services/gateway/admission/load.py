@@ -131,10 +131,14 @@ class ModelLoad:
                 seconds_per_token if known is None else known + OUTPUT_ALPHA * (seconds_per_token - known)
             )
 
-    def predict(self, prompt_tokens: int, max_new_tokens: int, now: float) -> Wait | None:
-        """The soonest start over the fresh replicas; None when none reported lately."""
+    def predict(self, prompt_tokens: int, max_new_tokens: int, now: float, batch: bool = True) -> Wait | None:
+        """The soonest start over the fresh replicas; None when none reported lately. `batch`
+        False: an interactive request's, which goes ahead of batch work waiting and takes the rows
+        batch work runs in (the engine preempts them)."""
         best: Wait | None = None
         replicas = self.fresh(now)
+        if not batch:
+            replicas = [r.for_interactive() for r in replicas]
         # What this gateway sent since the reports is spread over them (it cannot tell where
         # a channel's balancer put it).
         pending = (self.pending + self.reserved) / max(1, len(replicas))
@@ -200,9 +204,9 @@ class LoadBook:
             return
         load.update(ReplicaReport.from_message(message, self.clock()))
 
-    def predict(self, name: str, prompt_tokens: int, max_new_tokens: int) -> Wait | None:
+    def predict(self, name: str, prompt_tokens: int, max_new_tokens: int, batch: bool = True) -> Wait | None:
         found = self.models.get(name)
-        return None if found is None else found.predict(prompt_tokens, max_new_tokens, self.clock())
+        return None if found is None else found.predict(prompt_tokens, max_new_tokens, self.clock(), batch)
 
 
 class LoadWatcher:

@@ -290,8 +290,14 @@ class Engine:
         chunking = core.scheduler.chunking
         inbox = core.inbox
         waiting_tokens = sum(len(s.prompt_ids) + len(s.generated) for s in waiting) + inbox.pending_tokens
+        batch_waiting = [s for s in waiting if s.priority > 0]
+        batch_tokens = sum(len(s.prompt_ids) + len(s.generated) for s in batch_waiting)
         if chunking is not None:
-            waiting_tokens += max(0, len(chunking.prompt_ids) + len(chunking.generated) - chunking.prefilled)
+            rest = max(0, len(chunking.prompt_ids) + len(chunking.generated) - chunking.prefilled)
+            waiting_tokens += rest
+            batch_tokens += rest if chunking.priority > 0 else 0
+        running_batch = sum(1 for s in tuple(core.scheduler.running) if s.priority > 0)
+        running_batch += chunking is not None and chunking.priority > 0
         stats = core.kv.stats()
         return EngineLoad(
             running=self.running_count,
@@ -305,6 +311,9 @@ class Engine:
             prefill_tokens_per_second=core.speeds.prefill_tok_s,
             prefix_hit_rate=core.prefix_hit_rate or 0.0,
             prefix_hashes=core.kv.prefix_hashes(),
+            running_batch=running_batch,
+            waiting_batch=len(batch_waiting),
+            waiting_batch_prompt_tokens=batch_tokens,
         )
 
     # ----------------------------------------------------------------- submission (event loop)

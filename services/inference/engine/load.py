@@ -38,6 +38,11 @@ class EngineLoad:
     #: Hashes of the full prefix blocks cached now (the newest first, bounded), so a router can
     #: send a request where its prefix is; empty without a prefix cache.
     prefix_hashes: tuple[int, ...] = field(default=())
+    #: Of `running`, `waiting` and `waiting_prompt_tokens`, the batch work's (priority above 0):
+    #: what an interactive request preempts or goes ahead of.
+    running_batch: int = 0
+    waiting_batch: int = 0
+    waiting_batch_prompt_tokens: int = 0
 
     @property
     def free_rows(self) -> int:
