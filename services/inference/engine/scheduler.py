@@ -119,6 +119,8 @@ class Admission:
     chunked: SequenceState | None = None
     #: Rows of a higher priority number preempted to make room for these.
     preempted: list[SequenceState] = field(default_factory=list)
+    #: An interactive request is among them (batch prompts then wait for the next iteration).
+    interactive: bool = False
 
 
 # ----------------------------------------------------------------- the step contract
@@ -386,8 +388,10 @@ class Scheduler:
         tokens = 0
         while self.waiting:
             seq = self.waiting[0]
-            if seq.priority > 0 and batch_rows >= batch_cap:
-                break  # the queue is in priority order: only batch work is left
+            if seq.priority > 0 and (batch_rows >= batch_cap or admission.interactive):
+                # The queue is in priority order: only batch work is left. Its prompts wait for the
+                # next iteration rather than lengthen an interactive prompt's forward.
+                break
             if rows >= self.config.max_batch_size:
                 if self._preempt_for(seq, admission):
                     chunking = self.chunking is not None
@@ -428,6 +432,7 @@ class Scheduler:
                 seq.cached_prompt_tokens = min(table.cached_tokens, len(seq.prompt_ids))
             rows += 1
             batch_rows += seq.priority > 0
+            admission.interactive |= seq.priority == 0
             if long:
                 admission.chunked = seq
             else:
