@@ -141,11 +141,17 @@ def guard_figures(model_dir: Path) -> dict[str, Any]:
     return {"bounds": {k: v for k, v in stored.items() if k != "checks"}, "checks": checks}
 
 
-def http_builtin(mesh: Any, clients: int, measure_s: float) -> Coroutine[Any, Any, dict[str, float]]:
-    """The closed loop over the gateway's /v1/completions (cache and retrieval off)."""
+def http_builtin(
+    mesh: Any, prompts: Sequence[Any], clients: int, measure_s: float
+) -> Coroutine[Any, Any, dict[str, float]]:
+    """The closed loop over the gateway's /v1/completions (cache and retrieval off). A completion's
+    prompt is raw (no chat template), so it is sent the chat-rendered prompt tokens vLLM gets, EOS
+    ignored on both: a raw question makes the model stop at once."""
     base_url = mesh.procs["gateway"].http_base_url()
     model = httpx.get(f"{base_url}/models", timeout=30).json()["data"][0]["id"]
-    return streams.http_loop(base_url, QUESTIONS[:clients], NEW_TOKENS, measure_s, model=model, extra_body=NO_CACHE)
+    return streams.http_loop(
+        base_url, prompts[:clients], NEW_TOKENS, measure_s, model=model, extra_body=NO_CACHE, ignore_eos=True
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -194,12 +200,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                     for n in (CLIENTS, 1):
                         if vllm is not None:
                             direct = streams.http_loop(
-                                vllm.base_url, prompts[:n], NEW_TOKENS, args.measure, model=VLLM_MODEL_NAME
+                                vllm.base_url,
+                                prompts[:n],
+                                NEW_TOKENS,
+                                args.measure,
+                                model=VLLM_MODEL_NAME,
+                                ignore_eos=True,
                             )
                             keep(f"vllm_{n}", asyncio.run(direct))
-                        keep(f"builtin_{n}", asyncio.run(http_builtin(mesh, n, args.measure)))
+                        keep(f"builtin_{n}", asyncio.run(http_builtin(mesh, prompts, n, args.measure)))
                         if n == CLIENTS:
-                            grpc = streams.grpc_loop(gateway, QUESTIONS[:n], NEW_TOKENS, args.measure)
+                            grpc = streams.grpc_loop(gateway, QUESTIONS[:n], NEW_TOKENS, args.measure, ignore_eos=True)
                             keep(f"grpc_{n}", asyncio.run(grpc))
         finally:
             if vllm is not None:
@@ -208,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         env = {**base, "LLMESH_DTYPE": "bfloat16", "LLMESH_QUANTIZE": method}
         with bench_mesh(env, services=MESH_SERVICES) as mesh:
             name = "bf16_1" if method == "none" else f"{method}_1"
-            keep(name, asyncio.run(http_builtin(mesh, 1, args.measure)))
+            prompts = asyncio.run(rendered_prompts(mesh.target("tokenizer"), base["LLMESH_MESH_TOKEN"]))
+            keep(name, asyncio.run(http_builtin(mesh, prompts, 1, args.measure)))
     reference = llamacpp(args.llamacpp_requests, torch.get_num_threads())
     if reference is not None:
         result["llamacpp_tok_s_1"] = round(reference["tok_s"], 1)

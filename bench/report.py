@@ -243,6 +243,11 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "faults.backend_freeze.seconds_to_first_success",
         "faults.inference_stall.seconds_to_recover",
     ),
+    "gateway_redesign_ab": (
+        "ratios_head_over_base.mesh_tok_s",
+        "ratios_head_over_base.exact_hit_rps_over_echo_chain",
+        "head.burst_sheds",
+    ),
     "clients": (
         "llmesh_passed",
         "llmesh_total",
