@@ -289,15 +289,21 @@ class Engine:
         waiting = tuple(core.scheduler.waiting)
         chunking = core.scheduler.chunking
         inbox = core.inbox
-        waiting_tokens = sum(len(s.prompt_ids) + len(s.generated) for s in waiting) + inbox.pending_tokens
-        batch_waiting = [s for s in waiting if s.priority > 0]
-        batch_tokens = sum(len(s.prompt_ids) + len(s.generated) for s in batch_waiting)
+        # Requests still in the inbox count as interactive: their priority is not read until they arrive.
+        waiting_tokens, batch_waiting, batch_tokens = inbox.pending_tokens, 0, 0
+        for s in waiting:
+            tokens = len(s.prompt_ids) + len(s.generated)
+            waiting_tokens += tokens
+            if s.priority > PRIORITY_INTERACTIVE:
+                batch_waiting += 1
+                batch_tokens += tokens
+        running_batch = sum(1 for s in tuple(core.scheduler.running) if s.priority > PRIORITY_INTERACTIVE)
         if chunking is not None:
             rest = max(0, len(chunking.prompt_ids) + len(chunking.generated) - chunking.prefilled)
             waiting_tokens += rest
-            batch_tokens += rest if chunking.priority > 0 else 0
-        running_batch = sum(1 for s in tuple(core.scheduler.running) if s.priority > 0)
-        running_batch += chunking is not None and chunking.priority > 0
+            if chunking.priority > PRIORITY_INTERACTIVE:
+                batch_tokens += rest
+                running_batch += 1
         stats = core.kv.stats()
         return EngineLoad(
             running=self.running_count,
@@ -312,7 +318,7 @@ class Engine:
             prefix_hit_rate=core.prefix_hit_rate or 0.0,
             prefix_hashes=core.kv.prefix_hashes(),
             running_batch=running_batch,
-            waiting_batch=len(batch_waiting),
+            waiting_batch=batch_waiting,
             waiting_batch_prompt_tokens=batch_tokens,
         )
 

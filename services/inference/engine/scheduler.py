@@ -67,7 +67,7 @@ from services.inference.engine.config import (
 )
 from services.inference.engine.kv_manager import BlockManager
 from services.inference.engine.messages import TokenItem
-from services.inference.engine.sequence import SequenceState
+from services.inference.engine.sequence import PRIORITY_INTERACTIVE, SequenceState
 
 if TYPE_CHECKING:
     from services.inference.engine.sampling import PromptScore, Scores
@@ -384,11 +384,11 @@ class Scheduler:
         bt = self.kv.block_tokens
         chunking = self.chunking is not None
         rows = self.batch_rows
-        batch_rows = sum(1 for s in self.holding() if s.priority > 0)
+        batch_rows = sum(1 for s in self.holding() if s.priority > PRIORITY_INTERACTIVE)
         tokens = 0
         while self.waiting:
             seq = self.waiting[0]
-            if seq.priority > 0 and (batch_rows >= batch_cap or admission.interactive):
+            if seq.priority > PRIORITY_INTERACTIVE and (batch_rows >= batch_cap or admission.interactive):
                 # The queue is in priority order: only batch work is left. Its prompts wait for the
                 # next iteration rather than lengthen an interactive prompt's forward.
                 break
@@ -431,8 +431,8 @@ class Scheduler:
             if seq.cached_prompt_tokens is None:  # the first admission's: a requeue's is no prompt reuse
                 seq.cached_prompt_tokens = min(table.cached_tokens, len(seq.prompt_ids))
             rows += 1
-            batch_rows += seq.priority > 0
-            admission.interactive |= seq.priority == 0
+            batch_rows += seq.priority > PRIORITY_INTERACTIVE
+            admission.interactive |= seq.priority == PRIORITY_INTERACTIVE
             if long:
                 admission.chunked = seq
             else:
@@ -445,15 +445,17 @@ class Scheduler:
         within INTERACTIVE_HOLD_S; then `batch_rows_beside_interactive`, the newest batch rows past
         it preempted. On a CPU each row lengthens every step, the interactive ones' too."""
         now = time.monotonic()
-        if any(s.priority == 0 for s in self.waiting) or any(s.priority == 0 for s in self.holding()):
+        # The queue is in priority order: its head says whether interactive work waits.
+        waits = bool(self.waiting) and self.waiting[0].priority == PRIORITY_INTERACTIVE
+        if waits or any(s.priority == PRIORITY_INTERACTIVE for s in self.holding()):
             self.interactive_seen = now
         if now - self.interactive_seen >= INTERACTIVE_HOLD_S:
             return float("inf")
         cap = self.config.batch_rows_beside_interactive
-        batch = [s for s in self.holding() if s.priority > 0]
+        # holding() lists the rows in the order they joined, the prompt being chunked last: the
+        # victims past the cap are that prompt (its prefill is the longest step), then the newest.
+        batch = [s for s in self.holding() if s.priority > PRIORITY_INTERACTIVE]
         if len(batch) > cap:
-            # The prompt being chunked first (its prefill is the longest step), then the newest rows.
-            batch.sort(key=lambda s: (s is self.chunking, self.running.index(s) if s in self.running else 0))
             victims = batch[cap:]
             log.info("preempting %d batch rows beside interactive work", len(victims))
             admission.preempted.extend(victims)
