@@ -35,7 +35,7 @@ import os
 import subprocess
 import tempfile
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ import httpx
 import torch
 
 from bench import streams
-from bench.backends import NO_CACHE, readme_env, rendered_prompts
+from bench.backends import FRONT_DOORS, NO_CACHE, README_SERVICES, readme_env, rendered_prompts
 from bench.batching import CLIENTS, NEW_TOKENS, QUESTIONS
 from bench.common import machine, print_table, write_result
 from bench.mesh import bench_mesh
@@ -154,12 +154,45 @@ def http_builtin(
     )
 
 
+def served_dtype(mesh: Any) -> str:
+    """What the builtin engine serves as `make run` starts it (ModelInfo.dtype: "bfloat16+int4")."""
+    base_url = mesh.procs["gateway"].http_base_url()
+    models = httpx.get(f"{base_url}/models", timeout=30).json()["data"]
+    return str(models[0].get("llmesh", {}).get("dtype", "")) if models else ""
+
+
+def openai_in_front(vllm: Any, args: argparse.Namespace, keep: Callable[[str, dict[str, float]], None]) -> None:
+    """The openai backend in front of the same vLLM, the mesh started as the README starts it
+    (`llmesh up`: all five services, every setting at its default, LLMESH_INFERENCE_BACKEND=openai
+    and LLMESH_BACKEND_URLS), against vLLM direct, alternating, 32 streams: the mesh's cost."""
+    env = readme_env(
+        {
+            "LLMESH_MODELS_DIR": str(real_models_dir()),
+            "LLMESH_INFERENCE_BACKEND": "openai",
+            "LLMESH_BACKEND_URLS": vllm.base_url,
+        }
+    )
+    with bench_mesh(env, services=README_SERVICES) as mesh:
+        prompts = asyncio.run(rendered_prompts(mesh.target("tokenizer"), env["LLMESH_MESH_TOKEN"]))
+        for _ in range(args.rounds):
+            direct = streams.http_loop(
+                vllm.base_url, prompts[:CLIENTS], NEW_TOKENS, args.measure, model=VLLM_MODEL_NAME, ignore_eos=True
+            )
+            keep("openai_direct", asyncio.run(direct))
+            keep("openai_http", asyncio.run(http_builtin(mesh, prompts, CLIENTS, args.measure)))
+            grpc = streams.grpc_loop(
+                mesh.target("gateway"), QUESTIONS[:CLIENTS], NEW_TOKENS, args.measure, ignore_eos=True
+            )
+            keep("openai_grpc", asyncio.run(grpc))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measure", type=float, default=20.0, help="measured seconds of each closed loop")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of (vLLM, builtin) at 32 and 1 streams")
     parser.add_argument("--llamacpp-requests", type=int, default=8)
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM (no `make vllm` here)")
+    parser.add_argument("--no-openai", action="store_true", help="skip the openai backend in front of vLLM")
     args = parser.parse_args(argv)
     begun = time.perf_counter()
     models = real_models_dir()
@@ -196,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             with bench_mesh(base, services=MESH_SERVICES) as mesh:
                 prompts = asyncio.run(rendered_prompts(mesh.target("tokenizer"), base["LLMESH_MESH_TOKEN"]))
                 gateway = mesh.target("gateway")
+                result["served"] = served_dtype(mesh)
                 for _ in range(args.rounds):
                     for n in (CLIENTS, 1):
                         if vllm is not None:
@@ -212,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         if n == CLIENTS:
                             grpc = streams.grpc_loop(gateway, QUESTIONS[:n], NEW_TOKENS, args.measure, ignore_eos=True)
                             keep(f"grpc_{n}", asyncio.run(grpc))
+            if vllm is not None and not args.no_openai:
+                openai_in_front(vllm, args, keep)
         finally:
             if vllm is not None:
                 vllm.stop()
@@ -236,6 +272,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             result[f"{prefix}tok_s_{count}"] = round(mean(name, "tok_s"), 1)
             result[f"{prefix}ttft_p50_{count}"] = round(mean(name, "ttft_p50_s"), 4)
             result[f"{prefix}tok_s_{count}_runs"] = [round(r["tok_s"], 1) for r in runs[name]]
+    if "openai_direct" in runs:
+        for door in FRONT_DOORS:
+            ratio = mean(f"openai_{door}", "tok_s") / mean("openai_direct", "tok_s")
+            ttft_ms = 1000 * (mean(f"openai_{door}", "ttft_p50_s") - mean("openai_direct", "ttft_p50_s"))
+            result[f"openai_mesh_vs_direct_{door}"] = round(ratio, 3)
+            result[f"openai_ttft_p50_{door}_minus_direct_ms"] = round(ttft_ms, 1)
+            result[f"openai_{door}_tok_s_runs"] = [round(r["tok_s"], 1) for r in runs[f"openai_{door}"]]
+        result["openai_direct_tok_s_runs"] = [round(r["tok_s"], 1) for r in runs["openai_direct"]]
     for name in ("bf16_1", "int8_1", "int4_1"):
         result[f"{name.removesuffix('_1')}_tok_s_1"] = round(mean(name, "tok_s"), 1)
     best = max(("int8", "int4"), key=lambda m: result[f"{m}_tok_s_1"])
@@ -249,6 +293,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         passes["tok_s_32_ge_1.2x_vllm"] = result["tok_s_32"] >= 1.2 * result["vllm_tok_s_32"]
         passes["tok_s_1_ge_1.5x_vllm"] = result["tok_s_1"] >= 1.5 * result["vllm_tok_s_1"]
         passes["ttft_p50_32_le_vllm"] = result["ttft_p50_32"] <= result["vllm_ttft_p50_32"]
+    for door in FRONT_DOORS:
+        if f"openai_mesh_vs_direct_{door}" in result:
+            passes[f"openai_mesh_vs_direct_{door}_ge_0.95"] = result[f"openai_mesh_vs_direct_{door}"] >= 0.95
+            passes[f"openai_ttft_p50_{door}_within_25ms"] = result[f"openai_ttft_p50_{door}_minus_direct_ms"] <= 25.0
     if "llamacpp_tok_s_1" in result:
         passes["quant_tok_s_1_ge_0.8x_llamacpp"] = result["quant_tok_s_1"] >= 0.8 * result["llamacpp_tok_s_1"]
     result["passes"] = passes

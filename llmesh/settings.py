@@ -1072,14 +1072,16 @@ class EngineSettings(Section):
         "float32 must pass the perplexity guard at load (within 2% of float32).",
         one_of("auto", "float32", "bfloat16", "float16"),
     )
-    quantize: Literal["none", "int8", "int4"] = setting(
+    quantize: Literal["auto", "none", "int8", "int4"] = setting(
         "LLMESH_QUANTIZE",
-        "none",
-        "Opt-in weight quantization of the builtin engine: none, int8 (weight-only, per-channel scales) or "
-        "int4 (weight-only, groups of 32, the LM head int8), on torch's CPU kernels in the engine's own "
-        "forward for calls of a few rows; must pass the quality guard at load (perplexity and "
-        "next-token agreement with float32).",
-        one_of("none", "int8", "int4"),
+        "auto",
+        "Weight quantization of the builtin engine: none, int8 (weight-only, per-channel scales) or int4 "
+        "(weight-only, groups of 32, the LM head int8), on torch's CPU kernels in the engine's own forward for "
+        "calls of a few rows; auto: int4 on CPU where the model's weights were converted from a 4-bit file (its "
+        "manifest's source, as SmolLM2's Q4_1 GGUF: int4 then holds the shipped values), else none. A named "
+        "method must pass the quality guard at load (perplexity and next-token agreement with float32); auto "
+        "falls back to none where it does not.",
+        one_of("auto", "none", "int8", "int4"),
     )
     max_batch_size: int = setting("LLMESH_MAX_BATCH_SIZE", "32", "Most sequences decoded together.", parse_positive_int)
     grammar_compile_seconds: float = setting(

@@ -7,6 +7,7 @@ module runs one path per attempt (an alias tries its models in order) and record
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -157,6 +158,7 @@ class Gateway:
         info = await self.peers.model_info(deadline, route.name)
         prefix = f"{route.name}:" if route.name else ""
         route.learned = (now, f"{prefix}{model_key_of(info)}")
+        route.dtype = info.dtype
         return route.learned[1]
 
     async def route(self, model: str, deadline: Deadline) -> ModelRoute:
@@ -198,6 +200,14 @@ class Gateway:
             if name is not None:
                 names.append(name)
         return [*names, *self.aliases]  # an alias is asked for by name as a model is
+
+    async def served_dtypes(self, deadline: Deadline) -> dict[str, str]:
+        """The dtype each served model's inference last reported ("bfloat16+int4"), by the name
+        `served_models` lists (models whose backend says none, and aliases, are left out)."""
+        for route in self.routes.values():
+            with contextlib.suppress(*DOWNSTREAM_ERRORS):  # a model whose inference is down shows no dtype
+                await self.model_key(deadline, route.name)
+        return {name: r.dtype for r in self.routes.values() if r.dtype and (name := r.public_name()) is not None}
 
     def _label(self, model: str) -> str:
         """The metrics label of a request's model: a served model's name (a bounded set), never

@@ -396,7 +396,8 @@ class OpenAiApi:
         self._authenticated(request)
         deadline = Deadline.after(self.default_deadline)
         served = await self.gateway.served_models(deadline)
-        cards = [model_card(m) for m in served]
+        dtypes = await self.gateway.served_dtypes(deadline)
+        cards = [model_card(m, dtypes.get(m, "")) for m in served]
         embedder = await self.gateway.embedding_model(deadline)
         if embedder:  # the embedding model, for /v1/embeddings (while retrieval can say its name)
             cards.append(model_card(embedder))
@@ -583,8 +584,13 @@ def embeddings_answer(body: EmbeddingRequest, found: gateway_pb2.EmbedResponse) 
     }
 
 
-def model_card(model: str) -> dict[str, Any]:
-    return {"id": model, "object": "model", "created": 0, "owned_by": "llmesh"}
+def model_card(model: str, dtype: str = "") -> dict[str, Any]:
+    """OpenAI's model object; `llmesh.dtype`: what the model is served in, with its weight
+    quantization ("bfloat16+int4"), where its inference reports it."""
+    card: dict[str, Any] = {"id": model, "object": "model", "created": 0, "owned_by": "llmesh"}
+    if dtype:
+        card["llmesh"] = {"dtype": dtype}
+    return card
 
 
 def usage_of(response: gateway_pb2.GenerateResponse) -> dict[str, Any]:

@@ -28,6 +28,8 @@ class ModelRoute:
     name: str
     # (when learned, model key)
     learned: tuple[float, str] | None = None
+    #: What its inference last reported serving in ("bfloat16+int4"; "" where the backend does not say).
+    dtype: str = ""
 
     @property
     def tokenizer(self) -> str:

@@ -193,6 +193,8 @@ async def test_http_sdk_and_cli_take_a_model(
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http.port}/v1", timeout=60) as client:
             models = (await client.get("/models")).json()
             assert [m["id"] for m in models["data"]] == [SMALL, OTHER]
+            # What each model is served in, as its inference reports it (LLMESH_DTYPE, LLMESH_QUANTIZE).
+            assert all(m["llmesh"]["dtype"] in ("float32", "bfloat16") for m in models["data"]), models
             body = {"model": OTHER, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
             body["llmesh"] = {"use_retrieval": False}
             reply = await client.post("/chat/completions", json=body)

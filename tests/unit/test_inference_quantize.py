@@ -4,6 +4,7 @@ quantization that drifts."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,13 @@ from llmesh.testing import build_tiny_model
 from services.inference.engine import LoadedModel, quality
 from services.inference.engine.llama import LlamaDecoder
 from services.inference.engine.quality import QualityError
-from services.inference.engine.quantize import QUANT_MAX_ROWS, QuantizedLinear, QuantizedWeight
+from services.inference.engine.quantize import (
+    QUANT_MAX_ROWS,
+    QuantizedLinear,
+    QuantizedWeight,
+    auto_quantization,
+    source_bits,
+)
 from services.inference.engine.runner import ModelRunner
 
 PROMPTS = ["Hi", "The quick brown fox jumps over the lazy dog.", "Tell me about the sea " * 3]
@@ -158,3 +165,74 @@ def test_quantize_model_replaces_every_linear(tiny: Path) -> None:
     # The LM head in int8 (an embedding above 4 bits in GGUF files), every projection in int4.
     assert [m.method for m in layers if m is not model.get_output_embeddings()] == ["int4"] * (len(layers) - 1)
     assert model.get_output_embeddings().method == "int8"
+
+
+def four_bit_source(path: Path) -> Path:
+    """Marks a model's manifest as converted from a Q4_1 GGUF (as `llmesh models prepare` marks
+    SmolLM2's): only the manifest's source changes, so the files still verify."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["source"] = {"file": "model.Q4_1.gguf", "conversion": "gguf Q4_1 -> float32"}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("conversion", "bits"),
+    [("gguf Q4_1 -> float32", 4), ("gguf Q4_K -> float32", 4), ("gguf IQ4_XS -> float32", 4), ("gguf Q8_0 -> f32", 8)],
+)
+def test_source_bits_reads_the_manifests_conversion(conversion: str, bits: int) -> None:
+    assert source_bits({"source": {"conversion": conversion}}) == bits
+
+
+def test_auto_quantizes_only_weights_shipped_in_four_bits() -> None:
+    cpu = torch.device("cpu")
+    assert auto_quantization({"source": {"conversion": "gguf Q4_1 -> float32"}}, cpu) == "int4"
+    assert auto_quantization({"source": {"conversion": "gguf Q8_0 -> float32"}}, cpu) == "none"
+    assert auto_quantization({"source": {"generator": "llmesh.testing"}}, cpu) == "none"
+    assert auto_quantization({}, cpu) == "none"
+    assert auto_quantization({"source": {"conversion": "gguf Q4_1 -> float32"}}, torch.device("meta")) == "none"
+
+
+def test_auto_serves_int4_for_a_four_bit_source_and_plain_weights_otherwise(tiny: Path, tmp_path: Path) -> None:
+    plain = LoadedModel(verify(tiny), "cpu", "bfloat16", "auto")
+    assert (plain.quantize, plain.dtype_name) == ("none", "bfloat16")
+    shipped = four_bit_source(build_tiny_model(tmp_path / "q4", name="tiny", version="v1", seed=5))
+    quantized = LoadedModel(verify(shipped), "cpu", "bfloat16", "auto")
+    assert (quantized.quantize, quantized.dtype_name) == ("int4", "bfloat16+int4")
+    assert quantized.quality is not None and quantized.quality.quantize == "int4" and quantized.quality.passes
+    runner = ModelRunner(quantized, 13, BLOCK, 48, (1,), cuda_graphs=False)
+    assert runner.fast is not None and runner.fast.quantize == "int4"
+
+
+def test_auto_drops_a_quantization_the_guard_refuses_and_still_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    real = QuantizedWeight.__init__
+
+    def drifting(self: QuantizedWeight, weight: torch.Tensor, method: str) -> None:
+        real(self, weight, method)
+        self.scales = self.scales * 3.0
+
+    monkeypatch.setattr(QuantizedWeight, "__init__", drifting)
+    shipped = four_bit_source(build_tiny_model(tmp_path, name="tiny", version="v1", seed=5))
+    with caplog.at_level("WARNING", logger="llmesh.inference.quality"):
+        loaded = LoadedModel(verify(shipped), "cpu", "bfloat16", "auto")
+    assert (loaded.quantize, loaded.dtype_name) == ("none", "bfloat16")
+    assert not any(isinstance(m, QuantizedLinear) for m in loaded.model.modules())
+    assert "LLMESH_QUANTIZE=auto serves it unquantized" in caplog.text
+
+
+def test_the_served_quantization_is_a_metric_while_the_engine_is_loaded(tmp_path: Path) -> None:
+    from prometheus_client import REGISTRY
+
+    from services.inference.engine import Engine, EngineConfig
+
+    shipped = four_bit_source(build_tiny_model(tmp_path, name="tiny", version="v1", seed=5))
+    labels = {"model": "tiny-random-llama-5", "version": "v1", "dtype": "bfloat16", "quantization": "int4"}
+    before = REGISTRY.get_sample_value("llmesh_inference_model_served", labels) or 0.0
+    engine = Engine(LoadedModel(verify(shipped), "cpu", "bfloat16", "auto"), EngineConfig(max_batch_size=2))
+    try:
+        assert REGISTRY.get_sample_value("llmesh_inference_model_served", labels) == before + 1
+    finally:
+        engine.close()
+    assert REGISTRY.get_sample_value("llmesh_inference_model_served", labels) == before

@@ -58,7 +58,7 @@ class EngineConfig:
     max_prefill_tokens: int | None = None
     #: LLMESH_DTYPE and LLMESH_QUANTIZE (see LoadedModel).
     dtype: str = "auto"
-    quantize: str = "none"
+    quantize: str = "auto"
     #: Decode batch-size buckets; None: cuda_buckets() on CUDA, every size on CPU (no graphs
     #: there, so padding would only cost time). Tests set buckets on CPU to exercise padding.
     decode_buckets: tuple[int, ...] | None = None

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llmesh import errors
+from llmesh.hardware import dtype_name
 from llmesh.models import VerifiedModel
 from services.inference.engine import metrics
 from services.inference.engine.config import EngineConfig
@@ -118,6 +119,10 @@ class Engine:
             max_context_tokens=model.max_context_tokens,
             max_batch_size=config.max_batch_size,
         )
+        self._served: Any = metrics.MODEL_SERVED.labels(
+            model.verified.model_id, model.verified.version, dtype_name(model.dtype), model.quantize
+        )
+        self._served.inc()
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -199,6 +204,9 @@ class Engine:
         """Stops the worker; anything still queued or running gets UNAVAILABLE."""
         self.core.close(reason)
         self._compiler.shutdown(wait=False, cancel_futures=True)
+        served, self._served = self._served, None
+        if served is not None:
+            served.dec()
 
     def _worker_died(self) -> None:
         for callback in self.on_dead:

@@ -26,6 +26,12 @@ OUTCOMES = (
     "error",
 )
 
+MODEL_SERVED = Gauge(
+    "llmesh_inference_model_served",
+    "Engines loaded, by model, version, the dtype it serves in and its weight quantization "
+    "(LLMESH_DTYPE, LLMESH_QUANTIZE: what auto chose).",
+    ["model", "version", "dtype", "quantization"],
+)
 QUEUE_SIZE = Gauge("llmesh_inference_queue_size", "Requests waiting for a batch slot.")
 BATCH_SIZE = Gauge("llmesh_inference_batch_size", "Sequences in the running decode batch.")
 TIME_TO_FIRST_TOKEN = Histogram(

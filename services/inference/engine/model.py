@@ -15,6 +15,7 @@ from llmesh.hardware import DtypeChoice, choose_dtype, dtype_name
 from llmesh.models import VerifiedModel
 from services.inference.engine.llama import serving_logits
 from services.inference.engine.quality import load_guarded
+from services.inference.engine.quantize import QUANTIZE_AUTO, auto_quantization
 
 log = logging.getLogger("llmesh.inference.engine")
 
@@ -46,7 +47,7 @@ class LoadedModel:
     """A verified model directory loaded for serving: safetensors weights only, no remote code."""
 
     def __init__(
-        self, verified: VerifiedModel, device_preference: str = "auto", dtype: str = "auto", quantize: str = "none"
+        self, verified: VerifiedModel, device_preference: str = "auto", dtype: str = "auto", quantize: str = "auto"
     ) -> None:
         from transformers import GenerationConfig
         from transformers.utils import logging as hf_logging
@@ -58,10 +59,19 @@ class LoadedModel:
         # The perplexity guard (services.inference.engine.quality) may refuse the dtype: float32 then.
         choice = DtypeChoice(chosen, dtype != "auto", f"LLMESH_DTYPE={dtype}")
         # The guard measures the forward that serves: the own Llama forward where it applies.
-        self.model, self.dtype, self.quality = load_guarded(
-            verified, self.device, choice, quantize, self.tokenizer, 1024, serving_logits
+        # LLMESH_QUANTIZE=auto: int4 for weights shipped in 4 bits, dropped if the guard refuses it.
+        method = auto_quantization(verified.manifest, self.device) if quantize == QUANTIZE_AUTO else quantize
+        self.model, self.dtype, self.quality, self.quantize = load_guarded(
+            verified,
+            self.device,
+            choice,
+            method,
+            self.tokenizer,
+            1024,
+            serving_logits,
+            quantize_explicit=quantize != QUANTIZE_AUTO,
         )
-        self.quantize = quantize
+        quantize = self.quantize
         #: ModelInfo.dtype and the gateway's cache scope: "bfloat16", "bfloat16+int8"...
         self.dtype_name = dtype_name(self.dtype) + ("" if quantize == "none" else f"+{quantize}")
         self.config = self.model.config

@@ -257,15 +257,24 @@ def load_guarded(
     tokenizer: Tokenizer,
     max_tokens: int,
     forward: ServingForward | None = None,
-) -> tuple[Any, torch.dtype, QualityCheck | None]:
+    quantize_explicit: bool = True,
+) -> tuple[Any, torch.dtype, QualityCheck | None, str]:
     """Loads the model in the chosen dtype (and quantization) if it passes the guard.
 
-    Returns (model, dtype served, the check or None for plain float32). A failing check raises
-    QualityError when the dtype or quantization was asked for explicitly; a failing automatic
-    choice falls back to float32 with a warning."""
+    Returns (model, dtype served, the check or None for plain float32, quantization served). A
+    failing check raises QualityError when the dtype or quantization was asked for explicitly
+    (`quantize_explicit`: LLMESH_QUANTIZE named it); a failing automatic quantization is dropped
+    with a warning (the dtype is then checked alone), a failing automatic dtype falls back to
+    float32 with a warning."""
+    if quantize != QUANTIZE_NONE and not quantize_explicit:
+        try:
+            return load_guarded(verified, device, choice, quantize, tokenizer, max_tokens, forward)
+        except (QualityError, ValueError) as exc:
+            log.warning("%s; LLMESH_QUANTIZE=auto serves it unquantized", exc)
+            return load_guarded(verified, device, choice, QUANTIZE_NONE, tokenizer, max_tokens, forward)
     dtype = choice.dtype
     if dtype == torch.float32 and quantize == QUANTIZE_NONE:
-        return load_weights(verified, device, torch.float32), torch.float32, None
+        return load_weights(verified, device, torch.float32), torch.float32, None, quantize
     key = check_key(device.type, dtype_name(dtype), quantize)
     check = stored(verified.path, key, verified.digest)
     model: Any = None
@@ -287,7 +296,7 @@ def load_guarded(
     if check.passes:
         if model is None:
             model = convert(load_weights(verified, device, dtype), dtype, quantize)
-        return model, dtype, check
+        return model, dtype, check, quantize
     refused = f"{verified.model_id} {verified.version}: refusing {check.describe()}"
     explicit = choice.explicit or quantize != QUANTIZE_NONE
     if explicit:
@@ -298,4 +307,4 @@ def load_guarded(
         raise QualityError(f"{refused}; {advice} to serve this model")
     log.warning("%s; serving float32 instead", refused)
     del model
-    return load_weights(verified, device, torch.float32), torch.float32, check
+    return load_weights(verified, device, torch.float32), torch.float32, check, QUANTIZE_NONE
