@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,40 @@ async def test_a_batch_prefilled_together_and_rows_joining(loaded: LoadedModel) 
         long_row = await first
         assert together == joined
         assert (digest(together), digest([long_row])) == PINNED["batch"]
+    finally:
+        eng.close()
+
+
+async def test_a_prompt_arriving_while_a_row_decodes_is_prefilled_in_its_forward(loaded: LoadedModel) -> None:
+    """No forward of its own: the decode row's forward takes the new prompt's tokens too, and
+    both produce the tokens they produce apart."""
+    eng = side_engine(loaded, max_batch_size=4)
+    try:
+        ps = texts(loaded)
+        alone = [await run(eng, p) for p in ps[:2]]
+        forwards: list[str] = []
+        runner = eng.runner
+        for name in ("prefill_scored", "mixed", "decode_scored"):
+            real = getattr(runner, name)
+
+            def counted(*args: object, _real: object = real, _name: str = name) -> object:
+                forwards.append(_name)
+                return _real(*args)  # type: ignore[operator]
+
+            setattr(runner, name, counted)
+        # The worker holds its first decode step until the second prompt is queued: the next
+        # iteration then admits it while the row still has tokens to go.
+        queued = threading.Event()
+        eng.fault_hook = lambda kind, rows: queued.wait(30) if kind == "decode" else None
+        decoding = eng.submit(ps[0], GREEDY)
+        first = await anext(aiter(decoding))  # its prefill's token; the row decodes from here on
+        second = eng.submit(ps[1], GREEDY)
+        queued.set()
+        rest = first.token_ids + [t async for e in decoding for t in e.token_ids]
+        beside = [t async for e in second for t in e.token_ids]
+        assert [rest, beside] == alone
+        assert forwards.count("prefill_scored") == 1  # the first prompt's, before any row decoded
+        assert "mixed" in forwards
     finally:
         eng.close()
 

@@ -145,27 +145,34 @@ def test_nan_left_in_reused_blocks_is_never_read(loaded: LoadedModel) -> None:
     assert greedy_run(runner, ps, tables, 6) == clean
 
 
-def test_a_mixed_step_equals_a_decode_step_and_a_chunk_apart(loaded: LoadedModel) -> None:
+def test_a_mixed_step_equals_a_decode_step_and_its_prompts_apart(loaded: LoadedModel) -> None:
+    """Decode rows, a long prompt's next chunk and a whole fresh prompt in one forward give the
+    logits and write the keys that the decode step and each prefill give apart."""
     ps = prompts(loaded)
     long_prompt = loaded.encode("Tell me about the sea, the sky and everything in between, " * 3)
-    apart = ModelRunner(loaded, 128, BLOCK, 96, (1, 2, 4), cuda_graphs=False)
-    mixed = ModelRunner(loaded, 128, BLOCK, 96, (1, 2, 4), cuda_graphs=False)
+    fresh = loaded.encode("What is a prime number?")
+    apart = ModelRunner(loaded, 160, BLOCK, 96, (1, 2, 4), cuda_graphs=False)
+    mixed = ModelRunner(loaded, 160, BLOCK, 96, (1, 2, 4), cuda_graphs=False)
     assert mixed.can_mix
-    tables = interleaved_tables(apart, 5, 64)
-    rows_tables, chunk_table = tables[:4], tables[4]
+    tables = interleaved_tables(apart, 6, 64)
+    rows_tables, chunk_table, fresh_table = tables[:4], tables[4], tables[5]
     with torch.inference_mode():
         for runner in (apart, mixed):
             runner.prefill([(p, 0, t) for p, t in zip(ps, rows_tables, strict=True)])
             runner.prefill([(long_prompt[:20], 0, chunk_table)])
         rows = [(5 + i, len(p), t) for i, (p, t) in enumerate(zip(ps, rows_tables, strict=True))]
-        chunk = (long_prompt[20:37], 20, chunk_table)
+        chunks = [(long_prompt[20:37], 20, chunk_table), (fresh, 0, fresh_table)]
         decode_expected = apart.step_logits(rows)[:4]
-        chunk_expected = apart.prefill([chunk])
-        decode_got, chunk_got = mixed.mixed(rows, chunk)
+        chunk_expected = torch.cat([apart.prefill([chunk]) for chunk in chunks])
+        decode_got, chunk_got = mixed.mixed(rows, chunks)
+        # Prompts alone (no row decoding) mix too.
+        alone = ModelRunner(loaded, 160, BLOCK, 96, (1, 2, 4), cuda_graphs=False)
+        _, alone_got = alone.mixed([], [(fresh, 0, fresh_table)])
     torch.testing.assert_close(decode_got, decode_expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(chunk_got, chunk_expected, rtol=1e-4, atol=1e-4)
-    written = [len(p) + 1 for p in ps] + [37]
+    torch.testing.assert_close(alone_got, chunk_expected[1:], rtol=1e-4, atol=1e-4)
+    written = [len(p) + 1 for p in ps] + [37, len(fresh)]
     for a, b in zip(apart.kv.keys, mixed.kv.keys, strict=True):  # the same tokens written
-        for t, n in zip([*rows_tables, chunk_table], written, strict=True):
+        for t, n in zip([*rows_tables, chunk_table, fresh_table], written, strict=True):
             rows_of = torch.tensor([block * BLOCK + i for block in t for i in range(BLOCK)][:n])
             torch.testing.assert_close(a[rows_of], b[rows_of], rtol=1e-4, atol=1e-5)

@@ -56,9 +56,9 @@ class EngineConfig:
     prefix_caching: bool = True
     #: Most prompt tokens prefilled in one iteration; None picks DEFAULT_MAX_PREFILL_TOKENS.
     max_prefill_tokens: int | None = None
-    #: LLMESH_DTYPE and LLMESH_QUANTIZE (see LoadedModel).
+    #: LLMESH_DTYPE and LLMESH_QUANTIZE (see LoadedModel; the service's setting defaults to auto).
     dtype: str = "auto"
-    quantize: str = "auto"
+    quantize: str = "none"
     #: Decode batch-size buckets; None: cuda_buckets() on CUDA, every size on CPU (no graphs
     #: there, so padding would only cost time). Tests set buckets on CPU to exercise padding.
     decode_buckets: tuple[int, ...] | None = None

@@ -361,7 +361,7 @@ class EngineCore:
             return
         elapsed = time.perf_counter() - started
         speeds = self.speeds
-        if current.prefills:
+        if current.prefills and not current.mixed:
             computed = sum(r.end - r.start for r in current.prefills)
             if computed >= 16:  # tiny prefills say little about the speed
                 speeds.prefill_tok_s = _ewma(speeds.prefill_tok_s, computed / elapsed)

@@ -1,5 +1,6 @@
 """Executes a step plan (scheduler.py) on the model runner: the forward the plan names (prefill,
-the long prompt's chunk, decode, or a mixed forward of decode rows and a chunk), and the choice
+the long prompt's chunk, decode, or a mixed forward of decode rows with the long prompt's chunk
+or with whole prompts that arrived), and the choice
 of each row's token with the row's sampling, grammar mask, logit adjustments and log
 probabilities. It decides nothing: the plan says what runs, the scheduler applies the output."""
 
@@ -29,6 +30,22 @@ def execute(runner: ModelRunner, plan: StepPlan, eos_ids: Collection[int] = froz
     """Runs `plan`'s forward and chooses its tokens (raises what the forward raises: the engine
     core answers an out-of-memory error through the scheduler). `eos_ids`: the model's, held off
     rows short of their min_new_tokens."""
+    if plan.prefills and plan.mixed:
+        # Whole prompts that arrived while rows decode, in the decode rows' forward.
+        started_ns = time.time_ns()
+        group, running = [r.seq for r in plan.prefills], list(plan.decodes)
+        decode_logits, prompt_logits = runner.mixed(
+            plan.decode_rows(), [(r.ids, r.start, r.blocks) for r in plan.prefills]
+        )
+        chosen, decode_scores = choose_scored(decode_logits, *sampling_of(running, eos_ids), stage=runner.decode_stage)
+        first, prefill_scores = choose_scored(prompt_logits, *sampling_of(group, eos_ids))
+        return StepOutput(
+            prefill_tokens=tuple(first.tolist()),
+            prefill_scores=prefill_scores,
+            started_ns=started_ns,
+            decode_tokens=tuple(chosen[: len(running)].tolist()),
+            decode_scores=decode_scores,
+        )
     if plan.prefills:
         started_ns = time.time_ns()
         group = [r.seq for r in plan.prefills]
@@ -43,7 +60,7 @@ def execute(runner: ModelRunner, plan: StepPlan, eos_ids: Collection[int] = froz
     if plan.mixed:
         assert chunk is not None
         running = list(plan.decodes)
-        decode_logits, chunk_logits = runner.mixed(plan.decode_rows(), (chunk.ids, chunk.start, chunk.blocks))
+        decode_logits, chunk_logits = runner.mixed(plan.decode_rows(), [(chunk.ids, chunk.start, chunk.blocks)])
         chosen, decode_scores = choose_scored(decode_logits, *sampling_of(running, eos_ids), stage=runner.decode_stage)
         decoded = tuple(chosen[: len(running)].tolist())
         if not chunk.completes:

@@ -249,16 +249,17 @@ class LlamaDecoder:
         decode_rows: int,
         decode_gather: torch.Tensor,
         decode_mask: torch.Tensor,
-        chunk_gather: torch.Tensor,
-        chunk_mask: torch.Tensor,
+        chunks: list[tuple[int, torch.Tensor, torch.Tensor]],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward for a decode batch and a prompt chunk together (the cache's write rows
+        """One forward for a decode batch and prompt chunks together (the cache's write rows
         planned for all their tokens): `ids`, `positions` [tokens], the decode rows' tokens
-        first. The projections and the MLP run once over all tokens; attention runs per part
-        (the decode rows batched, the chunk causal over its own columns). Returns the decode
-        rows' logits [decode_rows, vocab] and the chunk's last logits [1, vocab]."""
+        first, then each chunk's in order. `chunks`: (tokens, gather [1, columns], causal mask
+        [1, 1, tokens, columns]) of each. The projections and the MLP run once over all tokens;
+        attention runs per part (the decode rows batched, each chunk causal over its own
+        columns). Returns the decode rows' logits [decode_rows, vocab] and each chunk's last
+        logits [chunks, vocab]."""
         tokens = ids.shape[0]
-        rows, chunk = decode_rows, tokens - decode_rows
+        rows = decode_rows
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         q_size, kv_size = heads * dim, kv_heads * dim
         cos = self.cos[positions][:, None, :]  # [tokens, 1, dim]
@@ -273,28 +274,35 @@ class LlamaDecoder:
             k = self._rotate(qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, dim), cos, sin)
             v = qkv[:, q_size + kv_size :].view(tokens, kv_heads, dim)
             kv.write_tokens(index, k, v)
-            keys, values = kv.gather(index, decode_gather)
-            decoded = F.scaled_dot_product_attention(
-                q[:rows].view(rows, kv_heads, heads // kv_heads, dim),
-                keys,
-                values,
-                attn_mask=decode_mask,
-                scale=self.scaling,
-            )
-            keys, values = kv.gather(index, chunk_gather)
-            chunked = F.scaled_dot_product_attention(
-                q[rows:].transpose(0, 1)[None],
-                keys,
-                values,
-                attn_mask=chunk_mask,
-                scale=self.scaling,
-                enable_gqa=heads != kv_heads,
-            )
-            attn = torch.cat((decoded.reshape(rows, q_size), chunked[0].transpose(0, 1).reshape(chunk, q_size)))
-            x = o_proj.add(attn, x)
+            parts: list[torch.Tensor] = []
+            if rows:
+                keys, values = kv.gather(index, decode_gather)
+                decoded = F.scaled_dot_product_attention(
+                    q[:rows].view(rows, kv_heads, heads // kv_heads, dim),
+                    keys,
+                    values,
+                    attn_mask=decode_mask,
+                    scale=self.scaling,
+                )
+                parts.append(decoded.reshape(rows, q_size))
+            offset = rows
+            for n, gather, mask in chunks:
+                keys, values = kv.gather(index, gather)
+                chunked = F.scaled_dot_product_attention(
+                    q[offset : offset + n].transpose(0, 1)[None],
+                    keys,
+                    values,
+                    attn_mask=mask,
+                    scale=self.scaling,
+                    enable_gqa=heads != kv_heads,
+                )
+                parts.append(chunked[0].transpose(0, 1).reshape(n, q_size))
+                offset += n
+            x = o_proj.add(torch.cat(parts) if len(parts) > 1 else parts[0], x)
             gate_up = gate_up_proj(self._norm(x, ln2))
             x = down_proj.add(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], x)
-        normed = self._norm(torch.cat((x[:rows], x[-1:])), self.final_norm)
+        ends = torch.tensor([n for n, _, _ in chunks], device=x.device).cumsum(0) + rows - 1
+        normed = self._norm(torch.cat((x[:rows], x[ends])), self.final_norm)
         logits = self.lm_head(normed)
         return logits[:rows], logits[rows:]
 

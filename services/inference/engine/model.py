@@ -47,7 +47,7 @@ class LoadedModel:
     """A verified model directory loaded for serving: safetensors weights only, no remote code."""
 
     def __init__(
-        self, verified: VerifiedModel, device_preference: str = "auto", dtype: str = "auto", quantize: str = "auto"
+        self, verified: VerifiedModel, device_preference: str = "auto", dtype: str = "auto", quantize: str = "none"
     ) -> None:
         from transformers import GenerationConfig
         from transformers.utils import logging as hf_logging

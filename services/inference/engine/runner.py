@@ -256,38 +256,42 @@ class ModelRunner:
         """Whether decode rows and a prompt chunk can share one forward (the own forward)."""
         return self.fast is not None
 
-    def mixed(self, rows: Sequence[DecodeRow], chunk: PrefillRow) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward for the decode rows and a chunk of a prompt together: the decode rows'
-        logits [rows, vocab] and the chunk's last logits [1, vocab]."""
+    def mixed(self, rows: Sequence[DecodeRow], chunks: Sequence[PrefillRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward for the decode rows and prompt chunks together (a long prompt's next
+        chunk, or whole short prompts that arrived while the rows decode): the decode rows'
+        logits [rows, vocab] and each chunk's last logits [chunks, vocab]."""
         assert self.fast is not None
         dev = self.device
         bt = self.block_tokens
-        new, start, table = chunk
-        n = len(new)
-        ids = [token for token, _, _ in rows] + list(new)
-        positions = [position for _, position, _ in rows] + list(range(start, start + n))
-        write = [t[p // bt] * bt + p % bt for _, p, t in rows] + self._buffer_rows(table, start, n)
-        width = max(position for _, position, _ in rows) + 1
+        ids = [token for token, _, _ in rows]
+        positions = [position for _, position, _ in rows]
+        write = [t[p // bt] * bt + p % bt for _, p, t in rows]
+        parts: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        for new, start, table in chunks:
+            n = len(new)
+            ids += list(new)
+            positions += range(start, start + n)
+            write += self._buffer_rows(table, start, n)
+            gather = torch.tensor([self._buffer_rows(table, 0, start + n)], dtype=torch.long)
+            mask = (torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None])[None, None]
+            parts.append((n, gather.to(dev), mask.to(dev)))
+        width = max((position for _, position, _ in rows), default=0) + 1
         blocks = -(-width // bt)
         tables = torch.tensor(
             [list(t[: p // bt + 1]) + [NULL_BLOCK] * (blocks - p // bt - 1) for _, p, t in rows], dtype=torch.long
-        )
+        ).view(len(rows), blocks)
         lengths = torch.tensor([p + 1 for _, p, _ in rows], dtype=torch.long)
         columns = torch.arange(width)
         valid = columns[None, :] < lengths[:, None]
         decode_gather = torch.where(valid, tables[:, columns // bt] * bt + columns % bt, NULL_BLOCK * bt)
-        chunk_gather = torch.tensor([self._buffer_rows(table, 0, start + n)], dtype=torch.long)
-        chunk_positions = torch.arange(start, start + n)
-        chunk_mask = (torch.arange(start + n)[None, :] <= chunk_positions[:, None])[None, None]
-        self.kv.plan(torch.tensor(write, dtype=torch.long, device=dev), chunk_gather.to(dev))
+        self.kv.plan(torch.tensor(write, dtype=torch.long, device=dev), parts[0][1])
         return self.fast.mixed(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
             len(rows),
             decode_gather.to(dev),
             valid[:, None, None, :].to(dev),
-            chunk_gather.to(dev),
-            chunk_mask.to(dev),
+            parts,
         )
 
     # ----------------------------------------------------------------- CUDA graphs

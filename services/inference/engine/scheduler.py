@@ -37,7 +37,9 @@ prefilled as fast as they come:
 An iteration (`begin`, then `schedule` until it returns None) runs up to three forwards in order:
 the admitted whole prompts; then either one mixed forward (the decode rows and the long prompt's
 next chunk) or the chunk alone followed by the decode rows (the rows prefilled this iteration
-decode in it too).
+decode in it too). Where the engine can mix and no long prompt is being chunked, whole prompts
+that arrive while rows decode go in the decode rows' forward instead (one forward: the weights
+are read once, and under a churning closed loop the rows never wait on a prefill of its own).
 
 Only the engine core's worker thread calls it (requests reach it through the core's inbox,
 engine_core.py), so it takes no lock; `load()` snapshots of the queue lengths from other threads
@@ -160,7 +162,8 @@ class StepPlan:
     chunk: PromptRange | None = None
     #: The running rows, one token each (batch row i is decodes[i]), at their own positions.
     decodes: tuple[SequenceState, ...] = ()
-    #: The chunk rides in the decode rows' forward (else the plan has only one of them).
+    #: The chunk, or the whole prompts, ride in the decode rows' forward (else the plan has
+    #: only one kind of work).
     mixed: bool = False
     #: Rows the scheduler requeued while planning this step (the KV pool ran out).
     preempted: tuple[SequenceState, ...] = ()
@@ -506,7 +509,17 @@ class Scheduler:
             self._phase = self._MIXED
             group, self._admitted = self._admitted, []
             if group:
-                return StepPlan(prefills=tuple(PromptRange(s, s.prefilled, len(s.prefill_ids)) for s in group))
+                prompts = tuple(PromptRange(s, s.prefilled, len(s.prefill_ids)) for s in group)
+                # Prompts that arrive while rows decode ride in their forward: the weights are
+                # read once for both, and the rows do not stall for a forward of their own. A
+                # scored prompt needs every position's logits: it is prefilled on its own.
+                scored = any(s.params.prompt_logprobs is not None for s in group)
+                if self.running and self.can_mix and self.chunking is None and not scored:
+                    preempted = self.make_room()
+                    if self.running:
+                        self._phase = self._DONE
+                        return StepPlan(prefills=prompts, decodes=tuple(self.running), mixed=True, preempted=preempted)
+                return StepPlan(prefills=prompts)
         if self._phase == self._MIXED:
             self._phase = self._CHUNK
             # A prompt being scored is chunked on its own: its chunks' every logit is needed.
@@ -580,6 +593,9 @@ class Scheduler:
     def out_of_memory(self, plan: StepPlan) -> StepPlan | None:
         """The forward of `plan` ran out of device memory: what to retry now (less), or None
         (what was not done waits for the next iteration, or failed)."""
+        if plan.mixed and plan.prefills:
+            self.requeue([r.seq for r in plan.prefills])  # the prompts wait; the rows decode next
+            return None
         if plan.mixed:
             if len(self.running) > 1:
                 self._halve_running()
