@@ -8,6 +8,15 @@ answer cache and retrieval off), alternating round by round:
                                (grpc_tok_s_32 / grpc_ttft_p50_32: its gRPC GenerateStream beside)
 * vllm_tok_s_32 / vllm_tok_s_1 vLLM's CPU build (`make vllm`) direct, `/v1/completions` streamed,
                                with the exact prompt tokens the gateway sends
+* unmixed_tok_s_32 / unmixed_ttft_p50_32  the same mesh with LLMESH_MIX_PROMPTS=0 (prompts that
+                               arrive while rows decode get a prefill forward of their own),
+                               alternating with the default: what mixing them in buys and costs
+* openai_mesh_vs_direct_http / _grpc  the openai backend in front of the same vLLM, the mesh
+                               started as the README starts it (all five services, settings at
+                               their defaults), against vLLM direct, alternating, 32 streams;
+                               openai_ttft_p50_*_minus_direct_ms beside
+* served                       what the builtin engine serves as `make run` starts it (ModelInfo
+                               dtype: LLMESH_DTYPE and LLMESH_QUANTIZE=auto's choice)
 * bf16_tok_s_1, int8_tok_s_1, int4_tok_s_1  the builtin engine through the mesh on one stream with
                                LLMESH_DTYPE=bfloat16 and LLMESH_QUANTIZE=none|int8|int4;
                                quant_tok_s_1 the best quantized of them, with the quality guard's
@@ -21,7 +30,8 @@ answer cache and retrieval off), alternating round by round:
                                step reads: a single stream's ceiling
 
 Targets (`passes`): tok_s_32 >= 1.2 x vllm_tok_s_32, tok_s_1 >= 1.5 x vllm_tok_s_1,
-int8_tok_s_1 >= 1.5 x bf16_tok_s_1, quant_tok_s_1 >= 0.8 x llamacpp_tok_s_1.
+ttft_p50_32 <= vllm_ttft_p50_32, int8_tok_s_1 >= 1.5 x bf16_tok_s_1, quant_tok_s_1 >= 0.8 x
+llamacpp_tok_s_1, openai_mesh_vs_direct_* >= 0.95 with TTFT p50 within 25 ms of direct.
 
 Run: `.venv/bin/python -m bench.engine [--measure 20] [--rounds 2]` (about 15 minutes on 2 cores).
 """
@@ -226,7 +236,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         try:
             if vllm is not None:
                 vllm.wait_ready()
-            with bench_mesh(base, services=MESH_SERVICES) as mesh:
+            unmixed_env = {**base, "LLMESH_MIX_PROMPTS": "0"}
+            with (
+                bench_mesh(base, services=MESH_SERVICES) as mesh,
+                bench_mesh(unmixed_env, services=MESH_SERVICES) as unmixed,
+            ):
                 prompts = asyncio.run(rendered_prompts(mesh.target("tokenizer"), base["LLMESH_MESH_TOKEN"]))
                 gateway = mesh.target("gateway")
                 result["served"] = served_dtype(mesh)
@@ -246,6 +260,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         if n == CLIENTS:
                             grpc = streams.grpc_loop(gateway, QUESTIONS[:n], NEW_TOKENS, args.measure, ignore_eos=True)
                             keep(f"grpc_{n}", asyncio.run(grpc))
+                            keep(f"unmixed_{n}", asyncio.run(http_builtin(unmixed, prompts, n, args.measure)))
             if vllm is not None and not args.no_openai:
                 openai_in_front(vllm, args, keep)
         finally:
@@ -265,7 +280,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     def mean(name: str, key: str) -> float:
         return sum(r[key] for r in runs[name]) / len(runs[name])
 
-    names = {"builtin_32": "", "builtin_1": "", "vllm_32": "vllm_", "vllm_1": "vllm_", "grpc_32": "grpc_"}
+    names = {
+        "builtin_32": "",
+        "builtin_1": "",
+        "vllm_32": "vllm_",
+        "vllm_1": "vllm_",
+        "grpc_32": "grpc_",
+        "unmixed_32": "unmixed_",
+    }
     for name, prefix in names.items():
         if name in runs:
             count = name.rsplit("_", 1)[1]

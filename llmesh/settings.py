@@ -1125,6 +1125,14 @@ class EngineSettings(Section):
         "tokens (least recently used evicted first); 0 turns it off.",
         parse_bool,
     )
+    mix_prompts: bool = setting(
+        "LLMESH_MIX_PROMPTS",
+        "1",
+        "Prefill prompts that arrive while rows decode inside the decode step's forward (the weights read once for "
+        "both: more tokens/s under load); 0 gives them a forward of their own first (an earlier first token, at the "
+        "cost of throughput; bench/results/engine.json measures both).",
+        parse_bool,
+    )
     max_prefill_tokens: int = setting(
         "LLMESH_MAX_PREFILL_TOKENS",
         "0",

@@ -64,10 +64,14 @@ async def test_a_batch_prefilled_together_and_rows_joining(loaded: LoadedModel) 
         eng.close()
 
 
-async def test_a_prompt_arriving_while_a_row_decodes_is_prefilled_in_its_forward(loaded: LoadedModel) -> None:
-    """No forward of its own: the decode row's forward takes the new prompt's tokens too, and
-    both produce the tokens they produce apart."""
-    eng = side_engine(loaded, max_batch_size=4)
+@pytest.mark.parametrize("mix", [True, False])
+async def test_a_prompt_arriving_while_a_row_decodes_is_prefilled_in_its_forward(
+    loaded: LoadedModel, mix: bool
+) -> None:
+    """No forward of its own (LLMESH_MIX_PROMPTS=1, the default): the decode row's forward takes
+    the new prompt's tokens too, and both produce the tokens they produce apart. Unmixed, the
+    prompt has its own prefill forward first."""
+    eng = side_engine(loaded, max_batch_size=4, mix_prompts=mix)
     try:
         ps = texts(loaded)
         alone = [await run(eng, p) for p in ps[:2]]
@@ -92,8 +96,11 @@ async def test_a_prompt_arriving_while_a_row_decodes_is_prefilled_in_its_forward
         rest = first.token_ids + [t async for e in decoding for t in e.token_ids]
         beside = [t async for e in second for t in e.token_ids]
         assert [rest, beside] == alone
-        assert forwards.count("prefill_scored") == 1  # the first prompt's, before any row decoded
-        assert "mixed" in forwards
+        if mix:
+            assert forwards.count("prefill_scored") == 1  # the first prompt's, before any row decoded
+            assert "mixed" in forwards
+        else:
+            assert forwards.count("prefill_scored") == 2 and "mixed" not in forwards
     finally:
         eng.close()
 

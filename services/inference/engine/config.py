@@ -54,6 +54,8 @@ class EngineConfig:
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     #: Reuse cached prefix blocks across requests (LLMESH_PREFIX_CACHING).
     prefix_caching: bool = True
+    #: Prompts arriving while rows decode ride in their forward (LLMESH_MIX_PROMPTS).
+    mix_prompts: bool = True
     #: Most prompt tokens prefilled in one iteration; None picks DEFAULT_MAX_PREFILL_TOKENS.
     max_prefill_tokens: int | None = None
     #: LLMESH_DTYPE and LLMESH_QUANTIZE (see LoadedModel; the service's setting defaults to auto).
@@ -85,6 +87,7 @@ class EngineConfig:
             max_prefill_tokens=engine.max_prefill_tokens or None,
             dtype=engine.dtype,
             prefix_caching=engine.prefix_caching,
+            mix_prompts=engine.mix_prompts,
             quantize=engine.quantize,
             grammar_compile_s=engine.grammar_compile_seconds,
             batch_rows_beside_interactive=engine.batch_rows_beside_interactive,

@@ -514,7 +514,7 @@ class Scheduler:
                 # read once for both, and the rows do not stall for a forward of their own. A
                 # scored prompt needs every position's logits: it is prefilled on its own.
                 scored = any(s.params.prompt_logprobs is not None for s in group)
-                if self.running and self.can_mix and self.chunking is None and not scored:
+                if self.config.mix_prompts and self.running and self.can_mix and self.chunking is None and not scored:
                     preempted = self.make_room()
                     if self.running:
                         self._phase = self._DONE
