@@ -67,27 +67,38 @@ LLAMACPP_PYTHON = REPO / ".venv-llamacpp" / "bin" / "python"
 CLOSED = "127.0.0.1:1"
 MESH_SERVICES = ("tokenizer", "inference", "gateway")
 
-#: Run inside .venv-llamacpp: one stream of `requests` x `tokens` tokens, JSON figures on stdout.
+#: Run inside .venv-llamacpp: one stream of `requests` x `tokens` tokens (EOS banned, as the
+#: other arms ignore it), JSON figures on stdout: tokens/s over the whole requests, and the
+#: decode rate alone (tokens after the first over the time after the first). argv[5]: n_batch
+#: ("0": the library's default).
 LLAMACPP_SCRIPT = """
 import json, sys, time
 from llama_cpp import Llama
 path, threads, tokens, questions = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
-llm = Llama(model_path=path, n_threads=threads, n_ctx=512, verbose=False)
+batch = {"n_batch": int(sys.argv[5])} if int(sys.argv[5]) else {}
+llm = Llama(model_path=path, n_threads=threads, n_ctx=512, verbose=False, **batch)
+no_eos = {int(llm.token_eos()): -1e9}
 def chat(q):
     return "<|im_start|>user\\n" + q + "<|im_end|>\\n<|im_start|>assistant\\n"
 llm.create_completion(chat(questions[0]), max_tokens=8, temperature=0.0)  # warm-up
-produced, ttfts, started = 0, [], time.perf_counter()
+produced, ttfts, decoded, decoding, started = 0, [], 0, 0.0, time.perf_counter()
 for q in questions:
     sent = time.perf_counter()
-    first = None
-    for chunk in llm.create_completion(chat(q), max_tokens=tokens, temperature=0.0, stream=True):
+    first = last = None
+    count = 0
+    for chunk in llm.create_completion(chat(q), max_tokens=tokens, temperature=0.0, stream=True, logit_bias=no_eos):
+        last = time.perf_counter()
         if first is None:
-            first = time.perf_counter()
-        produced += 1
+            first = last
+        count += 1
+    produced += count
+    decoded += count - 1
+    decoding += last - first
     ttfts.append(first - sent)
 spent = time.perf_counter() - started
 ttfts.sort()
-print(json.dumps({"tok_s": produced / spent, "tokens": produced, "ttft_p50_s": ttfts[len(ttfts) // 2]}))
+print(json.dumps({"tok_s": produced / spent, "decode_tok_s": decoded / decoding, "tokens": produced,
+                  "ttft_p50_s": ttfts[len(ttfts) // 2]}))
 """
 
 
@@ -107,15 +118,20 @@ def llamacpp(requests: int, threads: int) -> dict[str, Any] | None:
         print("llama.cpp: .venv-llamacpp missing (`make llamacpp`); skipped")
         return None
     questions = json.dumps(QUESTIONS[:requests])
-    out = subprocess.run(
-        [str(LLAMACPP_PYTHON), "-c", LLAMACPP_SCRIPT, str(gguf_path()), str(threads), str(NEW_TOKENS), questions],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=True,
-    )
-    figures: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    return figures
+    # Batched prompt evaluation (the default n_batch) crashes (SIGSEGV) in llama.cpp built for
+    # some CPUs (seen on an AMX Xeon); one token per batch then, its prompt read token by token,
+    # which lengthens its first token but not its decode rate.
+    for n_batch in (0, 1):
+        argv = [str(gguf_path()), str(threads), str(NEW_TOKENS), questions, str(n_batch)]
+        out = subprocess.run(
+            [str(LLAMACPP_PYTHON), "-c", LLAMACPP_SCRIPT, *argv], capture_output=True, text=True, timeout=900
+        )
+        if out.returncode == 0:
+            figures: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+            figures["n_batch"] = "default" if n_batch == 0 else n_batch
+            return figures
+        print(f"llama.cpp with n_batch={n_batch or 'default'} exited with {out.returncode}: {out.stderr[-300:]}")
+    return None
 
 
 def read_bandwidth_gb_s(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -275,7 +291,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     reference = llamacpp(args.llamacpp_requests, torch.get_num_threads())
     if reference is not None:
         result["llamacpp_tok_s_1"] = round(reference["tok_s"], 1)
+        result["llamacpp_decode_tok_s_1"] = round(reference["decode_tok_s"], 1)
         result["llamacpp_ttft_p50_s"] = reference["ttft_p50_s"]
+        result["llamacpp_n_batch"] = reference["n_batch"]
 
     def mean(name: str, key: str) -> float:
         return sum(r[key] for r in runs[name]) / len(runs[name])
@@ -320,7 +338,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             passes[f"openai_mesh_vs_direct_{door}_ge_0.95"] = result[f"openai_mesh_vs_direct_{door}"] >= 0.95
             passes[f"openai_ttft_p50_{door}_within_25ms"] = result[f"openai_ttft_p50_{door}_minus_direct_ms"] <= 25.0
     if "llamacpp_tok_s_1" in result:
-        passes["quant_tok_s_1_ge_0.8x_llamacpp"] = result["quant_tok_s_1"] >= 0.8 * result["llamacpp_tok_s_1"]
+        # Against its decode rate where its prompt was read token by token (n_batch=1): the
+        # end-to-end figure would then understate llama.cpp.
+        key = "llamacpp_tok_s_1" if result["llamacpp_n_batch"] == "default" else "llamacpp_decode_tok_s_1"
+        passes["quant_tok_s_1_ge_0.8x_llamacpp"] = result["quant_tok_s_1"] >= 0.8 * result[key]
     result["passes"] = passes
     result["machine"] = machine()
     result["bench_seconds"] = round(time.perf_counter() - begun, 1)

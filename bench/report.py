@@ -56,6 +56,8 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "int8_tok_s_1",
         "int4_tok_s_1",
         "llamacpp_tok_s_1",
+        "llamacpp_decode_tok_s_1",
+        "llamacpp_n_batch",
         "openai_mesh_vs_direct_http",
         "openai_mesh_vs_direct_grpc",
         "openai_ttft_p50_http_minus_direct_ms",
