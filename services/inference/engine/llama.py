@@ -214,10 +214,11 @@ class LlamaDecoder:
         half = self.head_dim // 2
         return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Logits [rows, vocab] of one decode step. `ids`, `positions`: [rows]; `mask`: bool
-        [rows, 1, 1, width] (the columns each row reads). The KV cache has its plan (the
-        write rows and gather index set for this step)."""
+        [rows, 1, 1, width] (the columns each row reads), None where every row reads every
+        column (one row over exactly its length). The KV cache has its plan (the write rows and
+        gather index set for this step)."""
         rows = ids.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         q_size, kv_size = heads * dim, kv_heads * dim
@@ -229,8 +230,9 @@ class LlamaDecoder:
             if self.before_layer is not None:
                 self.before_layer(index, x[:, None])
             qkv = qkv_proj(self._norm(x, ln1))
-            q = self._rotate(qkv[:, :q_size].view(rows, heads, dim), cos, sin)
-            k = self._rotate(qkv[:, q_size : q_size + kv_size].view(rows, kv_heads, dim), cos, sin)
+            # q and k rotate as one tensor (their heads side by side): half the ops.
+            qk = self._rotate(qkv[:, : q_size + kv_size].view(rows, heads + kv_heads, dim), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, q_size + kv_size :].view(rows, kv_heads, dim)
             keys, values = kv.write_decode(index, k, v)
             # The query heads of one KV head attend as that head's query rows (no repeat_kv).
@@ -270,8 +272,8 @@ class LlamaDecoder:
             if self.before_layer is not None:
                 self.before_layer(index, x[:, None])
             qkv = qkv_proj(self._norm(x, ln1))
-            q = self._rotate(qkv[:, :q_size].view(tokens, heads, dim), cos, sin)
-            k = self._rotate(qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, dim), cos, sin)
+            qk = self._rotate(qkv[:, : q_size + kv_size].view(tokens, heads + kv_heads, dim), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, q_size + kv_size :].view(tokens, kv_heads, dim)
             kv.write_tokens(index, k, v)
             parts: list[torch.Tensor] = []

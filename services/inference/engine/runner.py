@@ -228,13 +228,15 @@ class ModelRunner:
         if graph is not None:
             graph.replay()
             return self.logits[:batch]
-        return self._forward_step(batch, eager_width or width)
+        # One row over exactly its own columns reads them all: no mask to apply.
+        unmasked = batch == 1 and eager_width in (None, width)
+        return self._forward_step(batch, eager_width or width, unmasked)
 
     def _step(self, batch: int, width: int) -> None:
         """The static-shape step over the persistent buffers (captured as is into a graph)."""
         self.logits[:batch] = self._forward_step(batch, width)
 
-    def _forward_step(self, batch: int, width: int) -> torch.Tensor:
+    def _forward_step(self, batch: int, width: int, unmasked: bool = False) -> torch.Tensor:
         inputs = self.inputs
         bt = self.block_tokens
         lengths = inputs[_LEN, :batch]
@@ -245,7 +247,7 @@ class ModelRunner:
         mask = valid[:, None, None, :]
         self.kv.plan(inputs[_WRITE, :batch], gather)
         if self.fast is not None:
-            return self.fast.forward(inputs[_IDS, :batch], inputs[_POS, :batch], mask)
+            return self.fast.forward(inputs[_IDS, :batch], inputs[_POS, :batch], None if unmasked else mask)
         hidden = self._hidden(inputs[_IDS, :batch, None], inputs[_POS, :batch, None], mask)
         return self.lm_head(hidden[:, -1])
 
