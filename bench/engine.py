@@ -8,9 +8,10 @@ answer cache and retrieval off), alternating round by round:
                                (grpc_tok_s_32 / grpc_ttft_p50_32: its gRPC GenerateStream beside)
 * vllm_tok_s_32 / vllm_tok_s_1 vLLM's CPU build (`make vllm`) direct, `/v1/completions` streamed,
                                with the exact prompt tokens the gateway sends
-* unmixed_tok_s_32 / unmixed_ttft_p50_32  the same mesh with LLMESH_MIX_PROMPTS=0 (prompts that
-                               arrive while rows decode get a prefill forward of their own),
-                               alternating with the default: what mixing them in buys and costs
+* mixed_tok_s_32 / mixed_ttft_p50_32  the same mesh with LLMESH_MIX_PROMPTS=1 (prompts that
+                               arrive while rows decode ride in the decode step's forward instead
+                               of a prefill forward of their own), alternating with the default:
+                               what mixing them in buys and costs
 * openai_mesh_vs_direct_http / _grpc  the openai backend in front of the same vLLM, the mesh
                                started as the README starts it (all five services, settings at
                                their defaults), against vLLM direct, alternating, 32 streams;
@@ -252,10 +253,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         try:
             if vllm is not None:
                 vllm.wait_ready()
-            unmixed_env = {**base, "LLMESH_MIX_PROMPTS": "0"}
+            mixed_env = {**base, "LLMESH_MIX_PROMPTS": "1"}
             with (
                 bench_mesh(base, services=MESH_SERVICES) as mesh,
-                bench_mesh(unmixed_env, services=MESH_SERVICES) as unmixed,
+                bench_mesh(mixed_env, services=MESH_SERVICES) as mixed,
             ):
                 prompts = asyncio.run(rendered_prompts(mesh.target("tokenizer"), base["LLMESH_MESH_TOKEN"]))
                 gateway = mesh.target("gateway")
@@ -276,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         if n == CLIENTS:
                             grpc = streams.grpc_loop(gateway, QUESTIONS[:n], NEW_TOKENS, args.measure, ignore_eos=True)
                             keep(f"grpc_{n}", asyncio.run(grpc))
-                            keep(f"unmixed_{n}", asyncio.run(http_builtin(unmixed, prompts, n, args.measure)))
+                            keep(f"mixed_{n}", asyncio.run(http_builtin(mixed, prompts, n, args.measure)))
             if vllm is not None and not args.no_openai:
                 openai_in_front(vllm, args, keep)
         finally:
@@ -304,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "vllm_32": "vllm_",
         "vllm_1": "vllm_",
         "grpc_32": "grpc_",
-        "unmixed_32": "unmixed_",
+        "mixed_32": "mixed_",
     }
     for name, prefix in names.items():
         if name in runs:

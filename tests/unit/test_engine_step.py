@@ -68,7 +68,7 @@ async def test_a_batch_prefilled_together_and_rows_joining(loaded: LoadedModel) 
 async def test_a_prompt_arriving_while_a_row_decodes_is_prefilled_in_its_forward(
     loaded: LoadedModel, mix: bool
 ) -> None:
-    """No forward of its own (LLMESH_MIX_PROMPTS=1, the default): the decode row's forward takes
+    """No forward of its own (LLMESH_MIX_PROMPTS=1): the decode row's forward takes
     the new prompt's tokens too, and both produce the tokens they produce apart. Unmixed, the
     prompt has its own prefill forward first."""
     eng = side_engine(loaded, max_batch_size=4, mix_prompts=mix)

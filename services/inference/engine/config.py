@@ -55,7 +55,7 @@ class EngineConfig:
     #: Reuse cached prefix blocks across requests (LLMESH_PREFIX_CACHING).
     prefix_caching: bool = True
     #: Prompts arriving while rows decode ride in their forward (LLMESH_MIX_PROMPTS).
-    mix_prompts: bool = True
+    mix_prompts: bool = False
     #: Most prompt tokens prefilled in one iteration; None picks DEFAULT_MAX_PREFILL_TOKENS.
     max_prefill_tokens: int | None = None
     #: LLMESH_DTYPE and LLMESH_QUANTIZE (see LoadedModel; the service's setting defaults to auto).

@@ -37,9 +37,10 @@ prefilled as fast as they come:
 An iteration (`begin`, then `schedule` until it returns None) runs up to three forwards in order:
 the admitted whole prompts; then either one mixed forward (the decode rows and the long prompt's
 next chunk) or the chunk alone followed by the decode rows (the rows prefilled this iteration
-decode in it too). Where the engine can mix and no long prompt is being chunked, whole prompts
-that arrive while rows decode go in the decode rows' forward instead (one forward: the weights
-are read once, and under a churning closed loop the rows never wait on a prefill of its own).
+decode in it too). With LLMESH_MIX_PROMPTS=1, where the engine can mix and no long prompt is
+being chunked, whole prompts that arrive while rows decode go in the decode rows' forward instead
+(one forward: the weights are read once, and the rows never wait on a prefill of its own; the new
+prompts' first tokens come out of that longer forward, later).
 
 Only the engine core's worker thread calls it (requests reach it through the core's inbox,
 engine_core.py), so it takes no lock; `load()` snapshots of the queue lengths from other threads
@@ -510,9 +511,9 @@ class Scheduler:
             group, self._admitted = self._admitted, []
             if group:
                 prompts = tuple(PromptRange(s, s.prefilled, len(s.prefill_ids)) for s in group)
-                # Prompts that arrive while rows decode ride in their forward: the weights are
-                # read once for both, and the rows do not stall for a forward of their own. A
-                # scored prompt needs every position's logits: it is prefilled on its own.
+                # Mixing (LLMESH_MIX_PROMPTS): prompts that arrive while rows decode ride in their
+                # forward, the weights read once for both. A scored prompt needs every position's
+                # logits: it is prefilled on its own.
                 scored = any(s.params.prompt_logprobs is not None for s in group)
                 if self.config.mix_prompts and self.running and self.can_mix and self.chunking is None and not scored:
                     preempted = self.make_room()
