@@ -10,7 +10,7 @@ import inspect
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -254,6 +254,21 @@ def wait_until(
         if time.monotonic() >= deadline:
             raise _timed_out(timeout, message)
         time.sleep(min(_pause(interval), max(0.0, deadline - time.monotonic())))
+
+
+def record_calls(target: object, names: Sequence[str]) -> list[str]:
+    """Wraps the methods `names` of `target` (an instance) so that each call appends its name to
+    the returned list, in call order, and then runs as before."""
+    calls: list[str] = []
+    for name in names:
+        real = getattr(target, name)
+
+        def recorded(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        setattr(target, name, recorded)
+    return calls
 
 
 class FakeClock:

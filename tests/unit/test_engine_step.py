@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from llmesh.models import verify
+from llmesh.testing import record_calls
 from services.inference.engine import Engine, EngineConfig, LoadedModel
 from services.inference.engine.decoding import SamplingParams
 
@@ -75,16 +76,7 @@ async def test_a_prompt_arriving_while_a_row_decodes_is_prefilled_in_its_forward
     try:
         ps = texts(loaded)
         alone = [await run(eng, p) for p in ps[:2]]
-        forwards: list[str] = []
-        runner = eng.runner
-        for name in ("prefill_scored", "mixed", "decode_scored"):
-            real = getattr(runner, name)
-
-            def counted(*args: object, _real: object = real, _name: str = name) -> object:
-                forwards.append(_name)
-                return _real(*args)  # type: ignore[operator]
-
-            setattr(runner, name, counted)
+        forwards = record_calls(eng.runner, ("prefill_scored", "mixed", "decode_scored"))
         # The worker holds its first decode step until the second prompt is queued: the next
         # iteration then admits it while the row still has tokens to go.
         queued = threading.Event()

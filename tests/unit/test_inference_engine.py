@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY
 
 from llmesh.errors import InvalidArgument, LlmeshError, ResourceExhausted
 from llmesh.models import verify
-from llmesh.testing import eventually
+from llmesh.testing import eventually, record_calls
 from services.inference.engine import Engine, EngineConfig, GenerationEvent, LoadedModel
 from services.inference.engine.config import MIN_PREFILL_CHUNK
 from services.inference.engine.decoding import SamplingParams
@@ -588,16 +588,7 @@ async def test_prompt_chunks_ride_in_the_decode_step(loaded: LoadedModel) -> Non
     # (one forward per iteration), never as a separate prefill forward.
     eng = side_engine(loaded, max_batch_size=4, max_prompt_tokens=512, prefix_caching=False)
     long_prompt = eng.encode("Tell me about the sea, the sky and everything in between. " * 36)
-    forwards: list[str] = []
-    runner = eng.runner
-    for name in ("prefill", "mixed", "decode"):
-        real = getattr(runner, name)
-
-        def counted(*args: object, _name: str = name, _real: object = real) -> object:
-            forwards.append(_name)
-            return _real(*args)  # type: ignore[operator]
-
-        setattr(runner, name, counted)
+    forwards = record_calls(eng.runner, ("prefill", "mixed", "decode"))
 
     def hook(kind: str, batch: int) -> None:
         eng.core.speeds.prefill_tok_s, eng.core.speeds.step_s = 4000.0, 0.01  # chunks of the smallest size, 128
