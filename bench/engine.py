@@ -181,6 +181,15 @@ def http_builtin(
     )
 
 
+def vllm_direct(
+    vllm: Any, prompts: Sequence[Any], clients: int, measure_s: float
+) -> Coroutine[Any, Any, dict[str, float]]:
+    """The closed loop straight to vLLM's /v1/completions, with the prompt tokens the gateway sends."""
+    return streams.http_loop(
+        vllm.base_url, prompts[:clients], NEW_TOKENS, measure_s, model=VLLM_MODEL_NAME, ignore_eos=True
+    )
+
+
 def served_dtype(mesh: Any) -> str:
     """What the builtin engine serves as `make run` starts it (ModelInfo.dtype: "bfloat16+int4")."""
     base_url = mesh.procs["gateway"].http_base_url()
@@ -202,10 +211,7 @@ def openai_in_front(vllm: Any, args: argparse.Namespace, keep: Callable[[str, di
     with bench_mesh(env, services=README_SERVICES) as mesh:
         prompts = asyncio.run(rendered_prompts(mesh.target("tokenizer"), env["LLMESH_MESH_TOKEN"]))
         for _ in range(args.rounds):
-            direct = streams.http_loop(
-                vllm.base_url, prompts[:CLIENTS], NEW_TOKENS, args.measure, model=VLLM_MODEL_NAME, ignore_eos=True
-            )
-            keep("openai_direct", asyncio.run(direct))
+            keep("openai_direct", asyncio.run(vllm_direct(vllm, prompts, CLIENTS, args.measure)))
             keep("openai_http", asyncio.run(http_builtin(mesh, prompts, CLIENTS, args.measure)))
             grpc = streams.grpc_loop(
                 mesh.target("gateway"), QUESTIONS[:CLIENTS], NEW_TOKENS, args.measure, ignore_eos=True
@@ -264,15 +270,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 for _ in range(args.rounds):
                     for n in (CLIENTS, 1):
                         if vllm is not None:
-                            direct = streams.http_loop(
-                                vllm.base_url,
-                                prompts[:n],
-                                NEW_TOKENS,
-                                args.measure,
-                                model=VLLM_MODEL_NAME,
-                                ignore_eos=True,
-                            )
-                            keep(f"vllm_{n}", asyncio.run(direct))
+                            keep(f"vllm_{n}", asyncio.run(vllm_direct(vllm, prompts, n, args.measure)))
                         keep(f"builtin_{n}", asyncio.run(http_builtin(mesh, prompts, n, args.measure)))
                         if n == CLIENTS:
                             grpc = streams.grpc_loop(gateway, QUESTIONS[:n], NEW_TOKENS, args.measure, ignore_eos=True)

@@ -71,9 +71,8 @@ class LoadedModel:
             serving_logits,
             quantize_explicit=quantize != QUANTIZE_AUTO,
         )
-        quantize = self.quantize
         #: ModelInfo.dtype and the gateway's cache scope: "bfloat16", "bfloat16+int8"...
-        self.dtype_name = dtype_name(self.dtype) + ("" if quantize == "none" else f"+{quantize}")
+        self.dtype_name = dtype_name(self.dtype) + ("" if self.quantize == "none" else f"+{self.quantize}")
         self.config = self.model.config
         eos: Any = self.config.eos_token_id
         if (verified.path / "generation_config.json").is_file():
